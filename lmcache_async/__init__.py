@@ -1,0 +1,40 @@
+"""lmcache_async: an async-first client for the LMCache MP server's KV-cache API.
+
+>>> import lmcache_async as lmc
+>>> client = await lmc.connect(url="tcp://localhost:5555", http_url="http://localhost:8080",
+...                            model_name="my-model", geometry=lmc.KVGeometry(32, 8, 128))
+>>> await client.store(kv, tokens)
+>>> kv = await client.retrieve(tokens)
+"""
+
+from lmcache_async._version import __version__
+from lmcache_async.client import AsyncClient, RemapResult, connect
+from lmcache_async.errors import (
+    ClientClosedError,
+    LMCacheConnectionError,
+    LMCacheError,
+    LMCacheTimeoutError,
+    ModelNotRegisteredError,
+    ProtocolError,
+    ServerError,
+    TransferError,
+    UnsafePayloadError,
+)
+from lmcache_async.geometry import KVGeometry
+
+__all__ = [
+    "AsyncClient",
+    "ClientClosedError",
+    "KVGeometry",
+    "LMCacheConnectionError",
+    "LMCacheError",
+    "LMCacheTimeoutError",
+    "ModelNotRegisteredError",
+    "ProtocolError",
+    "RemapResult",
+    "ServerError",
+    "TransferError",
+    "UnsafePayloadError",
+    "__version__",
+    "connect",
+]

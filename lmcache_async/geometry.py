@@ -1,0 +1,188 @@
+"""KV geometry: the shape of a model's KV cache as LMCache stores it.
+
+A :class:`KVGeometry` either comes from the server's ``/status`` (an inference engine
+registered its paged KV layout, listed under ``cache_context_meta``) or is given
+explicitly to :func:`lmcache_async.connect`, in which case no engine registration is
+needed at all.
+
+LMCache stores one object per chunk of ``CS`` tokens: ``[2, L, CS, D]`` (K and V) or
+``[L, CS, D]`` for single-plane (MLA) layouts, ``D = num_kv_heads * head_dim`` with heads
+outermost.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+
+from lmcache_async.errors import ModelNotRegisteredError, ProtocolError
+
+__all__ = ["KVGeometry", "dtype_from_name", "dtype_name"]
+
+_DTYPES: Final[dict[str, torch.dtype]] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+
+# engine_kv_format name -> (axis of block size, axis of heads, single plane) inside the
+# per-layer tensor; None where the format has no such axis. Only per-layer single-tensor
+# formats whose objects LMCache stores as [2, L, CS, D] (or [L, CS, D] for MLA) are listed.
+_FORMATS: Final[dict[str, tuple[int | None, int | None, bool]]] = {
+    "NL_X_TWO_NB_BS_NH_HS": (2, 3, False),  # vLLM flash attention
+    "NL_X_NB_TWO_BS_NH_HS": (2, 3, False),  # flashinfer NHD
+    "NL_X_TWO_NB_NH_BS_HS": (3, 2, False),  # HND
+    "NL_X_NB_TWO_NH_BS_HS": (3, 2, False),  # flashinfer HND
+    "NL_X_NB_BS_HS": (1, None, True),  # MLA
+    "NL_X_NBBS_ONE_HS": (None, None, True),  # MLA, fused blocks
+    "NL_X_NP_X_NB_BS_ONE_HS": (1, None, True),  # MLA pools
+}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"bfloat16"`` or ``"torch.bfloat16"`` -> ``torch.bfloat16``."""
+    bare = name.removeprefix("torch.")
+    try:
+        return _DTYPES[bare]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; known: {', '.join(_DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the server's ``dtype_str``)."""
+    for name, value in _DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"unsupported dtype {dtype}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVGeometry:
+    """The KV layout of one model as LMCache stores it.
+
+    Attributes:
+        num_layers: transformer layers ``L``.
+        num_kv_heads: KV heads per worker (1 for MLA).
+        head_dim: head size.
+        dtype: element type.
+        block_size: the engine's tokens per paged block (the chunk size must be a multiple).
+        use_mla: single-plane ``[L, T, D]`` objects instead of ``[2, L, T, D]``.
+        world_size: KV world size of the registration (1 for a single GPU).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.bfloat16
+    block_size: int = 16
+    use_mla: bool = False
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"KVGeometry.{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"KVGeometry.{name} must be >= 1, got {value}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"KVGeometry.dtype must be a torch.dtype, got {type(self.dtype).__name__}")
+        dtype_name(self.dtype)
+        if self.use_mla and self.num_kv_heads != 1:
+            raise ValueError("an MLA geometry has num_kv_heads == 1")
+
+    @property
+    def hidden_dim(self) -> int:
+        """``D = num_kv_heads * head_dim``."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def planes(self) -> int:
+        """2 (K and V) or 1 (single plane)."""
+        return 1 if self.use_mla else 2
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.planes * self.num_layers * self.hidden_dim * self.dtype.itemsize
+
+    def kv_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """Shape of the KV of ``num_tokens`` tokens: ``[2, L, T, D]`` or ``[L, T, D]``."""
+        if self.use_mla:
+            return (self.num_layers, num_tokens, self.hidden_dim)
+        return (2, self.num_layers, num_tokens, self.hidden_dim)
+
+    @property
+    def token_axis(self) -> int:
+        return 1 if self.use_mla else 2
+
+    @classmethod
+    def from_status(cls, status: Mapping[str, Any], model_name: str) -> KVGeometry:
+        """Derive the geometry of ``model_name`` from a ``/status`` document.
+
+        Raises:
+            ModelNotRegisteredError: no ``cache_context_meta`` entry names the model.
+            ProtocolError: the entry cannot be decoded (e.g. a hybrid model with several
+                kernel groups, or a layout format this client does not support).
+        """
+        meta = status.get("cache_context_meta") or {}
+        if not isinstance(meta, Mapping):
+            raise ProtocolError("/status cache_context_meta is not an object")
+        entries = [e for e in meta.values() if isinstance(e, Mapping)]
+        for entry in entries:
+            if entry.get("model_name") == model_name:
+                return cls.from_context_meta(entry)
+        names = sorted({str(e.get("model_name")) for e in entries})
+        raise ModelNotRegisteredError(model_name, names)
+
+    @classmethod
+    def from_context_meta(cls, entry: Mapping[str, Any]) -> KVGeometry:
+        """Decode one ``cache_context_meta`` entry (see the module docstring)."""
+        try:
+            layout = entry["kv_cache_layout"]
+            groups = layout["kernel_groups"]
+            if len(groups) != 1:
+                raise ProtocolError(
+                    f"{len(groups)} kernel groups (hybrid model); pass geometry= explicitly"
+                )
+            group = groups[0]
+            fmt = str(group["engine_kv_format"])
+            if fmt not in _FORMATS:
+                raise ProtocolError(
+                    f"engine_kv_format {fmt} is not supported; pass geometry= explicitly"
+                )
+            bs_axis, nh_axis, single = _FORMATS[fmt]
+            shape = str(group["engine_kv_concrete_shape"])
+            m = re.search(r"\[([0-9,\s]+)\]", shape)
+            if m is None:
+                raise ProtocolError(f"cannot parse engine_kv_concrete_shape {shape!r}")
+            inner = [int(x) for x in m.group(1).split(",")]
+            tokens_per_block = int(group.get("tokens_per_block", 0))
+            block_size = inner[bs_axis] if bs_axis is not None else tokens_per_block
+            if tokens_per_block and block_size != tokens_per_block:
+                raise ProtocolError(
+                    f"decoded block size {block_size} != tokens_per_block {tokens_per_block}"
+                )
+            heads = 1 if (single or nh_axis is None) else inner[nh_axis]
+            single = single or bool(group.get("is_mla", False))
+            return cls(
+                num_layers=int(layout.get("num_layers") or group["num_layers"]),
+                num_kv_heads=heads,
+                head_dim=inner[-1],
+                dtype=dtype_from_name(str(group["dtype"])),
+                block_size=block_size,
+                use_mla=single,
+                world_size=int(entry.get("world_size", 1)),
+            )
+        except ProtocolError:
+            raise
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"cannot decode cache_context_meta entry: {exc!r}") from exc

@@ -1,0 +1,70 @@
+"""The SHM transport: the server's L1 pool mapped into this process.
+
+A server started with ``--shm-name NAME --no-l1-use-lazy`` keeps its whole L1 in the
+POSIX shared-memory segment ``/dev/shm/lmcache_l1_pool_NAME``; ``prepare_store`` and
+``prepare_retrieve`` answer with slot descriptors (byte offset, length, shape, dtype)
+into it. :class:`ShmPool` maps the segment and turns descriptors into tensor views only
+after checking each against the pool size, the expected shape and dtype, so a wrong or
+hostile server can never make the client read or write outside the pool.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import torch
+
+from lmcache_async.errors import TransferError
+from lmcache_async.geometry import dtype_name
+from lmcache_async.wire import SlotDescriptor
+
+__all__ = ["ShmPool"]
+
+
+class ShmPool:
+    """A read/write mapping of the server's SHM pool.
+
+    Raises:
+        TransferError: the segment cannot be opened or is smaller than ``pool_size``.
+    """
+
+    def __init__(self, shm_name: str, pool_size: int) -> None:
+        bare = shm_name.lstrip("/")
+        if not bare or "/" in bare or bare in (".", ".."):
+            raise TransferError(f"invalid shm name {shm_name!r}")
+        self.name = bare
+        self.pool_size = pool_size
+        path = os.path.join("/dev/shm", bare)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise TransferError(f"cannot open shared memory {path}: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size < pool_size or pool_size <= 0:
+                raise TransferError(f"{path} has {size} bytes, the server announced {pool_size}")
+            self._mmap = mmap.mmap(fd, pool_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise TransferError(f"cannot map {path}: {exc}") from exc
+        finally:
+            os.close(fd)
+        self._base: torch.Tensor | None = torch.frombuffer(self._mmap, dtype=torch.uint8)
+
+    def view(self, slot: SlotDescriptor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor view of ``slot``, after validating it (ProtocolError if it is bad)."""
+        base = self._base
+        if base is None:
+            raise TransferError("the SHM pool is closed")
+        slot.check(self.pool_size, shape, dtype_name(dtype), dtype.itemsize)
+        return base[slot.offset : slot.offset + slot.length].view(dtype).view(shape)
+
+    def close(self) -> None:
+        """Unmap the pool (views made by :meth:`view` must be gone). Idempotent."""
+        if self._base is None:
+            return
+        self._base = None
+        try:
+            self._mmap.close()
+        except BufferError:  # a view is still alive somewhere; the mapping dies with it
+            pass

@@ -1,0 +1,607 @@
+"""The LMCache MP wire protocol, sans-IO.
+
+Pure functions and frozen dataclasses: no sockets, no event loop, no torch. Both the
+client (:mod:`lmcache_async.connection`) and the embedded server
+(:mod:`lmcache_async.testing`) build on this module.
+
+A request is a multipart ZMQ message ``[uid, op, *args]``: ``uid`` is the msgpack of a
+non-negative int, ``op`` the msgpack of the legacy operation id, and each RPC argument
+is msgpack-encoded in its own frame. A reply echoes the uid and op frames byte for byte
+and carries one payload frame, or none when the handler returned ``None``. The server
+never sends error replies, so a bad request is indistinguishable from a slow one; every
+validation the server would do silently is done here, loudly, before anything is sent.
+
+Structured arguments are msgpack maps keyed by field name with every field written in
+declaration order (as msgspec does); ``bytes`` travel as msgpack bin, text as str.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import msgpack
+
+from lmcache_async.errors import ProtocolError
+
+__all__ = [
+    "MAX_BIN",
+    "MAX_SALT_LEN",
+    "MAX_TOKEN",
+    "NO_PAYLOAD",
+    "CacheKey",
+    "Op",
+    "PreEncoded",
+    "RegisterPayload",
+    "Reply",
+    "Request",
+    "SlotDescriptor",
+    "bin_header",
+    "decode_reply",
+    "decode_request",
+    "encode_reply",
+    "encode_request",
+    "op_name",
+    "packb",
+    "parse_prepare_retrieve",
+    "parse_prepare_store",
+    "parse_register_response",
+    "unpackb",
+    "validate_cache_salt",
+    "validate_model_name",
+    "validate_tokens",
+]
+
+MAX_TOKEN: Final = 2**32  # token ids are hashed as uint32
+MAX_SALT_LEN: Final = 128
+MAX_BIN: Final = 2**32 - 1  # msgpack bin32
+_BAD_SALT_CHARS: Final = ("@", "/", "\\", "\x00")
+
+
+class Op(enum.IntEnum):
+    """Legacy operation ids of the 0.5.6 server (a frozen compatibility table)."""
+
+    REGISTER_KV_CACHE = 1
+    UNREGISTER_KV_CACHE = 2
+    LOOKUP = 8
+    QUERY_PREFETCH_STATUS = 9
+    WAIT_PREFETCH_STATUS = 10
+    FREE_LOOKUP_LOCKS = 12
+    END_SESSION = 13
+    REGISTER_ENGINE_DRIVEN = 14
+    UNREGISTER_ENGINE_DRIVEN = 15
+    PREPARE_STORE = 16
+    COMMIT_STORE = 17
+    PREPARE_RETRIEVE = 18
+    COMMIT_RETRIEVE = 19
+    CLEAR = 20
+    GET_CHUNK_SIZE = 21
+    PING = 22
+    NOOP = 24
+    GET_EXPERIMENTAL = 32
+
+
+#: The server's operation names, by legacy id (what the ``op`` frame may also carry).
+OP_NAMES: Final[dict[int, str]] = {
+    Op.REGISTER_KV_CACHE: "register_kv_cache",
+    Op.UNREGISTER_KV_CACHE: "unregister_kv_cache",
+    Op.LOOKUP: "lookup",
+    Op.QUERY_PREFETCH_STATUS: "query_prefetch_status",
+    Op.WAIT_PREFETCH_STATUS: "wait_prefetch_status",
+    Op.FREE_LOOKUP_LOCKS: "free_lookup_locks",
+    Op.END_SESSION: "end_session",
+    Op.REGISTER_ENGINE_DRIVEN: "register_kv_cache_engine_driven_context",
+    Op.UNREGISTER_ENGINE_DRIVEN: "unregister_kv_cache_engine_driven_context",
+    Op.PREPARE_STORE: "prepare_store",
+    Op.COMMIT_STORE: "commit_store",
+    Op.PREPARE_RETRIEVE: "prepare_retrieve",
+    Op.COMMIT_RETRIEVE: "commit_retrieve",
+    Op.CLEAR: "clear",
+    Op.GET_CHUNK_SIZE: "get_chunk_size",
+    Op.PING: "ping",
+    Op.NOOP: "noop",
+    Op.GET_EXPERIMENTAL: "get_experimental",
+}
+_OPS_BY_NAME: Final = {name: Op(i) for i, name in OP_NAMES.items()}
+
+#: Number of argument frames each operation takes (the server rejects any other count).
+OP_ARITY: Final[dict[Op, int]] = {
+    Op.REGISTER_KV_CACHE: 7,
+    Op.UNREGISTER_KV_CACHE: 1,
+    Op.LOOKUP: 2,
+    Op.QUERY_PREFETCH_STATUS: 1,
+    Op.WAIT_PREFETCH_STATUS: 2,
+    Op.FREE_LOOKUP_LOCKS: 2,
+    Op.END_SESSION: 1,
+    Op.REGISTER_ENGINE_DRIVEN: 1,
+    Op.UNREGISTER_ENGINE_DRIVEN: 1,
+    Op.PREPARE_STORE: 2,
+    Op.COMMIT_STORE: 3,
+    Op.PREPARE_RETRIEVE: 2,
+    Op.COMMIT_RETRIEVE: 2,
+    Op.CLEAR: 1,
+    Op.GET_CHUNK_SIZE: 0,
+    Op.PING: 1,
+    Op.NOOP: 0,
+    Op.GET_EXPERIMENTAL: 0,
+}
+
+
+def op_name(op: int | str) -> str:
+    """Return the server's name of an operation given as legacy id or name."""
+    if isinstance(op, str):
+        return op
+    return OP_NAMES.get(op, f"op#{op}")
+
+
+def packb(obj: Any) -> bytes:
+    """msgpack-encode ``obj`` the way msgspec does (bytes as bin, str as str)."""
+    out: bytes = msgpack.packb(obj, use_bin_type=True)
+    return out
+
+
+def unpackb(data: bytes | bytearray | memoryview) -> Any:
+    """Decode one msgpack value; raises :class:`ProtocolError` on malformed input."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"malformed msgpack payload ({type(exc).__name__}: {exc})") from exc
+
+
+def bin_header(n: int) -> bytes:
+    """The msgpack header of a bin value of ``n`` bytes (for building frames in place)."""
+    if n < 0 or n > MAX_BIN:
+        raise ValueError(f"a msgpack bin holds at most {MAX_BIN} bytes, got {n}")
+    if n < 2**8:
+        return b"\xc4" + struct.pack(">B", n)
+    if n < 2**16:
+        return b"\xc5" + struct.pack(">H", n)
+    return b"\xc6" + struct.pack(">I", n)
+
+
+@dataclass(frozen=True, slots=True)
+class PreEncoded:
+    """An argument frame that is already msgpack-encoded (sent as is, never copied)."""
+
+    frame: bytes | bytearray | memoryview
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate_model_name(model_name: object) -> str:
+    """Check a model name: a non-empty str without ``@``."""
+    if not isinstance(model_name, str):
+        raise TypeError(f"model_name must be a str, got {type(model_name).__name__}")
+    if not model_name:
+        raise ValueError("model_name must not be empty")
+    if "@" in model_name:
+        raise ValueError(f"model_name must not contain '@': {model_name!r}")
+    return model_name
+
+
+def validate_cache_salt(cache_salt: object, name: str = "cache_salt") -> str:
+    """Check a cache salt: a str of at most 128 characters without ``@ / \\`` or NUL."""
+    if not isinstance(cache_salt, str):
+        raise TypeError(f"{name} must be a str, got {type(cache_salt).__name__}")
+    if len(cache_salt) > MAX_SALT_LEN:
+        raise ValueError(f"{name} must be at most {MAX_SALT_LEN} characters, got {len(cache_salt)}")
+    for ch in _BAD_SALT_CHARS:
+        if ch in cache_salt:
+            raise ValueError(f"{name} must not contain {ch!r}: {cache_salt!r}")
+    return cache_salt
+
+
+def validate_tokens(tokens: object, name: str = "tokens") -> list[int]:
+    """Return ``tokens`` as a list of ints, each in ``[0, 2**32)``.
+
+    Accepts any sequence of ints (a list, a tuple, a 1-D integer tensor via ``tolist()``).
+    """
+    if isinstance(tokens, str | bytes | bytearray) or tokens is None:
+        raise TypeError(f"{name} must be a sequence of ints, got {type(tokens).__name__}")
+    tolist = getattr(tokens, "tolist", None)
+    if callable(tolist) and not isinstance(tokens, list | tuple):
+        if getattr(tokens, "ndim", 1) != 1:
+            raise ValueError(f"{name} must be one-dimensional")
+        tokens = tolist()
+    if not isinstance(tokens, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(tokens).__name__}")
+    out = tokens if isinstance(tokens, list) else list(tokens)
+    for t in out:
+        if type(t) is not int:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"{name} must contain ints, found {type(t).__name__}")
+    if out and (min(out) < 0 or max(out) >= MAX_TOKEN):
+        bad = next(t for t in out if t < 0 or t >= MAX_TOKEN)
+        raise ValueError(f"{name}: token id {bad} is outside [0, 2**32)")
+    return out
+
+
+def _check_int(value: object, name: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+# --------------------------------------------------------------------------- payload types
+
+
+@dataclass(frozen=True, slots=True)
+class CacheKey:
+    """``IPCCacheServerKey``: which tokens of which model/rank/salt an operation is about.
+
+    ``token_ids`` is the whole sequence from position 0; ``[start, end)`` the token range.
+    Construction validates what the server would reject silently.
+    """
+
+    model_name: str
+    world_size: int
+    worker_id: int | None
+    token_ids: Sequence[int]
+    start: int
+    end: int
+    request_id: str
+    cache_salt: str = ""
+    request_configs: Mapping[str, Any] | None = None
+    num_kv_readers: int = 1
+
+    def __post_init__(self) -> None:
+        validate_model_name(self.model_name)
+        validate_cache_salt(self.cache_salt)
+        _check_int(self.world_size, "world_size", 1)
+        if self.worker_id is not None:
+            _check_int(self.worker_id, "worker_id", 0)
+        _check_int(self.start, "start", 0)
+        _check_int(self.end, "end", 0)
+        _check_int(self.num_kv_readers, "num_kv_readers", 1)
+        if self.end > len(self.token_ids):
+            raise ValueError(f"end ({self.end}) exceeds len(token_ids) ({len(self.token_ids)})")
+        if self.start > self.end:
+            raise ValueError(f"start ({self.start}) exceeds end ({self.end})")
+        if not isinstance(self.request_id, str):
+            raise TypeError("request_id must be a str")
+
+    def check_aligned(self, chunk_size: int) -> None:
+        """Raise ``ValueError`` unless start and end are multiples of ``chunk_size``."""
+        if self.start % chunk_size or self.end % chunk_size:
+            raise ValueError(
+                f"range [{self.start}, {self.end}) is not aligned to the chunk size {chunk_size}"
+            )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack map, every field in declaration order."""
+        return {
+            "model_name": self.model_name,
+            "world_size": self.world_size,
+            "worker_id": self.worker_id,
+            "token_ids": self.token_ids if isinstance(self.token_ids, list) else list(self.token_ids),
+            "start": self.start,
+            "end": self.end,
+            "request_id": self.request_id,
+            "cache_salt": self.cache_salt,
+            "request_configs": dict(self.request_configs) if self.request_configs is not None else None,
+            "num_kv_readers": self.num_kv_readers,
+        }
+
+    @classmethod
+    def from_wire(cls, obj: object) -> CacheKey:
+        """Decode a key map as the server does (any key order, unknown keys ignored).
+
+        Raises :class:`ProtocolError` on a missing required field or a wrong type.
+        """
+        if not isinstance(obj, dict):
+            raise ProtocolError("a cache key must be a map")
+        try:
+            tokens = obj["token_ids"]
+            if not isinstance(tokens, list) or any(
+                type(t) is not int or t < 0 or t >= MAX_TOKEN for t in tokens
+            ):
+                raise ProtocolError("token_ids must be an array of uint32")
+            configs = obj.get("request_configs")
+            if configs is not None and not isinstance(configs, dict):
+                raise ProtocolError("request_configs must be a map or nil")
+            return cls(
+                model_name=_typed(obj["model_name"], str, "model_name"),
+                world_size=_typed(obj["world_size"], int, "world_size"),
+                worker_id=(
+                    None if obj["worker_id"] is None else _typed(obj["worker_id"], int, "worker_id")
+                ),
+                token_ids=tokens,
+                start=_typed(obj["start"], int, "start"),
+                end=_typed(obj["end"], int, "end"),
+                request_id=_typed(obj["request_id"], str, "request_id"),
+                cache_salt=_typed(obj.get("cache_salt", ""), str, "cache_salt"),
+                request_configs=configs,
+                num_kv_readers=_typed(obj.get("num_kv_readers", 0), int, "num_kv_readers"),
+            )
+        except KeyError as exc:
+            raise ProtocolError(f"cache key lacks required field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"invalid cache key: {exc}") from exc
+
+
+def _typed(value: Any, typ: type, name: str) -> Any:
+    if typ is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ProtocolError(f"{name} must be an int")
+    if not isinstance(value, typ):
+        raise ProtocolError(f"{name} must be a {typ.__name__}")
+    return value
+
+
+_DTYPE_NAMES: Final = frozenset(
+    {
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "int8",
+        "uint8",
+        "int16",
+        "int32",
+        "int64",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterPayload:
+    """``RegisterEngineDrivenContextPayload``: the geometry an engine-driven client brings."""
+
+    instance_id: int
+    model_name: str
+    world_size: int
+    block_size: int
+    num_layers: int
+    hidden_dim_size: int
+    dtype_str: str
+    use_mla: bool
+    num_physical_slots: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int(self.instance_id, "instance_id", 0)
+        if self.instance_id >= 2**63:
+            raise ValueError("instance_id must be < 2**63")
+        validate_model_name(self.model_name)
+        for name in ("world_size", "block_size", "num_layers", "hidden_dim_size"):
+            _check_int(getattr(self, name), name, 1)
+        if self.num_physical_slots is not None:
+            _check_int(self.num_physical_slots, "num_physical_slots", 1)
+        if self.dtype_str not in _DTYPE_NAMES:
+            raise ValueError(f"unsupported dtype_str {self.dtype_str!r}")
+        if not isinstance(self.use_mla, bool):
+            raise TypeError("use_mla must be a bool")
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack map, every field in declaration order."""
+        return {
+            "instance_id": self.instance_id,
+            "model_name": self.model_name,
+            "world_size": self.world_size,
+            "block_size": self.block_size,
+            "num_layers": self.num_layers,
+            "hidden_dim_size": self.hidden_dim_size,
+            "dtype_str": self.dtype_str,
+            "use_mla": self.use_mla,
+            "num_physical_slots": self.num_physical_slots,
+        }
+
+    @classmethod
+    def from_wire(cls, obj: object) -> RegisterPayload:
+        """Decode as the server does; :class:`ProtocolError` on bad input."""
+        if not isinstance(obj, dict):
+            raise ProtocolError("a register payload must be a map")
+        try:
+            slots = obj.get("num_physical_slots")
+            return cls(
+                instance_id=_typed(obj["instance_id"], int, "instance_id"),
+                model_name=_typed(obj["model_name"], str, "model_name"),
+                world_size=_typed(obj["world_size"], int, "world_size"),
+                block_size=_typed(obj["block_size"], int, "block_size"),
+                num_layers=_typed(obj["num_layers"], int, "num_layers"),
+                hidden_dim_size=_typed(obj["hidden_dim_size"], int, "hidden_dim_size"),
+                dtype_str=_typed(obj["dtype_str"], str, "dtype_str"),
+                use_mla=_typed(obj["use_mla"], bool, "use_mla"),
+                num_physical_slots=None if slots is None else _typed(slots, int, "num_physical_slots"),
+            )
+        except KeyError as exc:
+            raise ProtocolError(f"register payload lacks field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"invalid register payload: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class SlotDescriptor:
+    """An SHM slot: ``length`` bytes at ``offset`` in the pool, holding ``shape`` x ``dtype``."""
+
+    offset: int
+    length: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"offset": self.offset, "length": self.length, "shape": list(self.shape), "dtype": self.dtype}
+
+    def check(self, pool_size: int, shape: tuple[int, ...], dtype: str, itemsize: int) -> None:
+        """Raise :class:`ProtocolError` unless the slot lies inside the pool and matches.
+
+        A wrong or hostile server must never make the client touch memory outside the
+        pool, so this runs before any view is made.
+        """
+        if self.dtype != dtype:
+            raise ProtocolError(f"slot dtype {self.dtype!r} != expected {dtype!r}")
+        if self.shape != shape:
+            raise ProtocolError(f"slot shape {list(self.shape)} != expected {list(shape)}")
+        if self.length != math.prod(shape) * itemsize:
+            raise ProtocolError(f"slot length {self.length} does not match shape {list(shape)}")
+        if self.offset < 0 or self.offset + self.length > pool_size:
+            raise ProtocolError(
+                f"slot [{self.offset}, {self.offset + self.length}) lies outside the pool of {pool_size} bytes"
+            )
+        if self.offset % itemsize:
+            raise ProtocolError(f"slot offset {self.offset} is not aligned to {itemsize} bytes")
+
+    @classmethod
+    def from_wire(cls, obj: object) -> SlotDescriptor:
+        if not isinstance(obj, dict):
+            raise ProtocolError("a slot descriptor must be a map")
+        try:
+            offset, length, shape, dtype = obj["offset"], obj["length"], obj["shape"], obj["dtype"]
+        except KeyError as exc:
+            raise ProtocolError(f"slot descriptor lacks {exc.args[0]!r}") from None
+        if (
+            type(offset) is not int
+            or type(length) is not int
+            or not isinstance(shape, list)
+            or not all(type(d) is int and d >= 0 for d in shape)
+            or not isinstance(dtype, str)
+        ):
+            raise ProtocolError(f"malformed slot descriptor {obj!r}")
+        return cls(offset, length, tuple(shape), dtype)
+
+
+# --------------------------------------------------------------------------- frames
+
+NO_PAYLOAD: Final = object()  # marks a reply without a payload frame (handler returned None)
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A decoded reply: the uid, the echoed op and the raw payload frame (or ``None``)."""
+
+    uid: int
+    op: int | str
+    payload: bytes | memoryview | None = field(default=None)
+
+    def value(self) -> Any:
+        """The decoded payload, or ``None`` for a frameless reply."""
+        return None if self.payload is None else unpackb(self.payload)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A decoded request (server side): raw uid/op frames kept for the echo."""
+
+    uid_frame: bytes
+    op_frame: bytes
+    op: Op | str
+    args: tuple[bytes | memoryview, ...]
+
+
+def encode_request(uid: int, op: Op, args: Sequence[Any]) -> list[bytes | bytearray | memoryview]:
+    """Build the frames of a request. ``args`` are Python values or :class:`PreEncoded`.
+
+    Raises ``ValueError`` if the argument count is not the operation's arity (the server
+    would silently drop the request).
+    """
+    if uid < 0:
+        raise ValueError("uid must be non-negative")
+    if len(args) != OP_ARITY[op]:
+        raise ValueError(f"{op_name(op)} takes {OP_ARITY[op]} argument frames, got {len(args)}")
+    frames: list[bytes | bytearray | memoryview] = [packb(uid), packb(int(op))]
+    for arg in args:
+        frames.append(arg.frame if isinstance(arg, PreEncoded) else packb(arg))
+    return frames
+
+
+def _decode_op(frame: bytes | memoryview) -> int | str:
+    op = unpackb(frame)
+    if isinstance(op, bool) or not isinstance(op, int | str):
+        raise ProtocolError(f"operation frame must be an int or str, got {type(op).__name__}")
+    return op
+
+
+def decode_reply(frames: Sequence[bytes | memoryview]) -> Reply:
+    """Decode ``[uid, op]`` or ``[uid, op, payload]`` (client side).
+
+    Raises :class:`ProtocolError` on any other shape, a non-int uid or a bad op frame.
+    """
+    if len(frames) not in (2, 3):
+        raise ProtocolError(f"a reply has 2 or 3 frames, got {len(frames)}")
+    uid = unpackb(frames[0])
+    if isinstance(uid, bool) or not isinstance(uid, int):
+        raise ProtocolError(f"reply uid must be an int, got {type(uid).__name__}")
+    op = _decode_op(frames[1])
+    return Reply(uid, op, frames[2] if len(frames) == 3 else None)
+
+
+def decode_request(frames: Sequence[bytes | memoryview]) -> Request:
+    """Decode a request as the ROUTER sees it, without the identity frame (server side).
+
+    Raises :class:`ProtocolError` for fewer than two frames, an unknown legacy id, or an
+    op frame that is neither int nor str (the real server logs and drops these).
+    """
+    if len(frames) < 2:
+        raise ProtocolError("a request has at least two frames")
+    raw_op = _decode_op(frames[1])
+    op: Op | str
+    if isinstance(raw_op, int):
+        try:
+            op = Op(raw_op)
+        except ValueError:
+            raise ProtocolError(f"unknown operation id {raw_op}") from None
+    else:
+        op = _OPS_BY_NAME.get(raw_op, raw_op)
+    return Request(bytes(frames[0]), bytes(frames[1]), op, tuple(frames[2:]))
+
+
+def encode_reply(request: Request, value: Any = NO_PAYLOAD) -> list[bytes]:
+    """Build a reply echoing the request's uid and op frames (server side)."""
+    frames = [request.uid_frame, request.op_frame]
+    if value is not NO_PAYLOAD and value is not None:
+        frames.append(value.frame if isinstance(value, PreEncoded) else packb(value))
+    return frames
+
+
+# --------------------------------------------------------------------------- replies
+
+
+def parse_register_response(obj: object) -> tuple[str, int]:
+    """``RegisterEngineDrivenContextResponse`` -> ``(shm_name, pool_size)``."""
+    if not isinstance(obj, dict):
+        raise ProtocolError("register reply must be a map")
+    shm_name = obj.get("shm_name", "")
+    pool_size = obj.get("pool_size", 0)
+    if not isinstance(shm_name, str) or type(pool_size) is not int or pool_size < 0:
+        raise ProtocolError(f"malformed register reply {obj!r}")
+    return shm_name, pool_size
+
+
+def parse_prepare_store(obj: object) -> tuple[list[SlotDescriptor], list[int]]:
+    """``PrepareStoreResponse`` -> ``(slots, chunk_indices)`` (both empty on pickle)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("context"), dict):
+        raise ProtocolError("prepare_store reply must be a map with a 'context' map")
+    ctx = obj["context"]
+    slots = [SlotDescriptor.from_wire(s) for s in _list(ctx.get("slots", []), "slots")]
+    indices = _list(ctx.get("chunk_indices", []), "chunk_indices")
+    if len(indices) != len(slots) or not all(type(i) is int and i >= 0 for i in indices):
+        raise ProtocolError("prepare_store: chunk_indices do not match slots")
+    if len(set(indices)) != len(indices):
+        raise ProtocolError("prepare_store: duplicate chunk indices")
+    return slots, indices
+
+
+def parse_prepare_retrieve(obj: object) -> tuple[bool, bytes, list[SlotDescriptor]]:
+    """``PrepareRetrieveResponse`` -> ``(success, pickle_data, slots)``."""
+    if not isinstance(obj, dict):
+        raise ProtocolError("prepare_retrieve reply must be a map")
+    success = obj.get("success")
+    data = obj.get("data", b"")
+    ctx = obj.get("context", {})
+    if not isinstance(success, bool) or not isinstance(data, bytes) or not isinstance(ctx, dict):
+        raise ProtocolError("malformed prepare_retrieve reply")
+    slots = [SlotDescriptor.from_wire(s) for s in _list(ctx.get("slots", []), "slots")]
+    return success, data, slots
+
+
+def _list(value: object, name: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ProtocolError(f"{name} must be an array")
+    return value
