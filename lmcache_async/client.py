@@ -20,7 +20,7 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeVar
 
@@ -92,6 +92,13 @@ class RemapResult:
     @property
     def hit(self) -> bool:
         return self.retrieved_tokens > 0
+
+
+class _RetrieveState:
+    __slots__ = ("prepared",)
+
+    def __init__(self) -> None:
+        self.prepared = False
 
 
 class _Op:
@@ -222,6 +229,7 @@ class AsyncClient:
         self._stale = False
         self._reg_lock: asyncio.Lock | None = None
         self._ops: set[asyncio.Task[Any]] = set()
+        self._gates: dict[tuple[Any, ...], list[Any]] = {}
         self._keepalive: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ properties
@@ -425,9 +433,7 @@ class AsyncClient:
 
     # ------------------------------------------------------------------ op runner
 
-    async def _run(
-        self, name: str, timeout: float | None, body: Callable[[_Op], Awaitable[T]]
-    ) -> T:
+    async def _run(self, name: str, timeout: float | None, body: Callable[[_Op], Awaitable[T]]) -> T:
         self._require_open()
         if asyncio.get_running_loop() is not self._loop:
             raise LMCacheError("the client is used from an event loop other than the one that opened it")
@@ -550,7 +556,9 @@ class AsyncClient:
 
     # ------------------------------------------------------------------ operations
 
-    async def lookup(self, tokens: Sequence[int], cache_salt: str = "", *, timeout: float | None = _DEFAULT) -> int:
+    async def lookup(
+        self, tokens: Sequence[int], cache_salt: str = "", *, timeout: float | None = _DEFAULT
+    ) -> int:
         """Length in tokens of the longest cached chunk-aligned prefix of ``tokens``.
 
         Releases the read locks the lookup took and ends its session before returning.
@@ -654,8 +662,6 @@ class AsyncClient:
         end = self._aligned(len(toks))
         if out is not None:
             self._check_out(out, end)
-        if self._transfer == "pickle" and self._server_has_shm:
-            raise TransferError("the server keeps its KV in SHM, which this client cannot map")
 
         async def body(op: _Op) -> torch.Tensor | None:
             if end == 0:
@@ -663,50 +669,92 @@ class AsyncClient:
             rid = _request_id("retrieve")
             key = self._key(toks, end, rid, cache_salt, worker=False)
             hit = 0
-            prepared = committed = False
-            rkey: dict[str, Any] | None = None
+            state = _RetrieveState()
             try:
                 hit = await self._lookup_locked(op, key, rid, release=False)
                 if hit == 0:
                     return None
                 rkey = self._key(toks, hit, rid, cache_salt, worker=True)
-                prepared = True
-                resp = await self._call(op, Op.PREPARE_RETRIEVE, rkey, self._instance_id)
-                success, data, slots = parse_prepare_retrieve(resp)
-                if not success:
-                    return None  # evicted between lookup and prepare: a miss
-                n_chunks = hit // self._chunk_size
-                shape = geom.kv_shape(self._chunk_size)
                 target = out.narrow(geom.token_axis, 0, hit) if out is not None else None
-                if self._pool is not None:
-                    if len(slots) != n_chunks:
-                        raise ProtocolError(f"prepare_retrieve gave {len(slots)} slots for {n_chunks} chunks")
-                    views = [self._pool.view(s, shape, geom.dtype) for s in slots]
-                    if op.abandoned:
-                        return None
-                    if target is None:
-                        target = torch.empty(geom.kv_shape(hit), dtype=geom.dtype)
-                    await self._copy_chunks(target, views)
-                    del views
-                    committed = True
-                    await self._call(op, Op.COMMIT_RETRIEVE, rkey, self._instance_id)
-                else:
-                    committed = True  # pickle: the server released the locks already
-                    tensors = decode_tensor_list(data, count=n_chunks, shape=shape, dtype=geom.dtype)
-                    if op.abandoned:
-                        return None
-                    if target is None:
-                        target = torch.empty(geom.kv_shape(hit), dtype=geom.dtype)
-                    await self._copy_chunks(target, tensors)
-                return target
+                if self._pool is None:
+                    return await self._retrieve_pickle(op, rkey, hit, target, state)
+                # The server keys pending SHM reads by (instance, key) without the request
+                # id: concurrent retrieves of one prefix must not overlap their pairs.
+                async with self._gate(("retrieve", cache_salt, tuple(toks[:hit]))):
+                    return await self._retrieve_shm(op, rkey, hit, target, state)
             finally:
-                if hit and not prepared:
+                if hit and not state.prepared:
                     await self._free_locks(key, hit // self._chunk_size)
-                if prepared and not committed and self._pool is not None:
-                    await self._cleanup_call(Op.COMMIT_RETRIEVE, rkey, self._instance_id)
                 await self._cleanup_call(Op.END_SESSION, rid)
 
         return await self._run("retrieve", timeout, body)
+
+    async def _retrieve_shm(
+        self, op: _Op, rkey: dict[str, Any], hit: int, target: torch.Tensor | None, state: _RetrieveState
+    ) -> torch.Tensor | None:
+        geom = self._geometry
+        assert geom is not None and self._pool is not None
+        committed = False
+        try:
+            state.prepared = True
+            resp = await self._call(op, Op.PREPARE_RETRIEVE, rkey, self._instance_id)
+            success, _data, slots = parse_prepare_retrieve(resp)
+            if not success:
+                committed = True  # nothing is pending on the server
+                return None  # evicted between lookup and prepare: a miss
+            n_chunks = hit // self._chunk_size
+            if len(slots) != n_chunks:
+                raise ProtocolError(f"prepare_retrieve gave {len(slots)} slots for {n_chunks} chunks")
+            shape = geom.kv_shape(self._chunk_size)
+            views = [self._pool.view(s, shape, geom.dtype) for s in slots]
+            if op.abandoned:
+                return None
+            if target is None:
+                target = torch.empty(geom.kv_shape(hit), dtype=geom.dtype)
+            await self._copy_chunks(target, views)
+            committed = True
+            await self._call(op, Op.COMMIT_RETRIEVE, rkey, self._instance_id)
+            return target
+        finally:
+            if not committed:
+                await self._cleanup_call(Op.COMMIT_RETRIEVE, rkey, self._instance_id)
+
+    async def _retrieve_pickle(
+        self, op: _Op, rkey: dict[str, Any], hit: int, target: torch.Tensor | None, state: _RetrieveState
+    ) -> torch.Tensor | None:
+        geom = self._geometry
+        assert geom is not None
+        if self._server_has_shm:
+            raise TransferError("the server keeps its KV in SHM, which this client cannot map")
+        state.prepared = True  # the server releases the locks when it answers
+        resp = await self._call(op, Op.PREPARE_RETRIEVE, rkey, self._instance_id)
+        success, data, _slots = parse_prepare_retrieve(resp)
+        if not success:
+            return None
+        n_chunks = hit // self._chunk_size
+        shape = geom.kv_shape(self._chunk_size)
+        tensors = decode_tensor_list(data, count=n_chunks, shape=shape, dtype=geom.dtype)
+        if op.abandoned:
+            return None
+        if target is None:
+            target = torch.empty(geom.kv_shape(hit), dtype=geom.dtype)
+        await self._copy_chunks(target, tensors)
+        return target
+
+    @contextlib.asynccontextmanager
+    async def _gate(self, identity: tuple[Any, ...]) -> AsyncIterator[None]:
+        """Serialize operations on one key identity within this client."""
+        entry = self._gates.get(identity)
+        if entry is None:
+            entry = self._gates[identity] = [asyncio.Lock(), 0]
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._gates[identity]
 
     def _check_out(self, out: object, end: int) -> None:
         geom = self._geometry
@@ -802,7 +850,6 @@ class AsyncClient:
                 await asyncio.to_thread(fill)
             else:
                 fill()
-            del views, pairs
             ok = await self._call(op, Op.COMMIT_STORE, key, self._instance_id, b"")
             if ok is not True:
                 raise TransferError("the server refused the SHM commit (registration lost?)")
@@ -853,7 +900,11 @@ class AsyncClient:
         src = validate_tokens(source_tokens, "source_tokens")
         dst = validate_tokens(target_tokens, "target_tokens")
         validate_cache_salt(cache_salt)
-        tsalt = cache_salt if target_cache_salt is None else validate_cache_salt(target_cache_salt, "target_cache_salt")
+        tsalt = (
+            cache_salt
+            if target_cache_salt is None
+            else validate_cache_salt(target_cache_salt, "target_cache_salt")
+        )
         timeout = self._timeout(timeout)
         start = time.monotonic()
         kv = await self.retrieve(src, cache_salt, timeout=timeout)
@@ -888,6 +939,113 @@ class AsyncClient:
         self._require_open()
         return await self._meta.config(max_age=max_age)
 
+    # ---- bulk operations (lmcache_async.bulk) ----
+    # Thin wrappers: the implementation and its documentation live in lmcache_async.bulk,
+    # imported lazily (it imports this module for its types only).
+
+    from typing import TYPE_CHECKING as _TYPE_CHECKING
+
+    if _TYPE_CHECKING:
+        from collections.abc import Iterable
+
+        from lmcache_async.bulk import BatchProgress, BatchResult, RemapPair, RetrieveItem, StoreItem
+    del _TYPE_CHECKING
+
+    async def remap_many(
+        self,
+        pairs: Iterable[RemapPair | Sequence[Any]],
+        *,
+        concurrency: int = 8,
+        max_bytes_in_flight: int = 1 << 30,
+        progress: Callable[[BatchProgress], object] | None = None,
+        return_exceptions: bool = True,
+        timeout: float | None = _DEFAULT,
+    ) -> BatchResult:
+        """Remap many (source, target) pairs concurrently: see :func:`lmcache_async.bulk.remap_many`.
+
+        ``pairs`` are :class:`~lmcache_async.bulk.RemapPair` objects or tuples
+        ``(source_tokens, target_tokens[, cache_salt[, target_cache_salt]])``. At most
+        ``concurrency`` items run at once and at most ``max_bytes_in_flight`` bytes of KV
+        buffers are held (an item larger than that runs alone). ``progress`` is called on
+        the event loop after each item. ``timeout`` is per item (default: the client's).
+
+        Returns:
+            A :class:`~lmcache_async.bulk.BatchResult` (per-item results in input order and
+            a summary). A failed item carries its exception unless ``return_exceptions`` is
+            False, in which case the first failure cancels the batch and is raised.
+
+        Cancellation: every in-flight item is cancelled and releases its server session,
+        locks and reservations in the background; ``CancelledError`` is re-raised.
+        """
+        from lmcache_async import bulk
+
+        return await bulk.remap_many(
+            self,
+            pairs,
+            concurrency=concurrency,
+            max_bytes_in_flight=max_bytes_in_flight,
+            progress=progress,
+            return_exceptions=return_exceptions,
+            timeout=self._timeout(timeout),
+        )
+
+    async def store_many(
+        self,
+        items: Iterable[StoreItem | Sequence[Any]],
+        *,
+        concurrency: int = 8,
+        max_bytes_in_flight: int = 1 << 30,
+        progress: Callable[[BatchProgress], object] | None = None,
+        return_exceptions: bool = True,
+        timeout: float | None = _DEFAULT,
+    ) -> BatchResult:
+        """Store many ``(kv, tokens[, cache_salt])`` items concurrently: see
+        :func:`lmcache_async.bulk.store_many`.
+
+        Cancellation/timeout: as for :meth:`store`, per item; ``CancelledError`` is re-raised.
+        """
+        from lmcache_async import bulk
+
+        return await bulk.store_many(
+            self,
+            items,
+            concurrency=concurrency,
+            max_bytes_in_flight=max_bytes_in_flight,
+            progress=progress,
+            return_exceptions=return_exceptions,
+            timeout=self._timeout(timeout),
+        )
+
+    async def retrieve_many(
+        self,
+        token_lists: Iterable[RetrieveItem | Sequence[Any]],
+        *,
+        concurrency: int = 8,
+        max_bytes_in_flight: int = 1 << 30,
+        progress: Callable[[BatchProgress], object] | None = None,
+        return_exceptions: bool = True,
+        timeout: float | None = _DEFAULT,
+    ) -> BatchResult:
+        """Retrieve many prompts concurrently (token lists or ``(tokens, cache_salt)``): see
+        :func:`lmcache_async.bulk.retrieve_many`. Each result's ``kv`` holds the tensor.
+
+        Cancellation/timeout: as for :meth:`retrieve`, per item; ``CancelledError`` is
+        re-raised.
+        """
+        from lmcache_async import bulk
+
+        return await bulk.retrieve_many(
+            self,
+            token_lists,
+            concurrency=concurrency,
+            max_bytes_in_flight=max_bytes_in_flight,
+            progress=progress,
+            return_exceptions=return_exceptions,
+            timeout=self._timeout(timeout),
+        )
+
+    # ---- end of bulk operations ----
+
     def _timeout(self, timeout: float | None) -> float | None:
         if timeout is _DEFAULT:
             return self.timeout
@@ -908,4 +1066,3 @@ def _remaining(deadline: float | None) -> float | None:
 
 def _request_id(kind: str) -> str:
     return f"lmca-{kind}-{uuid.uuid4().hex}"
-

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -78,8 +79,11 @@ class PendingTable:
         uid = next(self._uids)
         fut: asyncio.Future[Reply] = loop.create_future()
         self._entries[uid] = _Entry(fut, op)
-        fut.add_done_callback(lambda _f, uid=uid: self._entries.pop(uid, None))
+        fut.add_done_callback(functools.partial(self._forget, uid))
         return uid, fut
+
+    def _forget(self, uid: int, _fut: object) -> None:
+        self._entries.pop(uid, None)
 
     def resolve(self, reply: Reply) -> bool:
         """Route a reply; returns False (and counts it) if it was dropped."""

@@ -70,9 +70,7 @@ class Metadata:
         url = self.http_url + path
         start = time.monotonic()
         try:
-            async with self._get_session().get(
-                url, timeout=aiohttp.ClientTimeout(total=timeout)
-            ) as resp:
+            async with self._get_session().get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 body = await resp.read()
                 status = resp.status
         except TimeoutError:

@@ -95,8 +95,12 @@ def _blob_meta(dtype: torch.dtype, numel: int, key: str) -> bytes:
     persid = (
         b"\x80\x02("
         + b"X\x07\x00\x00\x00storage"
-        + b"ctorch\n" + cls.encode() + b"\n"
-        + b"X" + struct.pack("<I", len(key)) + key.encode()
+        + b"ctorch\n"
+        + cls.encode()
+        + b"\n"
+        + b"X"
+        + struct.pack("<I", len(key))
+        + key.encode()
         + b"X\x03\x00\x00\x00cpu"
         + _pickle_int(numel)
         + b"NtQ."
@@ -224,33 +228,46 @@ def _check_rebuild(storage: Any, offset: Any, size: Any, stride: Any, requires_g
         raise UnsafePayloadError("size and stride differ in length")
     if requires_grad is not False or not isinstance(hooks, collections.OrderedDict) or hooks:
         raise UnsafePayloadError("tensor with gradient state or hooks")
-    numel = storage._size() if isinstance(storage, torch.TypedStorage) else storage.nbytes()
+    numel: int = storage._size() if isinstance(storage, torch.TypedStorage) else storage.nbytes()  # type: ignore[no-untyped-call]
     if all(size):
         extent = offset + sum((s - 1) * st for s, st in zip(size, stride, strict=True)) + 1
         if extent > numel:
             raise UnsafePayloadError("tensor view exceeds its storage")
 
 
-def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any,
-                metadata: Any = None) -> torch.Tensor:
+def _rebuild_v2(
+    storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, metadata: Any = None
+) -> torch.Tensor:
     _check_rebuild(storage, offset, size, stride, requires_grad, hooks)
     if metadata is not None:
         raise UnsafePayloadError("tensor metadata is not allowed")
-    t: torch.Tensor = torch._utils._rebuild_tensor_v2(storage, offset, size, stride, False, hooks)
+    t: torch.Tensor = torch._utils._rebuild_tensor_v2(  # type: ignore[no-untyped-call]
+        storage, offset, size, stride, False, hooks
+    )
     return t
 
 
-def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any,
-                dtype: Any, metadata: Any = None) -> torch.Tensor:
+def _rebuild_v3(
+    storage: Any,
+    offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any,
+    hooks: Any,
+    dtype: Any,
+    metadata: Any = None,
+) -> torch.Tensor:
     if not isinstance(dtype, torch.dtype) or not isinstance(storage, torch.UntypedStorage):
         raise UnsafePayloadError("bad _rebuild_tensor_v3 arguments")
     if metadata is not None:
         raise UnsafePayloadError("tensor metadata is not allowed")
     if not isinstance(offset, int) or not isinstance(size, tuple) or not isinstance(stride, tuple):
         raise UnsafePayloadError("bad _rebuild_tensor_v3 arguments")
-    typed = torch.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+    typed = torch.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)  # type: ignore[no-untyped-call]
     _check_rebuild(typed, offset, size, stride, requires_grad, hooks)
-    t: torch.Tensor = torch._utils._rebuild_tensor_v3(storage, offset, size, stride, False, hooks, dtype)
+    t: torch.Tensor = torch._utils._rebuild_tensor_v3(  # type: ignore[no-untyped-call]
+        storage, offset, size, stride, False, hooks, dtype
+    )
     return t
 
 

@@ -10,6 +10,7 @@ hostile server can never make the client read or write outside the pool.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 
@@ -64,7 +65,6 @@ class ShmPool:
         if self._base is None:
             return
         self._base = None
-        try:
+        # A view still alive somewhere keeps the mapping until it is collected.
+        with contextlib.suppress(BufferError):
             self._mmap.close()
-        except BufferError:  # a view is still alive somewhere; the mapping dies with it
-            pass

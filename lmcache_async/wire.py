@@ -212,9 +212,8 @@ def validate_tokens(tokens: object, name: str = "tokens") -> list[int]:
         raise TypeError(f"{name} must be a sequence of ints, got {type(tokens).__name__}")
     out = tokens if isinstance(tokens, list) else list(tokens)
     for t in out:
-        if type(t) is not int:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise TypeError(f"{name} must contain ints, found {type(t).__name__}")
+        if type(t) is not int and (isinstance(t, bool) or not isinstance(t, int)):
+            raise TypeError(f"{name} must contain ints, found {type(t).__name__}")
     if out and (min(out) < 0 or max(out) >= MAX_TOKEN):
         bad = next(t for t in out if t < 0 or t >= MAX_TOKEN)
         raise ValueError(f"{name}: token id {bad} is outside [0, 2**32)")
@@ -309,9 +308,7 @@ class CacheKey:
             return cls(
                 model_name=_typed(obj["model_name"], str, "model_name"),
                 world_size=_typed(obj["world_size"], int, "world_size"),
-                worker_id=(
-                    None if obj["worker_id"] is None else _typed(obj["worker_id"], int, "worker_id")
-                ),
+                worker_id=(None if obj["worker_id"] is None else _typed(obj["worker_id"], int, "worker_id")),
                 token_ids=tokens,
                 start=_typed(obj["start"], int, "start"),
                 end=_typed(obj["end"], int, "end"),
@@ -442,9 +439,8 @@ class SlotDescriptor:
         if self.length != math.prod(shape) * itemsize:
             raise ProtocolError(f"slot length {self.length} does not match shape {list(shape)}")
         if self.offset < 0 or self.offset + self.length > pool_size:
-            raise ProtocolError(
-                f"slot [{self.offset}, {self.offset + self.length}) lies outside the pool of {pool_size} bytes"
-            )
+            end = self.offset + self.length
+            raise ProtocolError(f"slot [{self.offset}, {end}) lies outside the pool of {pool_size} bytes")
         if self.offset % itemsize:
             raise ProtocolError(f"slot offset {self.offset} is not aligned to {itemsize} bytes")
 
@@ -552,9 +548,9 @@ def decode_request(frames: Sequence[bytes | memoryview]) -> Request:
     return Request(bytes(frames[0]), bytes(frames[1]), op, tuple(frames[2:]))
 
 
-def encode_reply(request: Request, value: Any = NO_PAYLOAD) -> list[bytes]:
+def encode_reply(request: Request, value: Any = NO_PAYLOAD) -> list[bytes | bytearray | memoryview]:
     """Build a reply echoing the request's uid and op frames (server side)."""
-    frames = [request.uid_frame, request.op_frame]
+    frames: list[bytes | bytearray | memoryview] = [request.uid_frame, request.op_frame]
     if value is not NO_PAYLOAD and value is not None:
         frames.append(value.frame if isinstance(value, PreEncoded) else packb(value))
     return frames

@@ -1,0 +1,103 @@
+"""A scripted ZMQ ROUTER for faults the real server will not produce on demand.
+
+``FakeRouter(handler)`` binds a ROUTER on a free loopback port and, for every request,
+calls ``handler(request)`` (a :class:`lmcache_async.wire.Request`), which returns a list
+of actions: ``("reply", value)``, ``("raw", [frames])`` (frames after the identity),
+``("sleep", seconds)``, ``("drop",)`` (close the socket: the client sees a disconnect).
+Returning ``[]`` means never reply, like the real server on a bad request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from lmcache_async import wire
+
+Action = tuple[Any, ...]
+Handler = Callable[[wire.Request], list[Action]]
+
+
+def ok_handler(request: wire.Request) -> list[Action]:
+    """Answer the basic probes like the real server."""
+    if request.op is wire.Op.NOOP:
+        return [("reply", "OK")]
+    if request.op is wire.Op.GET_CHUNK_SIZE:
+        return [("reply", 16)]
+    return []
+
+
+class FakeRouter:
+    def __init__(self, handler: Handler = ok_handler, port: int = 0) -> None:
+        self.handler = handler
+        self.requests: list[wire.Request] = []
+        self._port = port
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"tcp://127.0.0.1:{self._port}"
+
+    async def __aenter__(self) -> FakeRouter:
+        self._bind()
+        return self
+
+    def _bind(self) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self._port:
+            sock.bind(self.url)
+        else:
+            self._port = sock.bind_to_random_port("tcp://127.0.0.1")
+        self._sock = sock
+        self._task = asyncio.create_task(self._serve(sock))
+
+    async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            ident, rest = frames[0], frames[1:]
+            try:
+                request = wire.decode_request(rest)
+            except Exception:
+                continue
+            self.requests.append(request)
+            asyncio.create_task(self._act(sock, ident, request, self.handler(request)))
+
+    async def _act(self, sock: zmq.asyncio.Socket, ident: bytes, request: wire.Request, actions: list[Action]) -> None:
+        for action in actions:
+            kind = action[0]
+            if kind == "reply":
+                await sock.send_multipart([ident, *wire.encode_reply(request, action[1])])
+            elif kind == "raw":
+                await sock.send_multipart([ident, *action[1]])
+            elif kind == "sleep":
+                await asyncio.sleep(action[1])
+            elif kind == "drop":
+                await self.stop()
+                return
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    async def restart(self) -> None:
+        """Stop and bind again on the same port (a server restart)."""
+        await self.stop()
+        self._bind()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+        self._ctx.term()

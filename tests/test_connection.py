@@ -1,0 +1,220 @@
+"""The DEALER transport against a scripted ROUTER: routing by uid, deadlines, drops."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmcache_async import wire
+from lmcache_async.connection import Connection, PendingTable
+from lmcache_async.errors import ClientClosedError, LMCacheConnectionError, LMCacheTimeoutError
+from lmcache_async.wire import Op, Reply
+from tests.fake_router import FakeRouter
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_concurrent_calls_are_routed_by_uid_not_by_order() -> None:
+    # Replies come back in reverse order of arrival; each caller must get its own.
+    def handler(req: wire.Request) -> list[tuple[object, ...]]:
+        rid = wire.unpackb(req.args[0])
+        return [("sleep", 0.2 - rid * 0.003), ("reply", f"done-{rid}")]
+
+    async with FakeRouter(handler) as router:
+        conn = Connection(router.url)
+        await conn.open()
+        try:
+            replies = await asyncio.gather(
+                *(conn.call(Op.END_SESSION, (i,), timeout=5) for i in range(50))
+            )
+            assert [r.value() for r in replies] == [f"done-{i}" for i in range(50)]
+            assert conn.in_flight == 0
+            assert conn.dropped == (0, 0)
+        finally:
+            await conn.close()
+
+
+async def test_timeout_is_a_builtin_timeout_naming_the_operation() -> None:
+    async with FakeRouter(lambda req: []) as router:
+        conn = Connection(router.url)
+        await conn.open()
+        try:
+            with pytest.raises(TimeoutError) as info:
+                await conn.call(Op.LOOKUP, ({}, 1), timeout=0.2)
+            err = info.value
+            assert isinstance(err, LMCacheTimeoutError)
+            assert err.operation == "lookup"
+            assert err.request_id == 0
+            assert err.elapsed >= 0.2
+            assert "lookup (request 0): no reply" in str(err)
+            assert conn.in_flight == 0
+        finally:
+            await conn.close()
+
+
+async def test_late_duplicate_and_mismatched_replies_are_dropped_and_counted() -> None:
+    def handler(req: wire.Request) -> list[tuple[object, ...]]:
+        tag = wire.unpackb(req.args[0])
+        if tag == "late":
+            return [("sleep", 0.3), ("reply", "late")]
+        if tag == "twice":
+            return [("reply", "first"), ("reply", "second")]
+        if tag == "wrong-op":
+            return [("raw", [req.uid_frame, wire.packb(int(Op.PING)), wire.packb(True)])]
+        return [("reply", tag)]
+
+    async with FakeRouter(handler) as router:
+        conn = Connection(router.url)
+        await conn.open()
+        try:
+            with pytest.raises(LMCacheTimeoutError):
+                await conn.call(Op.END_SESSION, ("late",), timeout=0.1)
+            assert (await conn.call(Op.END_SESSION, ("twice",), timeout=2)).value() == "first"
+            with pytest.raises(LMCacheTimeoutError):
+                await conn.call(Op.END_SESSION, ("wrong-op",), timeout=0.3)
+            await asyncio.sleep(0.3)  # the late reply arrives meanwhile
+            assert (await conn.call(Op.END_SESSION, ("after",), timeout=2)).value() == "after"
+            assert conn.dropped == (2, 1)  # late + duplicate unknown; one op mismatch
+            assert conn.in_flight == 0
+        finally:
+            await conn.close()
+
+
+async def test_malformed_replies_are_dropped() -> None:
+    def handler(req: wire.Request) -> list[tuple[object, ...]]:
+        return [("raw", [b"\xc1"]), ("raw", [req.uid_frame, req.op_frame, b"x", b"y"]), ("reply", "OK")]
+
+    async with FakeRouter(handler) as router:
+        conn = Connection(router.url)
+        await conn.open()
+        try:
+            assert (await conn.call(Op.NOOP, (), timeout=2)).value() == "OK"
+            assert conn.dropped == (2, 0)
+        finally:
+            await conn.close()
+
+
+async def test_cancellation_removes_the_entry() -> None:
+    async with FakeRouter(lambda req: []) as router:
+        conn = Connection(router.url)
+        await conn.open()
+        try:
+            task = asyncio.create_task(conn.call(Op.NOOP, (), timeout=None))
+            await asyncio.sleep(0.1)
+            assert conn.in_flight == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert conn.in_flight == 0
+        finally:
+            await conn.close()
+
+
+async def test_connection_loss_fails_in_flight_calls_promptly() -> None:
+    async with FakeRouter(lambda req: [("sleep", 0.1), ("drop",)]) as router:
+        conn = Connection(router.url)
+        await conn.open()
+        try:
+            start = time.monotonic()
+            with pytest.raises(LMCacheConnectionError, match="end_session: connection to .* lost"):
+                await conn.call(Op.END_SESSION, ("x",), timeout=30)
+            assert time.monotonic() - start < 10  # far from the 30 s deadline
+            assert conn.in_flight == 0
+        finally:
+            await conn.close()
+
+
+async def test_reconnect_bumps_the_generation() -> None:
+    async with FakeRouter() as router:
+        conn = Connection(router.url)
+        await conn.open()
+        try:
+            assert (await conn.call(Op.NOOP, (), timeout=5)).value() == "OK"
+            assert conn.generation == 0
+            await router.restart()
+            deadline = time.monotonic() + 10
+            while conn.generation == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert conn.generation == 1
+            assert (await conn.call(Op.NOOP, (), timeout=5)).value() == "OK"
+        finally:
+            await conn.close()
+
+
+async def test_close_fails_pending_calls_and_refuses_new_ones() -> None:
+    async with FakeRouter(lambda req: []) as router:
+        conn = Connection(router.url)
+        await conn.open()
+        task = asyncio.create_task(conn.call(Op.NOOP, (), timeout=None))
+        await asyncio.sleep(0.05)
+        await conn.close()
+        with pytest.raises(ClientClosedError, match="noop: the connection was closed"):
+            await task
+        with pytest.raises(ClientClosedError):
+            await conn.call(Op.NOOP, (), timeout=1)
+        await conn.close()  # idempotent
+
+
+# ------------------------------------------------------------------ the table, property-tested
+
+events = st.lists(
+    st.one_of(
+        st.tuples(st.just("send"), st.sampled_from([Op.NOOP, Op.PING, Op.LOOKUP])),
+        st.tuples(st.just("reply"), st.integers(0, 30)),
+        st.tuples(st.just("wrong_op"), st.integers(0, 30)),
+        st.tuples(st.just("cancel"), st.integers(0, 30)),
+        st.tuples(st.just("fail_all"), st.just(0)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(events)
+def test_table_never_leaks_or_misroutes(script: list[tuple[str, object]]) -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        table = PendingTable()
+        futures: dict[int, tuple[Op, asyncio.Future[Reply]]] = {}
+        expected_unknown = 0
+        expected_mismatch = 0
+        for kind, arg in script:
+            if kind == "send":
+                assert isinstance(arg, Op)
+                uid, fut = table.register(arg, loop)
+                assert uid not in futures  # never reused
+                futures[uid] = (arg, fut)
+            elif kind in ("reply", "wrong_op"):
+                assert isinstance(arg, int)
+                entry = futures.get(arg)
+                live = entry is not None and not entry[1].done()
+                op = (entry[0] if entry else Op.NOOP) if kind == "reply" else Op.CLEAR
+                routed = table.resolve(Reply(arg, int(op), wire.packb(arg)))
+                if not live:
+                    expected_unknown += 1
+                    assert not routed
+                elif kind == "wrong_op":
+                    expected_mismatch += 1
+                    assert not routed
+                else:
+                    assert routed
+                    assert entry is not None
+                    assert wire.unpackb(entry[1].result().payload or b"") == arg  # its own reply
+            elif kind == "cancel":
+                assert isinstance(arg, int)
+                if arg in futures:
+                    futures[arg][1].cancel()
+            else:
+                table.fail_all(lambda op: LMCacheConnectionError("lost"))
+            loop.run_until_complete(asyncio.sleep(0))  # run done-callbacks
+        assert len(table) == sum(1 for _, f in futures.values() if not f.done())
+        assert (table.dropped_unknown, table.dropped_mismatch) == (expected_unknown, expected_mismatch)
+        for _, fut in futures.values():
+            if fut.done() and not fut.cancelled():
+                fut.exception()
+    finally:
+        loop.close()

@@ -1,0 +1,210 @@
+"""The sans-IO wire layer: exact frames, validation, and hypothesis round trips."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lmcache_async import wire
+from lmcache_async.errors import ProtocolError
+from lmcache_async.wire import CacheKey, Op, RegisterPayload, SlotDescriptor
+
+salts = st.text(max_size=128).filter(lambda s: not any(c in s for c in "@/\\\x00"))
+names = st.text(min_size=1, max_size=40).filter(lambda s: "@" not in s)
+tokens = st.lists(st.integers(0, 2**32 - 1), max_size=64)
+
+
+@st.composite
+def keys(draw: st.DrawFn) -> CacheKey:
+    toks = draw(tokens)
+    end = draw(st.integers(0, len(toks)))
+    start = draw(st.integers(0, end))
+    return CacheKey(
+        model_name=draw(names),
+        world_size=draw(st.integers(1, 8)),
+        worker_id=draw(st.none() | st.integers(0, 7)),
+        token_ids=toks,
+        start=start,
+        end=end,
+        request_id=draw(st.text(max_size=40)),
+        cache_salt=draw(salts),
+        request_configs=draw(st.none() | st.dictionaries(st.text(max_size=5), st.integers(-(2**63), 2**64 - 1), max_size=3)),
+        num_kv_readers=draw(st.integers(1, 4)),
+    )
+
+
+def test_lookup_request_matches_the_reference_bytes() -> None:
+    # The worked example of the protocol reference, section 2.1.
+    key = CacheKey("m", 1, None, [1, 2], 0, 0, "r", num_kv_readers=1)
+    frames = wire.encode_request(7, Op.LOOKUP, [key.to_wire(), 1])
+    expected_key = (
+        b"\x8a\xaamodel_name\xa1m\xaaworld_size\x01\xa9worker_id\xc0\xa9token_ids\x92\x01\x02"
+        b"\xa5start\x00\xa3end\x00\xaarequest_id\xa1r\xaacache_salt\xa0"
+        b"\xafrequest_configs\xc0\xaenum_kv_readers\x01"
+    )
+    assert frames == [b"\x07", b"\x08", expected_key, b"\x01"]
+
+
+@given(keys())
+def test_cache_key_round_trip(key: CacheKey) -> None:
+    frames = wire.encode_request(3, Op.PREPARE_STORE, [key.to_wire(), 5])
+    req = wire.decode_request(frames)
+    assert req.op is Op.PREPARE_STORE
+    assert CacheKey.from_wire(wire.unpackb(req.args[0])) == key
+    assert list(wire.unpackb(req.args[0])) == [
+        "model_name", "world_size", "worker_id", "token_ids", "start", "end",
+        "request_id", "cache_salt", "request_configs", "num_kv_readers",
+    ]  # fmt: skip
+
+
+@given(
+    st.builds(
+        RegisterPayload,
+        st.integers(0, 2**63 - 1),
+        names,
+        st.integers(1, 8),
+        st.integers(1, 64),
+        st.integers(1, 128),
+        st.integers(1, 8192),
+        st.sampled_from(["bfloat16", "float16", "float32"]),
+        st.booleans(),
+        st.none() | st.integers(1, 1024),
+    )
+)
+def test_register_payload_round_trip(payload: RegisterPayload) -> None:
+    encoded = wire.packb(payload.to_wire())
+    assert encoded[0] == 0x89  # a 9-entry map: every field written
+    assert RegisterPayload.from_wire(wire.unpackb(encoded)) == payload
+
+
+@given(st.integers(0, 2**40), st.sampled_from(list(Op)), st.none() | st.integers(-(2**63), 2**64 - 1) | st.text() | st.binary())
+def test_reply_round_trip(uid: int, op: Op, value: object) -> None:
+    req = wire.decode_request(wire.encode_request(uid, Op.NOOP, []))
+    req = wire.Request(req.uid_frame, wire.packb(int(op)), op, ())
+    frames = wire.encode_reply(req, value)
+    reply = wire.decode_reply(frames)
+    assert reply.uid == uid
+    assert reply.op == int(op)
+    assert reply.value() == value
+    assert len(frames) == (2 if value is None else 3)
+
+
+def test_falsy_values_still_have_a_payload_frame() -> None:
+    req = wire.decode_request(wire.encode_request(1, Op.NOOP, []))
+    for value in (0, False, ""):
+        assert len(wire.encode_reply(req, value)) == 3
+
+
+def test_bytes_are_bin_and_text_is_str() -> None:
+    assert wire.packb(b"ab") == b"\xc4\x02ab"
+    assert wire.packb("ab") == b"\xa2ab"
+    assert wire.bin_header(3) == b"\xc4\x03"
+    assert wire.bin_header(300) == b"\xc5\x01\x2c"
+    assert wire.bin_header(70000) == b"\xc6\x00\x01\x11\x70"
+    with pytest.raises(ValueError, match="at most"):
+        wire.bin_header(2**32)
+
+
+def test_arity_is_enforced_before_sending() -> None:
+    with pytest.raises(ValueError, match="clear takes 1 argument frames, got 0"):
+        wire.encode_request(1, Op.CLEAR, [])
+
+
+@pytest.mark.parametrize(
+    ("salt", "message"),
+    [
+        ("a@b", "must not contain '@'"),
+        ("a/b", "must not contain '/'"),
+        ("a\\b", r"must not contain '\\\\'"),
+        ("a\x00b", r"must not contain '\\x00'"),
+        ("x" * 129, "at most 128 characters, got 129"),
+    ],
+)
+def test_bad_salts(salt: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        wire.validate_cache_salt(salt)
+
+
+def test_salt_type() -> None:
+    with pytest.raises(TypeError, match="cache_salt must be a str, got int"):
+        wire.validate_cache_salt(3)
+
+
+def test_tokens_validation() -> None:
+    assert wire.validate_tokens((1, 2)) == [1, 2]
+    with pytest.raises(ValueError, match=r"token id 4294967296 is outside \[0, 2\*\*32\)"):
+        wire.validate_tokens([1, 2**32])
+    with pytest.raises(ValueError, match="token id -1"):
+        wire.validate_tokens([-1])
+    with pytest.raises(TypeError, match="tokens must contain ints, found float"):
+        wire.validate_tokens([1.0])
+    with pytest.raises(TypeError, match="found bool"):
+        wire.validate_tokens([True])
+    with pytest.raises(TypeError, match="tokens must be a sequence of ints, got str"):
+        wire.validate_tokens("abc")
+
+
+def test_model_name_validation() -> None:
+    with pytest.raises(ValueError, match="must not contain '@'"):
+        wire.validate_model_name("a@b")
+    with pytest.raises(ValueError, match="must not be empty"):
+        wire.validate_model_name("")
+
+
+def test_key_validation() -> None:
+    with pytest.raises(ValueError, match="num_kv_readers must be >= 1, got 0"):
+        CacheKey("m", 1, None, [1], 0, 1, "r", num_kv_readers=0)
+    with pytest.raises(ValueError, match=r"end \(3\) exceeds len\(token_ids\) \(2\)"):
+        CacheKey("m", 1, 0, [1, 2], 0, 3, "r")
+    key = CacheKey("m", 1, 0, list(range(20)), 0, 20, "r")
+    with pytest.raises(ValueError, match=r"range \[0, 20\) is not aligned to the chunk size 16"):
+        key.check_aligned(16)
+
+
+def test_decode_request_refuses_what_the_server_drops() -> None:
+    with pytest.raises(ProtocolError, match="at least two frames"):
+        wire.decode_request([b"\x01"])
+    with pytest.raises(ProtocolError, match="unknown operation id 11"):
+        wire.decode_request([b"\x01", b"\x0b"])
+    with pytest.raises(ProtocolError, match="int or str"):
+        wire.decode_request([b"\x01", msgpack.packb(1.5)])
+    assert wire.decode_request([b"\x01", msgpack.packb("noop")]).op is Op.NOOP
+
+
+def test_decode_reply_shapes() -> None:
+    with pytest.raises(ProtocolError, match="2 or 3 frames, got 1"):
+        wire.decode_reply([b"\x01"])
+    with pytest.raises(ProtocolError, match="uid must be an int"):
+        wire.decode_reply([msgpack.packb("x"), b"\x18"])
+    with pytest.raises(ProtocolError, match="malformed msgpack"):
+        wire.decode_reply([b"\xc1", b"\x18"])
+
+
+def test_slot_descriptor_checks() -> None:
+    ok = SlotDescriptor(64, 2 * 2 * 16 * 16 * 2, (2, 2, 16, 16), "bfloat16")
+    ok.check(1 << 20, (2, 2, 16, 16), "bfloat16", 2)
+    cases = [
+        (SlotDescriptor((1 << 20) - 100, 2048, (2, 2, 16, 16), "bfloat16"), "outside the pool"),
+        (SlotDescriptor(-2, 2048, (2, 2, 16, 16), "bfloat16"), "outside the pool"),
+        (SlotDescriptor(0, 4096, (2, 2, 16, 16), "bfloat16"), "does not match shape"),
+        (SlotDescriptor(0, 2048, (2, 2, 16, 16), "float16"), "slot dtype 'float16'"),
+        (SlotDescriptor(0, 2048, (2, 2, 8, 32), "bfloat16"), "slot shape"),
+        (SlotDescriptor(1, 2048, (2, 2, 16, 16), "bfloat16"), "not aligned"),
+    ]
+    for slot, message in cases:
+        with pytest.raises(ProtocolError, match=message):
+            slot.check(1 << 20, (2, 2, 16, 16), "bfloat16", 2)
+
+
+def test_reply_parsers_reject_malformed_replies() -> None:
+    assert wire.parse_register_response({"shm_name": "x", "pool_size": 4}) == ("x", 4)
+    with pytest.raises(ProtocolError):
+        wire.parse_register_response({"shm_name": 1, "pool_size": 4})
+    with pytest.raises(ProtocolError, match="do not match"):
+        wire.parse_prepare_store({"context": {"slots": [], "chunk_indices": [0]}})
+    with pytest.raises(ProtocolError, match="malformed slot"):
+        wire.parse_prepare_store({"context": {"slots": [{"offset": "0", "length": 1, "shape": [], "dtype": "x"}],
+                                              "chunk_indices": [0]}})  # fmt: skip
+    assert wire.parse_prepare_retrieve({"success": False, "data": b"", "context": {}}) == (False, b"", [])
