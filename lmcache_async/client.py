@@ -220,6 +220,7 @@ class AsyncClient:
         self._pid = os.getpid()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._chunk_size = 0
+        self._fifo_cpu = False
         self._instance_id = secrets.randbits(63)
         self._server_instance: object = None
         self._pool: ShmPool | None = None
@@ -363,6 +364,7 @@ class AsyncClient:
             )
         self._chunk_size = chunk_size
         self._server_instance = mp.get("instance_id")
+        self._fifo_cpu = mp.get("max_cpu_workers") == 1
 
     async def _register(self, timeout: float | None) -> None:
         geom = self._geometry
@@ -532,14 +534,15 @@ class AsyncClient:
         assert geom is not None
         return kv.narrow(geom.token_axis, index * self._chunk_size, self._chunk_size)
 
-    async def _prefetch_result(self, op: _Op, request_id: str) -> int:
+    async def _prefetch_result(self, op: _Op, request_id: str, first: Any = None) -> int:
         """Consume the prefetch status of ``request_id``: hit length in chunks.
 
-        Asks at once (the usual case: the lookup finished before its ack was read),
-        then waits server-side in short slices, so no client-side polling delay is
-        added and the server's shared CPU worker is never held for long.
+        Asks at once (the usual case: the prefetch finished before the question arrives;
+        ``first`` is the answer to a question already asked), then waits server-side in
+        short slices, so no client-side polling delay is added and the server's shared
+        CPU worker is never held for long.
         """
-        value = await self._call(op, Op.QUERY_PREFETCH_STATUS, request_id)
+        value = first if first is not None else await self._call(op, Op.QUERY_PREFETCH_STATUS, request_id)
         while value is None:
             remaining = op.remaining()
             slice_ = _PREFETCH_WAIT_SLICE if remaining is None else min(_PREFETCH_WAIT_SLICE, remaining)
@@ -595,17 +598,49 @@ class AsyncClient:
         chunks: int | None = None
         ok = False
         try:
-            await self._call(op, Op.LOOKUP, key, geom.world_size)
-            chunks = await self._prefetch_result(op, rid)
+            if self._fifo_cpu:
+                # One CPU worker on the server runs lookup-pool requests in arrival
+                # order, so the status question can follow the lookup without its ack.
+                _, first = await self._pipeline(
+                    op, (Op.LOOKUP, key, geom.world_size), (Op.QUERY_PREFETCH_STATUS, rid)
+                )
+                chunks = await self._prefetch_result(op, rid, first)
+            else:
+                await self._call(op, Op.LOOKUP, key, geom.world_size)  # the ack first (pitfall 6)
+                chunks = await self._prefetch_result(op, rid)
             ok = True
             return chunks * self._chunk_size
         finally:
             if chunks is None:
                 chunks = await self._drain_prefetch(rid)
-            if release or not ok:
-                await self._free_locks(key, chunks)
-            if release:
-                await self._cleanup_call(Op.END_SESSION, rid)
+            if release and self._fifo_cpu:
+                await self._release_pipelined(key, rid, chunks)
+            else:
+                if release or not ok:
+                    await self._free_locks(key, chunks)
+                if release:
+                    await self._cleanup_call(Op.END_SESSION, rid)
+
+    async def _pipeline(self, op: _Op, *calls: tuple[Any, ...]) -> list[Any]:
+        """Send several requests back to back (in order) and wait for all replies.
+
+        Raises the first error after every reply (or error) is in.
+        """
+        tasks = [asyncio.ensure_future(self._call(op, *c)) for c in calls]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    async def _release_pipelined(self, key: dict[str, Any], rid: str, chunks: int) -> None:
+        """free_lookup_locks + end_session in one round trip (FIFO CPU worker only)."""
+        calls: list[tuple[Any, ...]] = []
+        if chunks:
+            end = chunks * self._chunk_size
+            calls.append((Op.FREE_LOOKUP_LOCKS, dict(key, end=end, token_ids=key["token_ids"][:end]), key["world_size"]))
+        calls.append((Op.END_SESSION, rid))
+        await asyncio.gather(*(self._cleanup_call(*c) for c in calls))
 
     async def _drain_prefetch(self, rid: str) -> int:
         deadline = time.monotonic() + self.cleanup_grace
@@ -833,6 +868,16 @@ class AsyncClient:
             resp = await self._call(op, Op.PREPARE_STORE, key, self._instance_id)
             slots, indices = parse_prepare_store(resp)
             if not slots:
+                # Nothing reservable: every chunk is cached (or being written), or the
+                # server is out of memory (it reserves a batch all-or-nothing). A lookup
+                # tells which; it only runs on this uncommon path.
+                lookup_key = self._key(toks, end, _request_id("store-check"), salt, worker=False)
+                cached = await self._lookup_locked(op, lookup_key, lookup_key["request_id"], release=True)
+                if cached < end:
+                    raise TransferError(
+                        f"the server could not reserve memory for {(end - cached) // self._chunk_size} "
+                        "chunks (L1 full of locked or reserved objects?); nothing was stored"
+                    )
                 return False
             n_chunks = end // self._chunk_size
             if max(indices) >= n_chunks:

@@ -1,0 +1,49 @@
+# lmcache_async: the two set-up commands are `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# Pinned only here (the package itself asks for a range): on these machines
+# torch==2.13.0 resolves to the CPU build on local disk; a bare `torch` pulls CUDA.
+TORCH  := torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test venv lmcache-venv lint typecheck pytest smoke bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lmcache-venv:
+	tests/support/build_lmcache_venv.sh
+
+## The main job: the KV remap demo on the embedded server (no LMCache needed).
+demo: venv
+	$(BIN)/lmcache-async demo
+
+## Everything CI runs: lint, types, the whole test suite against the real server.
+test: venv lmcache-venv lint typecheck pytest
+
+lint: venv
+	$(BIN)/ruff check lmcache_async tests benchmarks
+
+typecheck: venv
+	$(BIN)/mypy
+
+# pytest exits 5 when it collected no tests: make treats any non-zero exit as failure.
+pytest: venv lmcache-venv
+	LMCACHE_ASYNC_REQUIRE_REAL_SERVER=1 $(BIN)/python -m pytest
+
+## The issue-2 smoke run: real LMCache server, our client, chunk size + noop RTT.
+smoke: venv lmcache-venv
+	$(BIN)/python benchmarks/smoke_real_server.py
+
+## Benchmarks against the official SDK (see docs/benchmarks.md).
+bench: venv lmcache-venv
+	$(BIN)/python benchmarks/bench_client.py
+
+clean:
+	rm -rf $(VENV) .lmcache-venv .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,320 @@
+"""Shared pytest fixtures.
+
+Real-server fixtures (the REAL LMCache 0.5.6 MP server, run from its own venv
+``.lmcache-venv`` built by ``tests/support/build_lmcache_venv.sh``):
+
+* ``lmcache_python`` (session): Path of the lmcache venv's python. The venv is
+  built once per session, before the first test runs (in
+  ``pytest_collection_finish``, outside the per-test timeout), and only when a
+  selected test needs it. A cold build takes ~70 s; a built venv ~0.1 s.
+* ``real_server_shm`` / ``real_server_pickle`` (session): a started
+  :class:`RealLMCacheServer`, ``--supported-transfer-mode auto``, L1 1 GB, LRU,
+  **chunk size 16** (``SESSION_CHUNK_SIZE``) so tests can use small tensors.
+  "shm" = ``--shm-name lmca_<pid>_<hex> --no-l1-use-lazy``; "pickle" =
+  ``--shm-name ""``. They are SHARED by every test of the session: use
+  distinct model names / token ids per test, and never stop or restart them
+  (use ``fresh_real_server`` for that).
+* ``real_server`` (function, parametrized ``["shm", "pickle"]``, ids
+  ``shm``/``pickle``): the matching session server.
+* ``fresh_real_server`` (function): a factory ``make(mode="shm", **kw)``
+  returning a NEW started server of its own (kw go to
+  :class:`RealLMCacheServer`; ``chunk_size`` defaults to 16 here too); all
+  servers it made are stopped at teardown (and checked: no process, no
+  ``/dev/shm`` segment left). For restart tests (``server.restart()`` keeps
+  ports and shm name).
+
+Every test that uses any of these fixtures (directly or through another
+fixture) is marked ``real_server`` automatically, so developers without the
+lmcache venv can deselect them with ``-m "not real_server"``. If building the
+venv or starting a server fails, the fixture FAILS the test (``pytest.fail``)
+-- it never skips, locally or in CI (``CI=true`` /
+``LMCACHE_ASYNC_REQUIRE_REAL_SERVER=1`` only change the message).
+
+When a test that used a real server fails, the tails of the server logs are
+printed in its teardown section. At session end it is asserted that no server
+process started here is alive and no shm segment it created remains.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(_REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(_REPO_ROOT))
+
+from tests.support.real_server import (  # noqa: E402
+    LMCacheServerError,
+    RealLMCacheServer,
+    lmcache_venv_python,
+)
+
+#: Chunk size of the shared session servers (tokens). Small on purpose.
+SESSION_CHUNK_SIZE = 16
+#: Server startup deadline (s); a start takes ~2-3 s on 2 vCPUs.
+SERVER_START_TIMEOUT = 60.0
+
+#: Fixtures that need the real server. Tests whose fixture closure contains one
+#: of these get the ``real_server`` marker. A fixture that reaches a real
+#: server only through ``request.getfixturevalue(...)`` is invisible to that
+#: static check: add its name here (``REAL_SERVER_FIXTURES.add("name")``) or
+#: give its params ``pytest.param(..., marks=pytest.mark.real_server)``.
+REAL_SERVER_FIXTURES: set[str] = {
+    "lmcache_python",
+    "real_server",
+    "real_server_shm",
+    "real_server_pickle",
+    "fresh_real_server",
+}
+
+_venv_key = pytest.StashKey[tuple[Path | None, str | None]]()
+_report_key = pytest.StashKey[dict[str, pytest.TestReport]]()
+
+
+def _require_real_server() -> bool:
+    return (
+        os.environ.get("CI", "").lower() == "true"
+        or os.environ.get("LMCACHE_ASYNC_REQUIRE_REAL_SERVER") == "1"
+    )
+
+
+def _fail(what: str, err: BaseException | str) -> None:
+    hint = (
+        "(CI / LMCACHE_ASYNC_REQUIRE_REAL_SERVER=1: real-server tests are required)"
+        if _require_real_server()
+        else "(deselect real-server tests locally with -m 'not real_server')"
+    )
+    pytest.fail(f"{what} {hint}:\n{err}", pytrace=False)
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselection looks at the markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if names & REAL_SERVER_FIXTURES:
+            item.add_marker(pytest.mark.real_server)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build the lmcache venv before any test runs (outside the per-test
+    timeout), only if a selected test needs it."""
+    if session.config.option.collectonly:
+        return
+    if not any(item.get_closest_marker("real_server") for item in session.items):
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("preparing the lmcache 0.5.6 venv (tests/support/build_lmcache_venv.sh)")
+    try:
+        session.config.stash[_venv_key] = (lmcache_venv_python(), None)
+    except Exception as exc:  # reported by the lmcache_python fixture
+        session.config.stash[_venv_key] = (None, str(exc))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report: pytest.TestReport = yield
+    item.stash.setdefault(_report_key, {})[report.when] = report
+    return report
+
+
+def _test_failed(node: pytest.Item) -> bool:
+    reports = node.stash.get(_report_key, {})
+    return any(r.failed for w, r in reports.items() if w in ("setup", "call"))
+
+
+def _print_log_tails(node: pytest.Item, servers: list[RealLMCacheServer]) -> None:
+    for srv in servers:
+        print(f"\n===== {node.nodeid}: log tail of {srv!r} ({srv.log_path}) =====")
+        print(srv.log_tail(60))
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+class _Registry:
+    """Every server started by these fixtures, for the end-of-session check."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.servers: list[RealLMCacheServer] = []
+
+    def start(self, mode: str, python: Path, **kw: Any) -> RealLMCacheServer:
+        kw.setdefault("chunk_size", SESSION_CHUNK_SIZE)
+        kw.setdefault("log_dir", self.log_dir)
+        srv = RealLMCacheServer(mode, venv_python=python, **kw)  # type: ignore[arg-type]
+        self.servers.append(srv)
+        try:
+            srv.start(timeout=SERVER_START_TIMEOUT)
+        except LMCacheServerError as exc:
+            srv.stop()
+            _fail(f"could not start the real LMCache server (mode={mode})", exc)
+        return srv
+
+
+@pytest.fixture(scope="session")
+def _real_server_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Registry]:
+    reg = _Registry(tmp_path_factory.mktemp("lmcache_server_logs"))
+    yield reg
+    # Runs after every server fixture (they all depend on this one). The
+    # session servers were only sent SIGTERM (so they shut down in parallel);
+    # wait for them here, then check that nothing is left.
+    problems: list[str] = []
+    for srv in reg.servers:
+        srv.stop()
+        problems += [f"{srv!r}: {p}" for p in srv.leftovers()]
+    assert not problems, "real-server leftovers:\n" + "\n".join(problems)
+
+
+@pytest.fixture(scope="session")
+def lmcache_python(pytestconfig: pytest.Config) -> Path:
+    """Path of the lmcache 0.5.6 venv's python (built once per session)."""
+    python, error = pytestconfig.stash.get(_venv_key, (None, None))
+    if python is None and error is None:
+        try:
+            python = lmcache_venv_python()
+        except Exception as exc:
+            error = str(exc)
+        pytestconfig.stash[_venv_key] = (python, error)
+    if error is not None or python is None:
+        _fail("could not build the lmcache 0.5.6 venv", error or "unknown error")
+    assert python is not None
+    return python
+
+
+def _session_server(registry: _Registry, python: Path, mode: str) -> Iterator[RealLMCacheServer]:
+    srv = registry.start(mode, python, name=f"session_{mode}")
+    yield srv
+    srv.terminate()  # _real_server_registry's teardown waits and checks
+
+
+@pytest.fixture(scope="session")
+def real_server_shm(_real_server_registry: _Registry, lmcache_python: Path) -> Iterator[RealLMCacheServer]:
+    """Shared SHM-mode server (chunk size 16) for the whole session."""
+    yield from _session_server(_real_server_registry, lmcache_python, "shm")
+
+
+@pytest.fixture(scope="session")
+def real_server_pickle(_real_server_registry: _Registry, lmcache_python: Path) -> Iterator[RealLMCacheServer]:
+    """Shared pickle-mode server (chunk size 16) for the whole session."""
+    yield from _session_server(_real_server_registry, lmcache_python, "pickle")
+
+
+@pytest.fixture(params=["shm", "pickle"])
+def real_server(request: pytest.FixtureRequest) -> RealLMCacheServer:
+    """The session server of each transport, in turn."""
+    srv: RealLMCacheServer = request.getfixturevalue(f"real_server_{request.param}")
+    if not srv.is_running():
+        _fail(f"the shared {request.param} server is not running", srv.log_tail(40))
+    return srv
+
+
+class _FreshServers:
+    def __init__(self, registry: _Registry, python: Path) -> None:
+        self._registry = registry
+        self._python = python
+        self.servers: list[RealLMCacheServer] = []
+
+    def __call__(self, mode: str = "shm", **kw: Any) -> RealLMCacheServer:
+        srv = self._registry.start(mode, self._python, **kw)
+        self.servers.append(srv)
+        return srv
+
+
+@pytest.fixture
+def fresh_real_server(
+    _real_server_registry: _Registry, lmcache_python: Path
+) -> Iterator[Callable[..., RealLMCacheServer]]:
+    """Factory ``make(mode="shm", **kw)`` for servers owned by one test."""
+    factory = _FreshServers(_real_server_registry, lmcache_python)
+    yield factory
+    problems: list[str] = []
+    for srv in factory.servers:
+        srv.stop()
+        problems += [f"{srv!r}: {p}" for p in srv.leftovers()]
+    assert not problems, "fresh server leftovers:\n" + "\n".join(problems)
+
+
+@pytest.fixture(autouse=True)
+def _real_server_logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Print the logs of the real servers a failed test used (teardown output)."""
+    yield
+    node = request.node
+    if not isinstance(node, pytest.Item) or not _test_failed(node):
+        return
+    servers: list[RealLMCacheServer] = []
+    for value in getattr(node, "funcargs", {}).values():
+        if isinstance(value, RealLMCacheServer):
+            candidates = [value]
+        elif isinstance(value, _FreshServers):
+            candidates = value.servers
+        else:
+            continue
+        servers += [s for s in candidates if s not in servers]
+    _print_log_tails(node, servers)
+
+
+# ---- client fixtures ----
+# Other engineers: add lmcache_async client fixtures BELOW this line (they may
+# depend on real_server / real_server_shm / real_server_pickle /
+# fresh_real_server; such tests get the `real_server` marker automatically --
+# except through request.getfixturevalue(): see REAL_SERVER_FIXTURES above).
+
+import uuid  # noqa: E402
+from collections.abc import AsyncIterator  # noqa: E402
+
+import torch  # noqa: E402
+
+from lmcache_async import AsyncClient, KVGeometry  # noqa: E402
+
+#: Parameters of the contract suite: every server configuration a client test runs on.
+SERVER_CONFIGS = [
+    pytest.param("real-shm", marks=pytest.mark.real_server),
+    pytest.param("real-pickle", marks=pytest.mark.real_server),
+]
+
+
+@pytest.fixture(params=SERVER_CONFIGS)
+def server(request: pytest.FixtureRequest) -> Any:
+    """Each server configuration of the contract suite in turn (url, http_url, mode,
+    chunk_size 16)."""
+    kind, mode = request.param.split("-")
+    if kind == "real":
+        return request.getfixturevalue(f"real_server_{mode}")
+    return request.getfixturevalue(f"embedded_server_{mode}")
+
+
+def unique_model(prefix: str = "test") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def fresh_tokens(n: int) -> list[int]:
+    """``n`` token ids no other test uses (random base, so shared servers don't collide)."""
+    base = int.from_bytes(os.urandom(4), "little") % (2**31)
+    return list(range(base, base + n))
+
+
+SMALL_GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_size=16)
+
+
+def random_kv(geometry: KVGeometry, num_tokens: int, seed: int | None = None) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+    return torch.randn(geometry.kv_shape(num_tokens), generator=gen, dtype=torch.float32).to(geometry.dtype)
+
+
+@pytest.fixture
+async def client(server: Any) -> AsyncIterator[AsyncClient]:
+    """An open AsyncClient with the small explicit geometry and a model of its own."""
+    async with AsyncClient(
+        server.url, server.http_url, unique_model(), geometry=SMALL_GEOMETRY, timeout=30
+    ) as c:
+        yield c

@@ -1,0 +1,552 @@
+"""Run the REAL LMCache 0.5.6 MP server (``lmcache server``) for tests and benchmarks.
+
+Stdlib only; never imports ``lmcache_async`` nor ``lmcache`` (the server runs in
+its own virtual environment, built by ``tests/support/build_lmcache_venv.sh``).
+
+    from tests.support.real_server import RealLMCacheServer
+
+    with RealLMCacheServer("shm", chunk_size=16) as srv:
+        srv.url        # "tcp://127.0.0.1:<port>"  (ZMQ request endpoint)
+        srv.http_url   # "http://127.0.0.1:<port>" (FastAPI: /healthcheck, /config, /status)
+        srv.get_json("/config")["mp"]["chunk_size"]
+
+Every server binds loopback only, on two fresh ports, and (mode ``"shm"``) a
+unique shm name ``lmca_<pid>_<hex>``, so several can run side by side. ``stop()``
+signals exactly the pid it started (never by name) and removes the L1 pool
+segment ``/dev/shm/lmcache_l1_pool_<name>`` if the server left it behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+__all__ = [
+    "BUILD_SCRIPT",
+    "REPO_ROOT",
+    "LMCacheServerError",
+    "RealLMCacheServer",
+    "lmcache_venv_python",
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BUILD_SCRIPT = Path(__file__).resolve().with_name("build_lmcache_venv.sh")
+
+SHM_DIR = Path("/dev/shm")
+L1_POOL_PREFIX = "lmcache_l1_pool_"
+
+#: Environment every lmcache process gets: no telemetry (without these the
+#: server tries to reach an outside host), no banner.
+LMCACHE_QUIET_ENV = {
+    "LMCACHE_TRACK_USAGE": "false",
+    "DO_NOT_TRACK": "1",
+    "LMCACHE_DISABLE_BANNER": "1",
+}
+
+Mode = Literal["shm", "pickle"]
+
+
+class LMCacheServerError(RuntimeError):
+    """The real server (or its venv) could not be built, started or stopped."""
+
+
+# --------------------------------------------------------------------------- venv
+
+_venv_lock = threading.Lock()
+_venv_python: Path | None = None
+
+
+def lmcache_venv_python(*, timeout: float = 1800.0) -> Path:
+    """Build (idempotently) the lmcache 0.5.6 venv and return its python.
+
+    Runs ``tests/support/build_lmcache_venv.sh`` (``LMCACHE_VENV`` selects the
+    location, default ``<repo>/.lmcache-venv``). A built venv costs ~0.1 s; a
+    cold build ~70-80 s. The result is cached per process.
+
+    Raises:
+        LMCacheServerError: with the script's output if the build fails.
+    """
+    global _venv_python
+    with _venv_lock:
+        if _venv_python is not None and _venv_python.exists():
+            return _venv_python
+        try:
+            proc = subprocess.run(
+                ["bash", str(BUILD_SCRIPT)],
+                cwd=str(REPO_ROOT),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise LMCacheServerError(f"{BUILD_SCRIPT} did not finish within {timeout:.0f} s") from exc
+        lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+        if proc.returncode != 0 or not lines:
+            raise LMCacheServerError(
+                f"{BUILD_SCRIPT} failed (exit {proc.returncode}).\n"
+                f"--- stdout ---\n{proc.stdout[-4000:]}\n"
+                f"--- stderr ---\n{proc.stderr[-8000:]}"
+            )
+        python = Path(lines[-1].strip())
+        if not python.exists():
+            raise LMCacheServerError(
+                f"{BUILD_SCRIPT} reported {python}, which does not exist.\n"
+                f"--- stderr ---\n{proc.stderr[-8000:]}"
+            )
+        _venv_python = python
+        return python
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a process of the lmcache venv.
+
+    Drops variables that would leak the caller's interpreter setup into the
+    other venv (``PYTHONPATH``, ``PYTHONHOME``, ``VIRTUAL_ENV``) and adds the
+    telemetry/banner switches.
+    """
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
+    }
+    env.update(LMCACHE_QUIET_ENV)
+    env["PYTHONUNBUFFERED"] = "1"
+    if extra:
+        env.update(extra)
+    return env
+
+
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pick_ports(n: int) -> list[int]:
+    # Hold all sockets open until every port is chosen so they are distinct.
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the comm field (index 0 = state)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()
+
+
+def _descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, start time) of every live descendant of ``pid``."""
+    out: list[tuple[int, str]] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                kids = Path(f"/proc/{parent}/task/{tid}/children").read_text().split()
+            except OSError:
+                continue
+            for k in kids:
+                child = int(k)
+                st = _proc_stat(child)
+                if st is not None:
+                    out.append((child, st[19]))  # field 22 of stat: starttime
+                    todo.append(child)
+    return out
+
+
+def _same_process_alive(pid: int, starttime: str) -> bool:
+    st = _proc_stat(pid)
+    return st is not None and st[19] == starttime and st[0] not in ("Z", "X")
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie (Linux ``/proc``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:
+        return True
+    # state is the field after the parenthesised comm
+    state = stat.rsplit(")", 1)[-1].split()[0]
+    return state not in ("Z", "X")
+
+
+# --------------------------------------------------------------------------- server
+
+
+class RealLMCacheServer:
+    """One ``lmcache server`` process (ZMQ + HTTP) on loopback.
+
+    Args:
+        mode: ``"shm"`` (``--shm-name lmca_<pid>_<hex> --no-l1-use-lazy``: the
+            whole L1 is the POSIX segment ``/dev/shm/lmcache_l1_pool_<name>``)
+            or ``"pickle"`` (``--shm-name ""``).
+        chunk_size: ``--chunk-size`` in tokens (default 256).
+        l1_size_gb: ``--l1-size-gb`` (default 1); eviction policy is LRU.
+        extra_args: appended to the command line verbatim.
+        venv_python: the lmcache venv's python; default: built on first
+            ``start()`` via :func:`lmcache_venv_python`.
+        log_dir: directory for the log file (default: a fresh temp dir). The
+            log is appended across ``restart()`` and kept after ``stop()``.
+        name: label used in the log file name.
+
+    The ports and shm name are chosen once, in the constructor, so
+    :meth:`restart` brings the server back on the SAME endpoints.
+    """
+
+    def __init__(
+        self,
+        mode: Mode = "shm",
+        *,
+        chunk_size: int = 256,
+        l1_size_gb: float = 1,
+        extra_args: Sequence[str] = (),
+        venv_python: Path | str | None = None,
+        log_dir: Path | str | None = None,
+        name: str | None = None,
+    ) -> None:
+        if mode not in ("shm", "pickle"):
+            raise ValueError(f"mode must be 'shm' or 'pickle', got {mode!r}")
+        if chunk_size <= 0:
+            raise ValueError("chunk_size must be positive")
+        self._mode: Mode = mode
+        self._chunk_size = int(chunk_size)
+        self._l1_size_gb = l1_size_gb
+        self._extra_args = [str(a) for a in extra_args]
+        self._venv_python = Path(venv_python) if venv_python is not None else None
+        self._port, self._http_port = _pick_ports(2)
+        self._shm_name = f"lmca_{os.getpid()}_{secrets.token_hex(4)}" if mode == "shm" else ""
+        label = name or f"lmcache_{mode}_{self._port}"
+        self._log_dir = (
+            Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="lmcache_server_"))
+        )
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        self._log_path = self._log_dir / f"{label}.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._started_pids: list[int] = []
+        self._children: list[tuple[int, str]] = []
+        self._sigterm_sent = False
+
+    # ------------------------------------------------------------ properties
+    @property
+    def mode(self) -> Mode:
+        return self._mode
+
+    @property
+    def chunk_size(self) -> int:
+        return self._chunk_size
+
+    @property
+    def host(self) -> str:
+        return "127.0.0.1"
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def http_port(self) -> int:
+        return self._http_port
+
+    @property
+    def url(self) -> str:
+        """ZMQ request endpoint, ``tcp://127.0.0.1:<port>``."""
+        return f"tcp://127.0.0.1:{self._port}"
+
+    @property
+    def http_url(self) -> str:
+        """HTTP endpoint, ``http://127.0.0.1:<http_port>`` (no trailing slash)."""
+        return f"http://127.0.0.1:{self._http_port}"
+
+    @property
+    def shm_name(self) -> str:
+        """The bare ``--shm-name`` value (``""`` in pickle mode)."""
+        return self._shm_name
+
+    @property
+    def shm_segment(self) -> str | None:
+        """``/dev/shm/lmcache_l1_pool_<name>`` in shm mode, else None."""
+        if not self._shm_name:
+            return None
+        return str(SHM_DIR / f"{L1_POOL_PREFIX}{self._shm_name}")
+
+    @property
+    def pid(self) -> int | None:
+        """Pid of the running server (None before start / after stop)."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def started_pids(self) -> list[int]:
+        """Every pid this object has started (restart adds one)."""
+        return list(self._started_pids)
+
+    @property
+    def log_path(self) -> Path:
+        return self._log_path
+
+    @property
+    def command(self) -> list[str]:
+        """The command line (with the venv resolved lazily to ``<venv>/bin/lmcache``)."""
+        return self._build_command(self._lmcache_exe())
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    # ------------------------------------------------------------ lifecycle
+    def _lmcache_exe(self) -> Path:
+        if self._venv_python is None:
+            self._venv_python = lmcache_venv_python()
+        return self._venv_python.parent / "lmcache"
+
+    def _build_command(self, exe: Path) -> list[str]:
+        cmd = [
+            str(exe), "server",
+            "--host", "127.0.0.1",
+            "--port", str(self._port),
+            "--http-host", "127.0.0.1",
+            "--http-port", str(self._http_port),
+            "--chunk-size", str(self._chunk_size),
+            "--l1-size-gb", str(self._l1_size_gb),
+            "--eviction-policy", "LRU",
+            "--supported-transfer-mode", "auto",
+        ]  # fmt: skip
+        if self._mode == "shm":
+            cmd += ["--shm-name", self._shm_name, "--no-l1-use-lazy"]
+        else:
+            cmd += ["--shm-name", ""]
+        return cmd + self._extra_args
+
+    def start(self, timeout: float = 60.0) -> RealLMCacheServer:
+        """Start the server and wait until ``GET /healthcheck`` answers 200.
+
+        Raises:
+            LMCacheServerError: the process exited, or was not healthy before
+                ``timeout`` (it is then stopped); the message has the log tail.
+        """
+        if self.is_running():
+            raise LMCacheServerError(f"server already running (pid {self.pid})")
+        self._reap()
+        exe = self._lmcache_exe()
+        if not exe.exists():
+            raise LMCacheServerError(f"{exe} does not exist")
+        cmd = self._build_command(exe)
+        with open(self._log_path, "ab") as log:
+            log.write(f"\n===== {time.strftime('%H:%M:%S')} start: {cmd!r}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=str(self._log_dir),  # never inside an lmcache source tree
+                env=child_env(),
+                start_new_session=True,  # no terminal signals; we signal the pid
+            )
+        self._sigterm_sent = False
+        self._started_pids.append(self._proc.pid)
+        deadline = time.monotonic() + timeout
+        url = f"{self.http_url}/healthcheck"
+        while True:
+            rc = self._proc.poll()
+            if rc is not None:
+                self._reap()
+                raise LMCacheServerError(
+                    f"lmcache server exited with code {rc} during startup "
+                    f"(mode={self._mode}, port={self._port}).\n"
+                    f"--- log tail ({self._log_path}) ---\n{self.log_tail(60)}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=1.0) as resp:
+                    if resp.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                tail = self.log_tail(60)
+                self.stop()
+                raise LMCacheServerError(
+                    f"lmcache server not healthy within {timeout:.0f} s "
+                    f"(mode={self._mode}, {url}).\n"
+                    f"--- log tail ({self._log_path}) ---\n{tail}"
+                )
+            time.sleep(0.1)
+
+    def terminate(self) -> None:
+        """Send SIGTERM to the started pid without waiting (``stop()`` then
+        waits); lets several servers shut down in parallel."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None and not self._sigterm_sent:
+            # The server's own children (multiprocessing's resource_tracker)
+            # exit by themselves once the server is gone; remember exactly
+            # which they are so a straggler can be killed by pid in stop().
+            self._children.extend(_descendants(proc.pid))
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)  # Popen: only while unreaped
+            self._sigterm_sent = True
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM exactly the started pid, wait up to ``timeout`` s, then SIGKILL.
+
+        Afterwards removes ``/dev/shm/lmcache_l1_pool_<name>`` if it is left.
+        Idempotent. Returns the exit code (None if nothing was running).
+        """
+        proc = self._proc
+        rc: int | None = None
+        if proc is not None:
+            self.terminate()
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait(timeout=30)
+            self._reap_children(self._children)
+            rc = proc.returncode
+            with open(self._log_path, "ab") as log:
+                log.write(f"\n===== {time.strftime('%H:%M:%S')} stopped pid {proc.pid} rc={rc}\n".encode())
+            self._proc = None
+            self._sigterm_sent = False
+        self.remove_shm_segment()
+        return rc
+
+    def remove_shm_segment(self) -> bool:
+        """Unlink the L1 pool segment if present (True if something was removed)."""
+        seg = self.shm_segment
+        if seg is None or self.is_running():
+            return False
+        try:
+            os.unlink(seg)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def restart(self, timeout: float = 60.0) -> RealLMCacheServer:
+        """Stop, then start again on the SAME ports and shm name (new pid,
+        new ``mp.instance_id``; all server state is gone)."""
+        self.stop()
+        return self.start(timeout=timeout)
+
+    @staticmethod
+    def _reap_children(kids: list[tuple[int, str]], grace: float = 5.0) -> None:
+        deadline = time.monotonic() + grace
+        while any(_same_process_alive(p, st) for p, st in kids):
+            if time.monotonic() > deadline:
+                for p, st in kids:
+                    if _same_process_alive(p, st):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(p, signal.SIGKILL)
+                break
+            time.sleep(0.05)
+
+    def _reap(self) -> None:
+        if self._proc is not None and self._proc.poll() is not None:
+            self._proc = None
+
+    def __enter__(self) -> RealLMCacheServer:
+        if not self.is_running():
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return (
+            f"RealLMCacheServer(mode={self._mode!r}, url={self.url!r}, "
+            f"http_url={self.http_url!r}, chunk_size={self._chunk_size}, "
+            f"shm_name={self._shm_name!r}, pid={self.pid})"
+        )
+
+    # ------------------------------------------------------------ helpers
+    def log_tail(self, n: int = 40) -> str:
+        """The last ``n`` lines of the server log."""
+        try:
+            data = self._log_path.read_bytes()
+        except FileNotFoundError:
+            return "<no log>"
+        lines = data.decode("utf-8", "replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def http_get(self, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
+        """``GET http_url + path`` -> (status, body); HTTP errors are returned, not raised."""
+        try:
+            with urllib.request.urlopen(f"{self.http_url}{path}", timeout=timeout) as resp:
+                return int(resp.status), resp.read()
+        except urllib.error.HTTPError as err:
+            body = err.read()
+            err.close()
+            return int(err.code), body
+
+    def get_json(self, path: str, timeout: float = 10.0) -> Any:
+        """``GET`` a JSON endpoint (``/config``, ``/status``...); raises on non-200."""
+        status, body = self.http_get(path, timeout=timeout)
+        if status != 200:
+            raise LMCacheServerError(f"GET {path} -> {status}: {body[:500]!r}")
+        return json.loads(body)
+
+    def config(self) -> dict[str, Any]:
+        """``GET /config``."""
+        return dict(self.get_json("/config"))
+
+    def status(self) -> dict[str, Any]:
+        """``GET /status``."""
+        return dict(self.get_json("/status"))
+
+    def _is_our_server(self, pid: int) -> bool:
+        # A reaped pid may be reused by an unrelated process: also match the port.
+        if not pid_alive(pid):
+            return False
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        return str(self._port).encode() in cmdline
+
+    def leftovers(self) -> list[str]:
+        """Problems after stop(): live pids this object started, or a left segment."""
+        problems = [f"server pid {p} still alive" for p in self._started_pids if self._is_our_server(p)]
+        problems += [
+            f"server child pid {p} still alive" for p, st in self._children if _same_process_alive(p, st)
+        ]
+        seg = self.shm_segment
+        if seg is not None and os.path.exists(seg):
+            problems.append(f"shm segment {seg} still exists")
+        return problems

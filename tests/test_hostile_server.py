@@ -1,0 +1,184 @@
+"""A wrong or hostile server: slot descriptors outside the pool, pickle payloads that are
+not plain tensors, silence. Scripted with tests/fake_router.py plus a stub HTTP API."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from aiohttp import web
+
+import lmcache_async as lmc
+from lmcache_async import wire
+from lmcache_async.wire import Op
+from tests.conftest import SMALL_GEOMETRY
+from tests.fake_router import FakeRouter
+
+pytestmark = pytest.mark.anyio
+
+CS = 16
+POOL = 1 << 20
+SLOT_BYTES = 2 * 2 * CS * 16 * 2  # [2, L=2, 16, D=16] bf16
+
+
+@pytest.fixture
+async def http_stub() -> AsyncIterator[str]:
+    async def config(_: web.Request) -> web.Response:
+        return web.json_response(
+            {"mp": {"chunk_size": CS, "supported_transfer_mode": "auto", "instance_id": "x", "max_cpu_workers": 1}}
+        )
+
+    async def status(_: web.Request) -> web.Response:
+        return web.json_response({"cache_context_meta": {}, "active_sessions": 0})
+
+    app = web.Application()
+    app.router.add_get("/config", config)
+    app.router.add_get("/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+@pytest.fixture
+def shm_segment() -> Any:
+    name = f"lmca_hostile_{secrets.token_hex(4)}"
+    path = Path("/dev/shm") / name
+    with open(path, "wb") as f:
+        f.truncate(POOL)
+    yield name
+    path.unlink(missing_ok=True)
+
+
+def scripted(register: dict[str, Any], on: dict[Op, Any]) -> Callable[[wire.Request], list[tuple[Any, ...]]]:
+    def handler(req: wire.Request) -> list[tuple[Any, ...]]:
+        if req.op is Op.NOOP:
+            return [("reply", "OK")]
+        if req.op is Op.REGISTER_ENGINE_DRIVEN:
+            return [("reply", register)]
+        if req.op in on:
+            value = on[req.op]
+            return [("reply", value(req) if callable(value) else value)]
+        if req.op in (Op.LOOKUP, Op.FREE_LOOKUP_LOCKS, Op.END_SESSION, Op.UNREGISTER_ENGINE_DRIVEN):
+            return [("reply", None)]
+        return []
+
+    return handler
+
+
+def slot(offset: int, length: int = SLOT_BYTES, shape: tuple[int, ...] = (2, 2, CS, 16)) -> dict[str, Any]:
+    return {"offset": offset, "length": length, "shape": list(shape), "dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize(
+    ("bad_slot", "message"),
+    [
+        (slot(POOL - 100), "outside the pool"),
+        (slot(-SLOT_BYTES), "outside the pool"),
+        (slot(0, length=POOL), "does not match shape"),
+        (slot(0, shape=(2, 2, CS, 1 << 20)), "slot shape"),
+    ],
+)
+async def test_retrieve_refuses_slots_outside_the_pool(
+    http_stub: str, shm_segment: str, bad_slot: dict[str, Any], message: str
+) -> None:
+    handler = scripted(
+        {"shm_name": shm_segment, "pool_size": POOL},
+        {
+            Op.QUERY_PREFETCH_STATUS: 1,
+            Op.PREPARE_RETRIEVE: {"success": True, "data": b"", "context": {"slots": [bad_slot]}},
+            Op.COMMIT_RETRIEVE: True,
+        },
+    )
+    async with FakeRouter(handler) as router:
+        async with lmc.AsyncClient(router.url, http_stub, "m", geometry=SMALL_GEOMETRY, timeout=5) as c:
+            assert c.transfer == "shm"
+            with pytest.raises(lmc.ProtocolError, match=message):
+                await c.retrieve(list(range(CS)))
+        ops = [r.op for r in router.requests]
+    # The pending read is released and the session ended even though the reply was bad.
+    assert ops[-3:] == [Op.COMMIT_RETRIEVE, Op.END_SESSION, Op.UNREGISTER_ENGINE_DRIVEN]
+
+
+async def test_store_refuses_bad_slots_and_commits_nothing(http_stub: str, shm_segment: str) -> None:
+    handler = scripted(
+        {"shm_name": shm_segment, "pool_size": POOL},
+        {Op.PREPARE_STORE: {"context": {"slots": [slot(POOL)], "chunk_indices": [0]}}, Op.COMMIT_STORE: True},
+    )
+    async with FakeRouter(handler) as router:
+        async with lmc.AsyncClient(router.url, http_stub, "m", geometry=SMALL_GEOMETRY, timeout=5) as c:
+            kv = torch.ones(SMALL_GEOMETRY.kv_shape(CS), dtype=torch.bfloat16)
+            with pytest.raises(lmc.ProtocolError, match="outside the pool"):
+                await c.store(kv, list(range(CS)))
+        ops = [r.op for r in router.requests]
+    assert Op.COMMIT_STORE not in ops
+    assert ops[-2:] == [Op.END_SESSION, Op.UNREGISTER_ENGINE_DRIVEN]
+
+
+class _Mkdir:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (self.path,))
+
+
+@pytest.mark.parametrize("where", ["outer", "inside-a-tensor"])
+async def test_pickle_reply_that_is_not_plain_tensors_runs_nothing(
+    http_stub: str, tmp_path: Path, where: str
+) -> None:
+    marker = tmp_path / "pwned"
+    if where == "outer":
+        payload = pickle.dumps([_Mkdir(str(marker))])
+    else:
+        payload = pickle.dumps([torch.zeros(2, 2, CS, 16, dtype=torch.bfloat16), _Mkdir(str(marker))])
+    handler = scripted(
+        {"shm_name": "", "pool_size": 0},
+        {Op.QUERY_PREFETCH_STATUS: 1, Op.PREPARE_RETRIEVE: {"success": True, "data": payload, "context": {}}},
+    )
+    async with FakeRouter(handler) as router:
+        async with lmc.AsyncClient(router.url, http_stub, "m", geometry=SMALL_GEOMETRY, timeout=5) as c:
+            assert c.transfer == "pickle"
+            with pytest.raises(lmc.UnsafePayloadError, match="posix.mkdir, which is not allowed"):
+                await c.retrieve(list(range(CS)))
+    assert not marker.exists()
+
+
+async def test_pickle_reply_with_wrong_shapes_is_refused(http_stub: str) -> None:
+    payload = pickle.dumps([torch.zeros(2, 2, CS, 8, dtype=torch.bfloat16)])
+    handler = scripted(
+        {"shm_name": "", "pool_size": 0},
+        {Op.QUERY_PREFETCH_STATUS: 1, Op.PREPARE_RETRIEVE: {"success": True, "data": payload, "context": {}}},
+    )
+    async with FakeRouter(handler) as router:
+        async with lmc.AsyncClient(router.url, http_stub, "m", geometry=SMALL_GEOMETRY, timeout=5) as c:
+            with pytest.raises(lmc.ProtocolError, match=r"tensor shape \[2, 2, 16, 8\] != expected \[2, 2, 16, 16\]"):
+                await c.retrieve(list(range(CS)))
+
+
+async def test_a_silent_server_times_out_naming_the_operation(http_stub: str) -> None:
+    handler = scripted({"shm_name": "", "pool_size": 0}, {})
+    async with FakeRouter(lambda req: [] if req.op is Op.LOOKUP else handler(req)) as router:
+        async with lmc.AsyncClient(
+            router.url, http_stub, "m", geometry=SMALL_GEOMETRY, timeout=5, cleanup_grace=0.5
+        ) as c:
+            with pytest.raises(TimeoutError) as info:
+                await c.lookup(list(range(CS)), timeout=0.3)
+            assert isinstance(info.value, lmc.LMCacheTimeoutError)
+            assert info.value.operation == "lookup"
+            assert info.value.elapsed >= 0.3
+
+
+async def test_registration_refused_is_a_timeout_on_connect(http_stub: str) -> None:
+    async with FakeRouter(lambda req: [("reply", "OK")] if req.op is Op.NOOP else []) as router:
+        with pytest.raises(lmc.LMCacheTimeoutError, match="register_kv_cache_engine_driven_context"):
+            await lmc.connect(router.url, http_stub, "m", geometry=SMALL_GEOMETRY, timeout=0.5)

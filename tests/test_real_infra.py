@@ -1,0 +1,235 @@
+"""Tests of the real-server test infrastructure (tests/support), not of lmcache_async.
+
+They pin down what the other real-server tests rely on: both server
+configurations answer over HTTP with chunk size 16; the fake vLLM worker
+(``EngineWorker``) publishes a vLLM flash-attention layout in ``/status`` and
+round-trips KV bitwise through lmcache's lmcache-driven path; the official
+SDK (``SDKWorker``) reads what the engine stored and vice versa; servers and
+workers leave no process or /dev/shm segment behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.real_server import RealLMCacheServer, pid_alive
+from tests.support.workers import EngineWorker, SDKWorker, WorkerError, WorkerTimeout
+
+CS = 16  # chunk size of the session servers (conftest.SESSION_CHUNK_SIZE)
+# A small vLLM-style geometry: 2 layers, 2 KV heads, head dim 8, block 4.
+L, NH, HS, BS, NB = 2, 2, 8, 4, 64
+D = NH * HS
+
+
+def _kv(tokens: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, L, tokens, D, generator=g).to(dtype)
+
+
+def _tokens(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def _register(eng: EngineWorker, model: str) -> dict[str, object]:
+    return eng.register(
+        model, num_layers=L, num_kv_heads=NH, head_dim=HS, block_size=BS, num_blocks=NB,
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+def test_http_healthcheck_and_config(real_server: RealLMCacheServer) -> None:
+    status, body = real_server.http_get("/healthcheck")
+    assert status == 200
+    assert json.loads(body) == {"status": "healthy"}
+
+    mp = real_server.config()["mp"]
+    assert mp["chunk_size"] == CS == real_server.chunk_size
+    assert mp["supported_transfer_mode"] == "auto"
+    assert mp["host"] == "127.0.0.1"
+    assert mp["port"] == real_server.port
+    assert mp["shm_name"] == real_server.shm_name
+    assert real_server.url == f"tcp://127.0.0.1:{real_server.port}"
+    assert real_server.http_url == f"http://127.0.0.1:{real_server.http_port}"
+
+    if real_server.mode == "shm":
+        assert real_server.shm_name.startswith(f"lmca_{os.getpid()}_")
+        assert real_server.shm_segment == f"/dev/shm/lmcache_l1_pool_{real_server.shm_name}"
+        assert os.stat(real_server.shm_segment).st_size == 1 << 30  # the whole 1 GiB L1
+    else:
+        assert real_server.shm_name == ""
+        assert real_server.shm_segment is None
+
+
+# --------------------------------------------------------------------------- engine worker
+
+
+def test_engine_registers_vllm_layout_and_round_trips(real_server: RealLMCacheServer) -> None:
+    model = f"infra/engine-{real_server.mode}"
+    with EngineWorker(real_server) as eng:
+        reg = _register(eng, model)
+        assert reg["chunk_size"] == CS
+        assert reg["blocks_in_chunk"] == CS // BS
+        assert reg["kv_shape"] == [2, NB, BS, NH, HS]
+        assert reg["layer_names"] == [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+        assert len(reg["kv_segments"]) == L  # one POSIX shm segment per layer tensor
+
+        meta = real_server.status()["cache_context_meta"]
+        entry = meta[str(eng.instance_id)]
+        assert entry["model_name"] == model
+        assert entry["world_size"] == 1
+        layout = entry["kv_cache_layout"]
+        assert layout["num_layers"] == L
+        assert layout["num_blocks"] == NB
+        assert layout["cache_size_per_token"] == 2 * L * D * 2  # K+V, bf16
+        (group,) = layout["kernel_groups"]
+        assert group["engine_kv_format"] == "NL_X_TWO_NB_BS_NH_HS"
+        assert group["engine_kv_concrete_shape"] == f"{L} x [2, {NB}, {BS}, {NH}, {HS}]"
+        assert group["engine_kv_shape"] == "NL x [2, NB, BS, NH, HS]"
+        assert group["tokens_per_block"] == BS
+        assert group["dtype"] == "torch.bfloat16"
+        assert group["is_mla"] is False
+        assert group["layer_indices"] == list(range(L))
+
+        # 2 whole chunks + a partial tail (never stored).
+        tokens = _tokens(1000, 2 * CS + 5)
+        kv = _kv(len(tokens), seed=1)
+        assert eng.store(tokens, kv) is True
+
+        got = eng.retrieve(tokens)
+        assert got is not None
+        assert got.dtype == torch.bfloat16
+        assert got.shape == (2, L, 2 * CS, D)
+        assert torch.equal(got, kv[:, :, : 2 * CS])
+
+        # Shared first chunk, different second chunk: a 1-chunk prefix hit.
+        other = tokens[:CS] + _tokens(9000, CS)
+        got1 = eng.retrieve(other)
+        assert got1 is not None
+        assert torch.equal(got1, kv[:, :, :CS])
+
+        assert eng.retrieve(_tokens(5000, 2 * CS)) is None  # never stored
+        assert eng.retrieve(tokens[: CS - 1]) is None  # shorter than one chunk
+
+        instance_id = eng.instance_id
+        left = eng.unregister()
+        assert left["kv_segments"] == []
+        assert str(instance_id) not in real_server.status()["cache_context_meta"]
+
+
+# --------------------------------------------------------------------------- official SDK
+
+
+def test_sdk_interoperates_with_engine(real_server: RealLMCacheServer) -> None:
+    model = f"infra/sdk-{real_server.mode}"
+    eng, sdk = EngineWorker(real_server), SDKWorker()
+    eng.spawn(), sdk.spawn()  # overlap the two ~2.5 s interpreter startups
+    with eng, sdk:
+        _register(eng, model)
+        tokens = _tokens(2000, 2 * CS)
+        kv = _kv(len(tokens), seed=2)
+        assert eng.store(tokens, kv) is True
+
+        conn = sdk.connect(real_server.url, real_server.http_url, model)
+        assert conn["chunk_size"] == CS
+        expected = {"shm": "EngineDrivenContextShm", "pickle": "EngineDrivenContextPickle"}
+        assert conn["transfer"] == expected[real_server.mode]
+
+        # What the engine stored, read by the official SDK.
+        got = sdk.retrieve(tokens)
+        assert got is not None
+        assert got.shape == (2, L, 2 * CS, D)
+        assert torch.equal(got, kv)
+
+        # The SDK's own store, read back by the SDK and by the engine.
+        own_tokens = _tokens(3000, 3 * CS)
+        own = _kv(len(own_tokens), seed=3)
+        assert sdk.store(own_tokens, own) is True
+        got_own = sdk.retrieve(own_tokens)
+        assert got_own is not None
+        assert torch.equal(got_own, own)
+        got_eng = eng.retrieve(own_tokens)
+        assert got_eng is not None
+        assert torch.equal(got_eng, own)
+
+        # Salted entries are invisible without the salt.
+        salted_tokens = _tokens(4000, CS)
+        salted = _kv(CS, seed=4)
+        assert sdk.store(salted_tokens, salted, cache_salt="alice") is True
+        assert sdk.retrieve(salted_tokens) is None
+        got_salted = sdk.retrieve(salted_tokens, cache_salt="alice")
+        assert got_salted is not None
+        assert torch.equal(got_salted, salted)
+        eng.unregister()
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+def test_stop_and_restart_leave_nothing_behind(
+    fresh_real_server: Callable[..., RealLMCacheServer],
+) -> None:
+    # SHM mode: the case with a /dev/shm segment to clean up. (The session
+    # pickle server's stop is checked by conftest at session end.)
+    srv = fresh_real_server("shm")
+    pid = srv.pid
+    assert pid is not None and pid_alive(pid)
+    seg = srv.shm_segment
+    assert seg is not None and os.path.exists(seg)
+    instance_id = srv.config()["mp"]["instance_id"]
+    url, http_url, shm_name = srv.url, srv.http_url, srv.shm_name
+
+    srv.restart()
+    assert (srv.url, srv.http_url, srv.shm_name) == (url, http_url, shm_name)
+    assert srv.pid is not None and srv.pid != pid
+    assert not pid_alive(pid)
+    assert srv.config()["mp"]["instance_id"] != instance_id
+    assert srv.started_pids == [pid, srv.pid]
+
+    new_pid = srv.pid
+    srv.stop()
+    assert srv.pid is None
+    assert not srv.is_running()
+    assert not pid_alive(new_pid)
+    assert not os.path.exists(seg)
+    assert srv.leftovers() == []
+    srv.stop()  # idempotent
+
+
+# --------------------------------------------------------------------------- worker deadlines
+
+
+def test_worker_reports_errors_and_never_hangs(lmcache_python: Path) -> None:
+    dead_url = "tcp://127.0.0.1:9"  # nothing listens on the discard port
+    with EngineWorker(dead_url, python=lmcache_python, request_timeout=20.0) as eng:
+        with pytest.raises(WorkerError, match="unknown cmd"):
+            eng.request("no-such-command")
+        with pytest.raises(WorkerError, match="not registered"):
+            eng.retrieve(_tokens(0, CS))
+        # lmcache's own call times out inside the worker -> an error reply.
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match="Timeout"):
+            eng.request(
+                "register", deadline=20.0, timeout=1.0, url=dead_url, model_name="m",
+                num_layers=L, num_kv_heads=NH, head_dim=HS, block_size=BS, num_blocks=NB,
+            )  # fmt: skip
+        assert time.monotonic() - t0 < 15.0
+        assert eng.is_running()
+        # Our deadline shorter than the worker's: the child is killed.
+        pid = eng.pid
+        with pytest.raises(WorkerTimeout):
+            eng.request(
+                "register", deadline=2.0, timeout=30.0, url=dead_url, model_name="m",
+                num_layers=L, num_kv_heads=NH, head_dim=HS, block_size=BS, num_blocks=NB,
+            )  # fmt: skip
+        assert not eng.is_running()
+        assert pid is not None and not pid_alive(pid)
