@@ -444,7 +444,13 @@ class AsyncClient:
 
         async def run() -> T:
             await self._ensure_registered(op.remaining())
-            return await body(op)
+            try:
+                return await body(op)
+            except LMCacheTimeoutError:
+                # Unanswered prepare/commit requests are what a reaped registration looks
+                # like; re-registering an existing id is cheap, so do it before the next op.
+                self._stale = True
+                raise
 
         task = asyncio.ensure_future(run())
         self._ops.add(task)
@@ -638,7 +644,13 @@ class AsyncClient:
         calls: list[tuple[Any, ...]] = []
         if chunks:
             end = chunks * self._chunk_size
-            calls.append((Op.FREE_LOOKUP_LOCKS, dict(key, end=end, token_ids=key["token_ids"][:end]), key["world_size"]))
+            calls.append(
+                (
+                    Op.FREE_LOOKUP_LOCKS,
+                    dict(key, end=end, token_ids=key["token_ids"][:end]),
+                    key["world_size"],
+                )
+            )
         calls.append((Op.END_SESSION, rid))
         await asyncio.gather(*(self._cleanup_call(*c) for c in calls))
 
@@ -853,9 +865,12 @@ class AsyncClient:
         async def body(op: _Op) -> bool:
             if end == 0:
                 return False
-            if self._pool is not None:
-                return await self._store_shm(op, kv, toks, end, cache_salt)
-            return await self._store_pickle(op, kv, toks, end, cache_salt)
+            # One store per key at a time from this client: a concurrent twin would see
+            # the chunks "being written" and could not tell that from out-of-memory.
+            async with self._gate(("store", cache_salt, tuple(toks[:end]))):
+                if self._pool is not None:
+                    return await self._store_shm(op, kv, toks, end, cache_salt)
+                return await self._store_pickle(op, kv, toks, end, cache_salt)
 
         return await self._run("store", timeout, body)
 
@@ -871,13 +886,7 @@ class AsyncClient:
                 # Nothing reservable: every chunk is cached (or being written), or the
                 # server is out of memory (it reserves a batch all-or-nothing). A lookup
                 # tells which; it only runs on this uncommon path.
-                lookup_key = self._key(toks, end, _request_id("store-check"), salt, worker=False)
-                cached = await self._lookup_locked(op, lookup_key, lookup_key["request_id"], release=True)
-                if cached < end:
-                    raise TransferError(
-                        f"the server could not reserve memory for {(end - cached) // self._chunk_size} "
-                        "chunks (L1 full of locked or reserved objects?); nothing was stored"
-                    )
+                await self._check_stored(op, toks, end, salt, "reserve memory for")
                 return False
             n_chunks = end // self._chunk_size
             if max(indices) >= n_chunks:
@@ -922,9 +931,27 @@ class AsyncClient:
             ok = await self._call(op, Op.COMMIT_STORE, key, self._instance_id, PreEncoded(frame))
             if ok is not True:
                 raise TransferError("the server could not store every chunk (out of memory?)")
-            return True
         finally:
             await self._cleanup_call(Op.END_SESSION, rid)
+        # A pickle commit the server found no memory for still answers True: verify.
+        await self._check_stored(op, toks, end, salt, "store")
+        return True
+
+    async def _check_stored(self, op: _Op, toks: list[int], end: int, salt: str, what: str) -> None:
+        """Raise TransferError unless all of ``toks[:end]`` is cached (re-checked briefly,
+        in case another writer is committing the same chunks right now)."""
+        cached = 0
+        for delay in (0.0, 0.02, 0.1):
+            await asyncio.sleep(delay)
+            rid = _request_id("store-check")
+            key = self._key(toks, end, rid, salt, worker=False)
+            cached = await self._lookup_locked(op, key, rid, release=True)
+            if cached >= end:
+                return
+        raise TransferError(
+            f"the server could not {what} {(end - cached) // self._chunk_size} chunks "
+            "(L1 full of locked or reserved objects?)"
+        )
 
     async def remap(
         self,

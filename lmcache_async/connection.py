@@ -175,7 +175,7 @@ class Connection:
         if self._monitor is not None:
             self._monitor.close(linger=0)
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # never blocks: every socket is closed first
         self._sock = self._monitor = self._ctx = None
 
     @property

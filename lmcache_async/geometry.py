@@ -150,15 +150,11 @@ class KVGeometry:
             layout = entry["kv_cache_layout"]
             groups = layout["kernel_groups"]
             if len(groups) != 1:
-                raise ProtocolError(
-                    f"{len(groups)} kernel groups (hybrid model); pass geometry= explicitly"
-                )
+                raise ProtocolError(f"{len(groups)} kernel groups (hybrid model); pass geometry= explicitly")
             group = groups[0]
             fmt = str(group["engine_kv_format"])
             if fmt not in _FORMATS:
-                raise ProtocolError(
-                    f"engine_kv_format {fmt} is not supported; pass geometry= explicitly"
-                )
+                raise ProtocolError(f"engine_kv_format {fmt} is not supported; pass geometry= explicitly")
             bs_axis, nh_axis, single = _FORMATS[fmt]
             shape = str(group["engine_kv_concrete_shape"])
             m = re.search(r"\[([0-9,\s]+)\]", shape)
@@ -168,9 +164,7 @@ class KVGeometry:
             tokens_per_block = int(group.get("tokens_per_block", 0))
             block_size = inner[bs_axis] if bs_axis is not None else tokens_per_block
             if tokens_per_block and block_size != tokens_per_block:
-                raise ProtocolError(
-                    f"decoded block size {block_size} != tokens_per_block {tokens_per_block}"
-                )
+                raise ProtocolError(f"decoded block size {block_size} != tokens_per_block {tokens_per_block}")
             heads = 1 if (single or nh_axis is None) else inner[nh_axis]
             single = single or bool(group.get("is_mla", False))
             return cls(

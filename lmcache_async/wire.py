@@ -17,6 +17,7 @@ declaration order (as msgspec does); ``bytes`` travel as msgpack bin, text as st
 
 from __future__ import annotations
 
+import array
 import enum
 import math
 import struct
@@ -210,14 +211,18 @@ def validate_tokens(tokens: object, name: str = "tokens") -> list[int]:
         tokens = tolist()
     if not isinstance(tokens, Sequence):
         raise TypeError(f"{name} must be a sequence of ints, got {type(tokens).__name__}")
-    out = tokens if isinstance(tokens, list) else list(tokens)
+    try:
+        # C speed: array('I') refuses non-integers and anything outside [0, 2**32); the
+        # list it gives back holds exact ints (numpy scalars, IntEnums, bools converted).
+        return array.array("I", tokens).tolist()
+    except (TypeError, OverflowError):
+        pass
+    out = list(tokens)
     for t in out:
         if type(t) is not int and (isinstance(t, bool) or not isinstance(t, int)):
             raise TypeError(f"{name} must contain ints, found {type(t).__name__}")
-    if out and (min(out) < 0 or max(out) >= MAX_TOKEN):
-        bad = next(t for t in out if t < 0 or t >= MAX_TOKEN)
-        raise ValueError(f"{name}: token id {bad} is outside [0, 2**32)")
-    return out
+    bad = next(t for t in out if t < 0 or t >= MAX_TOKEN)
+    raise ValueError(f"{name}: token id {bad} is outside [0, 2**32)")
 
 
 def _check_int(value: object, name: str, minimum: int = 0) -> int:

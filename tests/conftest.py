@@ -280,7 +280,32 @@ from lmcache_async import AsyncClient, KVGeometry  # noqa: E402
 SERVER_CONFIGS = [
     pytest.param("real-shm", marks=pytest.mark.real_server),
     pytest.param("real-pickle", marks=pytest.mark.real_server),
+    "embedded-shm",
+    "embedded-pickle",
 ]
+
+
+def _embedded(mode: str, **kw: Any) -> Any:
+    from lmcache_async.testing import EmbeddedServer
+
+    return EmbeddedServer.start_in_thread(chunk_size=SESSION_CHUNK_SIZE, mode=mode, **kw)
+
+
+@pytest.fixture(scope="session")
+def embedded_server_shm() -> Iterator[Any]:
+    """A shared embedded server (SHM, chunk size 16) on a thread of this process."""
+    handle = _embedded("shm")
+    yield handle
+    handle.stop()
+    assert handle.shm_segment is None or not os.path.exists(handle.shm_segment)
+
+
+@pytest.fixture(scope="session")
+def embedded_server_pickle() -> Iterator[Any]:
+    """A shared embedded server (pickle, chunk size 16) on a thread of this process."""
+    handle = _embedded("pickle")
+    yield handle
+    handle.stop()
 
 
 @pytest.fixture(params=SERVER_CONFIGS)
@@ -291,6 +316,25 @@ def server(request: pytest.FixtureRequest) -> Any:
     if kind == "real":
         return request.getfixturevalue(f"real_server_{mode}")
     return request.getfixturevalue(f"embedded_server_{mode}")
+
+
+@pytest.fixture
+def own_server(server: Any, request: pytest.FixtureRequest) -> Iterator[Callable[[], Any]]:
+    """A factory for a server of the same configuration as ``server`` but owned by the test
+    (for tests that clear the cache or restart it)."""
+    made: list[Any] = []
+
+    def make() -> Any:
+        if isinstance(server, RealLMCacheServer):
+            srv = request.getfixturevalue("fresh_real_server")(server.mode)
+        else:
+            srv = _embedded(server.mode)
+            made.append(srv)
+        return srv
+
+    yield make
+    for srv in made:
+        srv.stop()
 
 
 def unique_model(prefix: str = "test") -> str:

@@ -96,8 +96,14 @@ class FakeRouter:
     async def restart(self) -> None:
         """Stop and bind again on the same port (a server restart)."""
         await self.stop()
+        for _ in range(100):
+            try:
+                self._bind()
+                return
+            except zmq.ZMQError:  # the port is not free again yet
+                await asyncio.sleep(0.05)
         self._bind()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
-        self._ctx.term()
+        self._ctx.destroy(linger=0)

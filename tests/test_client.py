@@ -20,9 +20,12 @@ pytestmark = pytest.mark.anyio
 CS = 16
 
 
-async def wait_for_baseline(client: AsyncClient, sessions: int, jobs: int, deadline: float = 20.0) -> dict[str, Any]:
-    """Poll /status until the session and prefetch-job counts are back to a baseline."""
+async def wait_for_baseline(client: AsyncClient, sessions: int, jobs: int, deadline: float = 30.0) -> dict[str, Any]:
+    """Wait until the client's abandoned operations finished their cleanup, then poll
+    /status until the session and prefetch-job counts are back to a baseline."""
     end = time.monotonic() + deadline
+    while client._ops and time.monotonic() < end:
+        await asyncio.sleep(0.05)
     while True:
         st = await client.status(max_age=0)
         if (st["active_sessions"], st["active_prefetch_jobs"]) == (sessions, jobs) or time.monotonic() > end:
@@ -205,9 +208,9 @@ async def test_256_concurrent_mixed_operations(client: AsyncClient) -> None:
     assert await counts(client) == baseline
 
 
-async def test_timeouts_and_cancellations_leave_no_sessions_or_locks(server: Any, fresh_real_server: Any) -> None:
+async def test_timeouts_and_cancellations_leave_no_sessions_or_locks(own_server: Any) -> None:
     # A server of its own: the check clears its cache, which must not disturb other tests.
-    srv = fresh_real_server(server.mode)
+    srv = own_server()
     async with AsyncClient(srv.url, srv.http_url, unique_model(), geometry=SMALL_GEOMETRY, timeout=30) as c:
         tokens = [fresh_tokens(4 * CS) for _ in range(8)]
         kv = random_kv(SMALL_GEOMETRY, 4 * CS)
@@ -249,7 +252,8 @@ async def test_timeouts_and_cancellations_leave_no_sessions_or_locks(server: Any
             assert await c.lookup(t) == 0
 
 
-async def test_explicit_and_status_geometry_agree(server: Any) -> None:
+async def test_explicit_and_status_geometry_agree(real_server: Any) -> None:
+    server = real_server
     from tests.support.workers import EngineWorker
 
     model = unique_model("engine")
@@ -269,7 +273,8 @@ async def test_explicit_and_status_geometry_agree(server: Any) -> None:
                 assert await explicit.store(kv, tokens) is False
 
 
-async def test_interop_with_the_engine_path(server: Any) -> None:
+async def test_interop_with_the_engine_path(real_server: Any) -> None:
+    server = real_server
     """KV an inference engine (lmcache's own lmcache-driven path, as vLLM) stores is read
     bitwise by AsyncClient, and KV AsyncClient stores under a target prefix (the remap
     flow) is read bitwise by the engine."""
@@ -290,7 +295,8 @@ async def test_interop_with_the_engine_path(server: Any) -> None:
         assert engine_view is not None and torch.equal(engine_view, kv)
 
 
-async def test_interop_with_the_official_sdk(server: Any) -> None:
+async def test_interop_with_the_official_sdk(real_server: Any) -> None:
+    server = real_server
     from tests.support.workers import EngineWorker, SDKWorker
 
     model = unique_model("sdk")
