@@ -35,7 +35,7 @@ from typing import Any, Final
 import torch
 
 from lmcache_async.errors import ProtocolError, UnsafePayloadError
-from lmcache_async.wire import MAX_BIN, bin_header
+from lmcache_async.wire import MAX_BIN
 
 __all__ = ["decode_tensor_list", "encode_tensor_list"]
 
@@ -175,11 +175,9 @@ def encode_tensor_list(tensors: Sequence[torch.Tensor], *, msgpack_bin: bool = T
         n = pos - prefix
         if n > MAX_BIN:
             raise ValueError(f"pickle payload of {n} bytes exceeds the 4 GiB frame limit")
-        header = bin_header(n)
-        # Headers shorter than 5 bytes (payloads < 64 KiB): shift left by the difference.
-        if len(header) < prefix:
-            del buf[: prefix - len(header)]
-        buf[: len(header)] = header
+        # Always the bin32 form (valid msgpack for any length), so the data offsets
+        # computed above stay aligned.
+        buf[:5] = b"\xc6" + struct.pack(">I", n)
     return buf
 
 
@@ -205,6 +203,13 @@ _DTYPE_GLOBALS: Final = {
     )
     if hasattr(torch, name)
 }
+
+
+def _codecs_encode(text: object, encoding: object = "utf-8") -> bytes:
+    # Protocol-2 pickles spell bytes as _codecs.encode(str, "latin1").
+    if not isinstance(text, str) or encoding != "latin1":
+        raise UnsafePayloadError("_codecs.encode is allowed only as protocol 2's latin1 bytes")
+    return text.encode("latin1")
 
 
 def _load_storage(blob: object) -> Any:
@@ -276,6 +281,7 @@ _ALLOWED: Final[dict[tuple[str, str], Any]] = {
     ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
     ("torch.storage", "_load_from_bytes"): _load_storage,
     ("collections", "OrderedDict"): collections.OrderedDict,
+    ("_codecs", "encode"): _codecs_encode,
     **{("torch", name): dt for name, dt in _DTYPE_GLOBALS.items()},
 }
 
