@@ -129,7 +129,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     lmc.AsyncClient(srv.url, srv.http_url, "bench-big", timeout=120) as c_big,
                     lmc.AsyncClient(srv.url, srv.http_url, "bench-tiny", timeout=120) as c_tiny,
                 ):
-                    assert c_big.geometry == BIG and c_tiny.geometry == TINY, (c_big.geometry, c_tiny.geometry)
+                    assert c_big.geometry == BIG and c_tiny.geometry == TINY, (
+                        c_big.geometry,
+                        c_tiny.geometry,
+                    )
                     assert c_big.transfer == "shm"
                     clients = {"big": c_big, "tiny": c_tiny}
                     base = 1000
@@ -181,7 +184,9 @@ def summarize(results: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--iters", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--l1-gb", type=int, default=6)

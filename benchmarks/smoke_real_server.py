@@ -15,8 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import lmcache_async as lmc  # noqa: E402
-from tests.support.real_server import RealLMCacheServer, lmcache_venv_python  # noqa: E402
+import lmcache_async as lmc
+from tests.support.real_server import RealLMCacheServer, lmcache_venv_python
 
 
 async def smoke(srv: RealLMCacheServer) -> None:

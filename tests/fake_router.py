@@ -70,7 +70,9 @@ class FakeRouter:
             self.requests.append(request)
             asyncio.create_task(self._act(sock, ident, request, self.handler(request)))
 
-    async def _act(self, sock: zmq.asyncio.Socket, ident: bytes, request: wire.Request, actions: list[Action]) -> None:
+    async def _act(
+        self, sock: zmq.asyncio.Socket, ident: bytes, request: wire.Request, actions: list[Action]
+    ) -> None:
         for action in actions:
             kind = action[0]
             if kind == "reply":

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.anyio
 CS = 16
 
 
-async def wait_for_baseline(client: AsyncClient, sessions: int, jobs: int, deadline: float = 30.0) -> dict[str, Any]:
+async def wait_for_baseline(
+    client: AsyncClient, sessions: int, jobs: int, deadline: float = 30.0
+) -> dict[str, Any]:
     """Wait until the client's abandoned operations finished their cleanup, then poll
     /status until the session and prefetch-job counts are back to a baseline."""
     end = time.monotonic() + deadline
@@ -141,8 +143,16 @@ async def test_bad_input_is_refused_before_anything_is_sent(client: AsyncClient)
     sent_before = next(client._conn._table._uids)
     cases: list[tuple[Any, type[Exception], str]] = [
         (client.store(kv, tokens, cache_salt="a/b"), ValueError, "cache_salt must not contain '/'"),
-        (client.store(kv, tokens + [1]), ValueError, r"kv has shape \[2, 2, 16, 16\], expected \[2, 2, 17, 16\]"),
-        (client.store(kv.float(), tokens), TypeError, "kv has dtype torch.float32, the geometry says torch.bfloat16"),
+        (
+            client.store(kv, tokens + [1]),
+            ValueError,
+            r"kv has shape \[2, 2, 16, 16\], expected \[2, 2, 17, 16\]",
+        ),
+        (
+            client.store(kv.float(), tokens),
+            TypeError,
+            "kv has dtype torch.float32, the geometry says torch.bfloat16",
+        ),
         (client.store(kv[0], tokens), ValueError, "kv must have 4 dimensions"),
         (client.store("kv", tokens), TypeError, "kv must be a torch.Tensor, got str"),  # type: ignore[arg-type]
         (client.retrieve([2**32]), ValueError, r"tokens: token id 4294967296 is outside"),
@@ -189,7 +199,9 @@ async def test_256_concurrent_mixed_operations(client: AsyncClient) -> None:
     kvs = [random_kv(SMALL_GEOMETRY, 2 * CS) for _ in range(n)]
     baseline = await counts(client)
     # 64 stores, then 64 retrieves + 64 lookups + 64 (re-)stores all at once.
-    assert await asyncio.gather(*(client.store(kv, p) for kv, p in zip(kvs, prompts, strict=True))) == [True] * n
+    assert (
+        await asyncio.gather(*(client.store(kv, p) for kv, p in zip(kvs, prompts, strict=True))) == [True] * n
+    )
     ops: list[Any] = []
     for i in range(n):
         ops.append(client.retrieve(prompts[i]))
@@ -265,7 +277,9 @@ async def test_explicit_and_status_geometry_agree(real_server: Any) -> None:
         async with lmc.AsyncClient(server.url, server.http_url, model, timeout=30) as derived:
             assert derived.geometry == geometry
             assert await derived.store(kv, tokens) is True
-            async with lmc.AsyncClient(server.url, server.http_url, model, geometry=geometry, timeout=30) as explicit:
+            async with lmc.AsyncClient(
+                server.url, server.http_url, model, geometry=geometry, timeout=30
+            ) as explicit:
                 a = await derived.retrieve(tokens)
                 b = await explicit.retrieve(tokens)
                 assert a is not None and b is not None
@@ -322,7 +336,9 @@ async def test_interop_with_the_official_sdk(real_server: Any) -> None:
 async def test_reregisters_after_a_server_restart(fresh_real_server: Any) -> None:
     for mode in ("shm", "pickle"):
         srv = fresh_real_server(mode)
-        async with AsyncClient(srv.url, srv.http_url, unique_model(), geometry=SMALL_GEOMETRY, timeout=30) as c:
+        async with AsyncClient(
+            srv.url, srv.http_url, unique_model(), geometry=SMALL_GEOMETRY, timeout=30
+        ) as c:
             tokens = fresh_tokens(2 * CS)
             kv = random_kv(SMALL_GEOMETRY, len(tokens))
             assert await c.store(kv, tokens) is True

@@ -28,9 +28,7 @@ async def test_concurrent_calls_are_routed_by_uid_not_by_order() -> None:
         conn = Connection(router.url)
         await conn.open()
         try:
-            replies = await asyncio.gather(
-                *(conn.call(Op.END_SESSION, (i,), timeout=5) for i in range(50))
-            )
+            replies = await asyncio.gather(*(conn.call(Op.END_SESSION, (i,), timeout=5) for i in range(50)))
             assert [r.value() for r in replies] == [f"done-{i}" for i in range(50)]
             assert conn.in_flight == 0
             assert conn.dropped == (0, 0)

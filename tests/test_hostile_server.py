@@ -31,7 +31,14 @@ SLOT_BYTES = 2 * 2 * CS * 16 * 2  # [2, L=2, 16, D=16] bf16
 async def http_stub() -> AsyncIterator[str]:
     async def config(_: web.Request) -> web.Response:
         return web.json_response(
-            {"mp": {"chunk_size": CS, "supported_transfer_mode": "auto", "instance_id": "x", "max_cpu_workers": 1}}
+            {
+                "mp": {
+                    "chunk_size": CS,
+                    "supported_transfer_mode": "auto",
+                    "instance_id": "x",
+                    "max_cpu_workers": 1,
+                }
+            }
         )
 
     async def status(_: web.Request) -> web.Response:
@@ -161,7 +168,9 @@ async def test_pickle_reply_with_wrong_shapes_is_refused(http_stub: str) -> None
     )
     async with FakeRouter(handler) as router:
         async with lmc.AsyncClient(router.url, http_stub, "m", geometry=SMALL_GEOMETRY, timeout=5) as c:
-            with pytest.raises(lmc.ProtocolError, match=r"tensor shape \[2, 2, 16, 8\] != expected \[2, 2, 16, 16\]"):
+            with pytest.raises(
+                lmc.ProtocolError, match=r"tensor shape \[2, 2, 16, 8\] != expected \[2, 2, 16, 16\]"
+            ):
                 await c.retrieve(list(range(CS)))
 
 

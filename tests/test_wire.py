@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgpack
 import numpy
-import torch
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -32,7 +32,9 @@ def keys(draw: st.DrawFn) -> CacheKey:
         end=end,
         request_id=draw(st.text(max_size=40)),
         cache_salt=draw(salts),
-        request_configs=draw(st.none() | st.dictionaries(st.text(max_size=5), st.integers(-(2**63), 2**64 - 1), max_size=3)),
+        request_configs=draw(
+            st.none() | st.dictionaries(st.text(max_size=5), st.integers(-(2**63), 2**64 - 1), max_size=3)
+        ),
         num_kv_readers=draw(st.integers(1, 4)),
     )
 
@@ -81,7 +83,11 @@ def test_register_payload_round_trip(payload: RegisterPayload) -> None:
     assert RegisterPayload.from_wire(wire.unpackb(encoded)) == payload
 
 
-@given(st.integers(0, 2**40), st.sampled_from(list(Op)), st.none() | st.integers(-(2**63), 2**64 - 1) | st.text() | st.binary())
+@given(
+    st.integers(0, 2**40),
+    st.sampled_from(list(Op)),
+    st.none() | st.integers(-(2**63), 2**64 - 1) | st.text() | st.binary(),
+)
 def test_reply_round_trip(uid: int, op: Op, value: object) -> None:
     req = wire.decode_request(wire.encode_request(uid, Op.NOOP, []))
     req = wire.Request(req.uid_frame, wire.packb(int(op)), op, ())
