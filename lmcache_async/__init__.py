@@ -21,9 +21,11 @@ from lmcache_async.errors import (
     UnsafePayloadError,
 )
 from lmcache_async.geometry import KVGeometry
+from lmcache_async.sync_client import Client
 
 __all__ = [
     "AsyncClient",
+    "Client",
     "ClientClosedError",
     "KVGeometry",
     "LMCacheConnectionError",

@@ -1001,15 +1001,35 @@ class AsyncClient:
             raise ProtocolError(f"noop answered {reply.value()!r}")
         return time.perf_counter() - t0
 
-    async def status(self, *, max_age: float | None = None) -> dict[str, Any]:
-        """The server's ``/status`` document (cached for ``metadata_ttl`` seconds)."""
-        self._require_open()
-        return await self._meta.status(max_age=max_age)
+    async def status(self, *, max_age: float | None = None, timeout: float | None = _DEFAULT) -> dict[str, Any]:
+        """The server's ``/status`` document (cached for ``metadata_ttl`` seconds).
 
-    async def config(self, *, max_age: float | None = None) -> dict[str, Any]:
-        """The server's ``/config`` document (cached for ``metadata_ttl`` seconds)."""
+        Cancellation: a fetch shared with other callers keeps running for them.
+        """
         self._require_open()
-        return await self._meta.config(max_age=max_age)
+        return await self._meta.status(max_age=max_age, timeout=self._timeout(timeout))
+
+    async def config(self, *, max_age: float | None = None, timeout: float | None = _DEFAULT) -> dict[str, Any]:
+        """The server's ``/config`` document (cached for ``metadata_ttl`` seconds).
+
+        Cancellation: a fetch shared with other callers keeps running for them.
+        """
+        self._require_open()
+        return await self._meta.config(max_age=max_age, timeout=self._timeout(timeout))
+
+    async def drain(self, timeout: float | None = _DEFAULT) -> bool:
+        """Wait until operations abandoned by a timeout or a cancellation have finished
+        their server-side cleanup (sessions ended, locks released).
+
+        Returns True when none is left, False if ``timeout`` passed first. Cancelling
+        the wait does not cancel the cleanups.
+        """
+        timeout = self._timeout(timeout)
+        pending = set(self._ops)
+        if not pending:
+            return True
+        _done, still = await asyncio.wait(pending, timeout=timeout)
+        return not still
 
     # ---- bulk operations (lmcache_async.bulk) ----
     # Thin wrappers: the implementation and its documentation live in lmcache_async.bulk,

@@ -1,0 +1,222 @@
+"""The sync facade's added latency per call: ``Client.x()`` vs ``await AsyncClient.x()``.
+
+    .venv/bin/python benchmarks/bench_facade.py [--iters 2000] [--rounds 5] [--json]
+    .venv/bin/python benchmarks/bench_facade.py --url tcp://h:p --http-url http://h:p
+
+Without ``--url`` it starts a real LMCache 0.5.6 server itself (``--mode shm`` or
+``pickle``, chunk size 16, from ``.lmcache-venv``). One blocking :class:`Client` and one
+:class:`AsyncClient` are open on the same server at once, with the same small geometry
+(2 layers x 2 heads x 8, bf16: 1 KiB per 16-token chunk, so the payload costs nothing and
+the fixed cost of a call is what is measured). Rounds alternate the two (async first in
+even rounds, sync first in odd ones); each round times ``--iters`` calls one by one with
+``perf_counter``. The figure is the median of the round medians, with the range over
+rounds; overhead = sync - async.
+
+Cases:
+
+* ``noop``: one server round trip (the thinnest call);
+* ``lookup``: a 1-chunk hit (lookup, prefetch status, free locks, end session);
+* ``retrieve``: a 1-chunk hit, copied out;
+* ``handover``: the facade alone, no server: an empty coroutine submitted to the loop
+  thread and waited for (``async`` column: the same coroutine awaited directly);
+* ``noop x8``: throughput, 8 threads calling ``Client.noop()`` vs 8 tasks awaiting
+  ``AsyncClient.noop()``, ``--iters`` calls each; reported in calls per second.
+
+The async calls run in the main thread's own event loop (``asyncio.run``); the blocking
+calls are made from that same thread (so the facade's loop thread does their work while
+the main loop waits), which is the Jupyter situation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import lmcache_async as lmc  # noqa: E402
+from lmcache_async.sync_client import Client  # noqa: E402
+
+GEOM = lmc.KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_size=16)
+MODEL = "bench-facade"
+
+
+def _time_sync(fn: Callable[[], object], iters: int) -> list[float]:
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+async def _time_async(fn: Callable[[], Awaitable[object]], iters: int) -> list[float]:
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        await fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _sync_throughput(client: Client, threads: int, iters: int) -> float:
+    barrier = threading.Barrier(threads + 1)
+
+    def work() -> None:
+        barrier.wait()
+        for _ in range(iters):
+            client.noop()
+
+    pool = [threading.Thread(target=work) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in pool:
+        t.join()
+    return threads * iters / (time.perf_counter() - t0)
+
+
+async def _async_throughput(client: lmc.AsyncClient, tasks: int, iters: int) -> float:
+    async def work() -> None:
+        for _ in range(iters):
+            await client.noop()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(work() for _ in range(tasks)))
+    return tasks * iters / (time.perf_counter() - t0)
+
+
+async def _empty() -> None:
+    return None
+
+
+async def run(args: argparse.Namespace, url: str, http_url: str) -> dict[str, Any]:
+    sync = Client(url, http_url, MODEL, geometry=GEOM)
+    try:
+        async with lmc.AsyncClient(url, http_url, MODEL, geometry=GEOM) as aclient:
+            cs = aclient.chunk_size
+            tokens = list(range(10_000, 10_000 + cs))
+            await aclient.store(torch.randn(GEOM.kv_shape(cs)).to(GEOM.dtype), tokens)
+            lt = sync._lt
+
+            sync_cases: dict[str, Callable[[], object]] = {
+                "noop": sync.noop,
+                "lookup": lambda: sync.lookup(tokens),
+                "retrieve": lambda: sync.retrieve(tokens),
+                "handover": lambda: lt.submit(_empty).wait("handover", 10.0, 1.0),
+            }
+            async_cases: dict[str, Callable[[], Awaitable[object]]] = {
+                "noop": aclient.noop,
+                "lookup": lambda: aclient.lookup(tokens),
+                "retrieve": lambda: aclient.retrieve(tokens),
+                "handover": _empty,
+            }
+            rounds: dict[str, dict[str, list[float]]] = {c: {"async": [], "sync": []} for c in sync_cases}
+            for case in sync_cases:  # warm up both paths
+                _time_sync(sync_cases[case], 50)
+                await _time_async(async_cases[case], 50)
+            for r in range(args.rounds):
+                for case in sync_cases:
+                    order = ("async", "sync") if r % 2 == 0 else ("sync", "async")
+                    for side in order:
+                        if side == "sync":
+                            times = _time_sync(sync_cases[case], args.iters)
+                        else:
+                            times = await _time_async(async_cases[case], args.iters)
+                        rounds[case][side].append(statistics.median(times))
+            tput: dict[str, list[float]] = {"async": [], "sync": []}
+            n = max(args.iters // 8, 10)
+            for _ in range(args.rounds):
+                tput["async"].append(await _async_throughput(aclient, 8, n))
+                tput["sync"].append(_sync_throughput(sync, 8, n))
+            transfer = aclient.transfer
+    finally:
+        sync.close()
+
+    def summary(values: list[float], scale: float) -> dict[str, float]:
+        return {
+            "median": statistics.median(values) * scale,
+            "min": min(values) * scale,
+            "max": max(values) * scale,
+        }
+
+    cases: dict[str, Any] = {}
+    for case, sides in rounds.items():
+        a, s = summary(sides["async"], 1e6), summary(sides["sync"], 1e6)
+        over = [x - y for x, y in zip(sides["sync"], sides["async"], strict=True)]
+        cases[case] = {"async_us": a, "sync_us": s, "overhead_us": summary(over, 1e6)}
+    cases["noop x8"] = {
+        "async_calls_per_s": summary(tput["async"], 1),
+        "sync_calls_per_s": summary(tput["sync"], 1),
+    }
+    return {
+        "url": url,
+        "transfer": transfer,
+        "iters": args.iters,
+        "rounds": args.rounds,
+        "python": sys.version.split()[0],
+        "cases": cases,
+    }
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    print(
+        f"facade overhead per call -- server {result['url']} ({result['transfer']}), "
+        f"{result['rounds']} rounds x {result['iters']} calls, median of round medians [range]"
+    )
+    print(f"{'case':<10} {'async µs':>20} {'sync µs':>20} {'overhead µs':>20}")
+
+    def cell(d: dict[str, float], digits: int = 0) -> str:
+        return f"{d['median']:.{digits}f} [{d['min']:.{digits}f}-{d['max']:.{digits}f}]"
+
+    for case, v in result["cases"].items():
+        if case == "noop x8":
+            continue
+        print(f"{case:<10} {cell(v['async_us']):>20} {cell(v['sync_us']):>20} {cell(v['overhead_us']):>20}")
+    t = result["cases"]["noop x8"]
+    print(
+        f"noop x8    throughput: async {cell(t['async_calls_per_s'])} calls/s, "
+        f"sync (8 threads) {cell(t['sync_calls_per_s'])} calls/s"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--url", help="ZMQ endpoint of a running server (default: start one)")
+    parser.add_argument("--http-url", help="HTTP endpoint of that server")
+    parser.add_argument("--mode", choices=["shm", "pickle"], default="shm", help="for a started server")
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = parser.parse_args()
+    if (args.url is None) != (args.http_url is None):
+        parser.error("--url and --http-url go together")
+    if args.url is not None:
+        result = asyncio.run(run(args, args.url, args.http_url))
+    else:
+        from tests.support.real_server import RealLMCacheServer, lmcache_venv_python
+
+        with RealLMCacheServer(args.mode, venv_python=lmcache_venv_python(), chunk_size=16) as srv:
+            result = asyncio.run(run(args, srv.url, srv.http_url))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_table(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,881 @@
+"""The blocking client: :class:`Client`, a thin facade over :class:`~lmcache_async.AsyncClient`.
+
+There is one implementation, the asyncio one. :class:`Client` runs it on a private event
+loop that lives on a daemon thread, ``lmcache-async-loop``, shared (and reference-counted)
+by every :class:`Client` of the process::
+
+    caller thread(s)                      lmcache-async-loop (daemon)
+    ----------------                      ---------------------------
+    client.store(kv, tokens)  ──submit──▶  task: await AsyncClient.store(...)
+       waits on a threading.Event ◀─done──  (owns the ZMQ socket, the aiohttp
+       (bounded, Ctrl-C aware)              session, the SHM mapping)
+
+* The :class:`~lmcache_async.AsyncClient` is constructed, opened, used and closed only on
+  that loop, so it works the same in a script, in a Jupyter cell (whose own loop is
+  already running), inside ``asyncio.run(...)`` and from any number of threads at once.
+* A blocking call made *from the loop thread itself* (e.g. from a callback or coroutine
+  running there) would wait for itself forever; it raises :class:`SyncUsageError` at once.
+* The caller's wait is bounded by the operation's ``timeout`` plus the client's
+  ``cleanup_grace``. The operation itself gives up after ``timeout`` and raises
+  :class:`~lmcache_async.LMCacheTimeoutError`; the facade's bound only fires if the loop
+  is stuck, and also raises :class:`~lmcache_async.LMCacheTimeoutError`. (The bulk
+  methods have per-item deadlines only: the caller waits as long as the batch runs.)
+* ``KeyboardInterrupt`` (Ctrl-C, a Jupyter kernel interrupt) while waiting cancels the
+  task on the loop, waits at most ``cleanup_grace`` seconds for the cancellation to be
+  processed, then re-raises. The async client finishes the server side of a cancelled
+  operation on its own (prefetch status consumed, locks freed, session ended, a reserved
+  store completed). A second Ctrl-C stops that short wait.
+* After ``os.fork()`` the child has no loop thread: an inherited :class:`Client` raises
+  :class:`SyncUsageError` (its ``close()`` is a no-op there); a new :class:`Client` in the
+  child starts a loop thread of its own.
+* Closing is explicit (``close()`` or ``with``). A client that is garbage-collected
+  unclosed, or still open at interpreter exit, is closed by a :func:`weakref.finalize`
+  callback with a :class:`ResourceWarning`; there is no ``__del__``. A collected client
+  is closed in the background (the collecting thread never blocks); at exit the closes
+  are waited for (bounded) before the loop thread stops.
+* The loop thread starts with the first client and exits after it has been idle (no
+  client open) for ``_IDLE_LINGER`` seconds; there is never more than one.
+
+The waiting thread wakes every ``_WAIT_SLICE`` seconds, so an interrupt that is only
+flagged (``_thread.interrupt_main()``, or a SIGINT delivered to another thread) is also
+noticed promptly; a real SIGINT to the waiting main thread is handled at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, TypeVar
+
+import torch
+
+from lmcache_async.client import _DEFAULT, AsyncClient, RemapResult, TransferMode, _check_timeout
+from lmcache_async.errors import ClientClosedError, LMCacheError, LMCacheTimeoutError
+from lmcache_async.geometry import KVGeometry
+
+if TYPE_CHECKING:
+    from lmcache_async.bulk import BatchProgress, BatchResult, RemapPair, RetrieveItem, StoreItem
+
+__all__ = ["LOOP_THREAD_NAME", "Client", "SyncUsageError"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Name of the event-loop thread (at most one per process).
+LOOP_THREAD_NAME: Final = "lmcache-async-loop"
+#: A waiting caller wakes this often (s) to notice a flagged KeyboardInterrupt.
+_WAIT_SLICE: Final = 0.1
+#: Seconds the loop thread stays alive with no open client (read at each release).
+_IDLE_LINGER = 30.0
+#: ``aclose()`` beyond ``cleanup_grace``: unregister (5 s) and closing socket/session.
+_CLOSE_EXTRA: Final = 10.0
+#: ``status()``/``config()`` have no ``timeout=``; the HTTP fetch gives up after 10 s.
+#: Longest wait for a retiring loop thread to finish, and for the loop at exit.
+_JOIN_TIMEOUT: Final = 10.0
+
+
+class SyncUsageError(LMCacheError, RuntimeError):
+    """A blocking call was made where it cannot work.
+
+    Attributes:
+        reason: ``"loop_thread"`` (called from the client's own event-loop thread, where
+            waiting would deadlock) or ``"forked"`` (the client was created in the parent
+            of a fork; create a new one in this process).
+    """
+
+    def __init__(self, message: str, reason: Literal["loop_thread", "forked"]) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+_tls = threading.local()
+
+
+def _on_loop_thread() -> bool:
+    return bool(getattr(_tls, "is_loop_thread", False))
+
+
+def _refuse_on_loop_thread(what: str) -> None:
+    if _on_loop_thread():
+        raise SyncUsageError(
+            f"{what} blocks, and it was called from the lmcache-async event-loop thread it "
+            "would wait for (a deadlock); from code running on an event loop use "
+            "AsyncClient and 'await' instead",
+            "loop_thread",
+        )
+
+
+class _Call(Generic[T]):
+    """One coroutine run on the loop thread on behalf of a waiting (or absent) caller."""
+
+    __slots__ = ("_callbacks", "_cancelled", "_exc", "_factory", "_result", "done", "loop", "task")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, factory: Callable[[], Coroutine[Any, Any, T]]
+    ) -> None:
+        self.loop = loop
+        self.done = threading.Event()
+        self.task: asyncio.Task[T] | None = None
+        self._factory: Callable[[], Coroutine[Any, Any, T]] | None = factory
+        self._result: T | None = None
+        self._exc: BaseException | None = None
+        self._cancelled = False
+        self._callbacks: list[Callable[[], None]] = []
+
+    # -- on the loop thread
+    def _start(self) -> None:
+        factory, self._factory = self._factory, None
+        assert factory is not None
+        try:
+            self.task = self.loop.create_task(factory())  # the coroutine is created here
+        except BaseException as exc:  # e.g. the factory itself raised
+            self._exc = exc
+            self._finish()
+            return
+        self.task.add_done_callback(self._on_done)
+
+    def _on_done(self, task: asyncio.Task[T]) -> None:
+        if task.cancelled():
+            self._cancelled = True
+        else:
+            exc = task.exception()
+            if exc is None:
+                self._result = task.result()
+            else:
+                self._exc = exc
+        self._finish()
+
+    def _finish(self) -> None:
+        self.done.set()
+        for callback in self._callbacks:
+            try:
+                callback()
+            except Exception:  # pragma: no cover - a bug in our own callbacks
+                log.exception("lmcache-async: callback of a finished call failed")
+
+    def _cancel_on_loop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    # -- on any thread
+    def cancel(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to cancel
+            self.loop.call_soon_threadsafe(self._cancel_on_loop)
+
+    def abandon(self, on_success: Callable[[T], object]) -> None:
+        """Cancel, and hand the result to ``on_success`` (on the loop) should the task
+        succeed anyway (it finished already, or it finishes before the cancel lands)."""
+
+        def on_loop() -> None:
+            def deliver() -> None:
+                if self.succeeded():
+                    on_success(self._result)  # type: ignore[arg-type]
+
+            if self.done.is_set():
+                deliver()
+            else:
+                self._callbacks.append(deliver)
+                self._cancel_on_loop()
+
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to hand over
+            self.loop.call_soon_threadsafe(on_loop)
+
+    def succeeded(self) -> bool:
+        return self.done.is_set() and not self._cancelled and self._exc is None
+
+    def outcome(self) -> T:
+        if self._exc is not None:
+            exc = self._exc
+            try:
+                raise exc
+            finally:
+                del exc
+        if self._cancelled:
+            raise ClientClosedError("the operation was cancelled on the event loop (is it shutting down?)")
+        return self._result  # type: ignore[return-value]
+
+    def wait(self, name: str, bound: float | None, grace: float) -> T:
+        """Block until done; ``bound`` seconds at most (``None``: as long as it takes).
+
+        KeyboardInterrupt: cancel the task, wait up to ``grace`` for it, re-raise.
+        Bound expired: cancel the task, wait up to ``grace``, raise LMCacheTimeoutError.
+        """
+        start = time.monotonic()
+        deadline = None if bound is None else start + bound
+        try:
+            while True:
+                if deadline is None:
+                    slice_ = _WAIT_SLICE
+                else:
+                    slice_ = min(_WAIT_SLICE, deadline - time.monotonic())
+                    if slice_ <= 0:
+                        break
+                if self.done.wait(slice_):
+                    return self.outcome()
+        except KeyboardInterrupt:
+            self.cancel()
+            self.done.wait(grace)
+            raise
+        self.cancel()
+        self.done.wait(grace)
+        if self.succeeded():  # it made it after all
+            return self.outcome()
+        raise LMCacheTimeoutError(name, time.monotonic() - start)
+
+
+class _LoopThread:
+    """An asyncio loop running on a daemon thread; one per process, shared and ref-counted."""
+
+    # Reentrant: a client collected (finalized) inside a critical section releases its
+    # reference on the same thread. Replaced in a forked child.
+    _lock: ClassVar[threading.RLock] = threading.RLock()
+    _current: ClassVar[_LoopThread | None] = None
+    _retiring: ClassVar[_LoopThread | None] = None
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.refs = 0
+        self.background: set[_Call[Any]] = set()
+        self._idle_gen = 0
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._main, name=LOOP_THREAD_NAME, daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        _tls.is_loop_thread = True
+        loop = self.loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            try:
+                tasks = asyncio.all_tasks(loop)
+                for task in tasks:
+                    task.cancel()
+                if tasks:
+                    loop.run_until_complete(asyncio.wait(tasks, timeout=_JOIN_TIMEOUT))
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.run_until_complete(asyncio.wait_for(loop.shutdown_default_executor(), _JOIN_TIMEOUT))
+            except BaseException:  # pragma: no cover - best effort at shutdown
+                log.debug("lmcache-async: loop shutdown was not clean", exc_info=True)
+            finally:
+                asyncio.set_event_loop(None)
+                loop.close()
+
+    def __repr__(self) -> str:
+        return f"<_LoopThread {self.thread.name} refs={self.refs} alive={self.alive()}>"
+
+    def alive(self) -> bool:
+        return self.pid == os.getpid() and self.thread.is_alive() and not self.loop.is_closed()
+
+    # ------------------------------------------------------------ sharing
+
+    @classmethod
+    def acquire(cls) -> _LoopThread:
+        """The process's loop thread (started if needed), with one more reference."""
+        while True:
+            with cls._lock:
+                lt = cls._current
+                if lt is not None and lt.alive():
+                    lt.refs += 1
+                    return lt
+                retiring = cls._retiring
+                if retiring is None or not retiring.alive():
+                    cls._retiring = None
+                    lt = cls._current = cls()
+                    lt.refs = 1
+                    return lt
+            # A retiring thread is still finishing; never run two (join outside the lock).
+            retiring.thread.join(_JOIN_TIMEOUT)
+            if retiring.thread.is_alive():
+                log.warning("lmcache-async: the idle event-loop thread did not exit; starting another")
+                with cls._lock:
+                    if cls._retiring is retiring:
+                        cls._retiring = None
+
+    def release(self) -> None:
+        """Drop one reference; at zero the thread exits after ``_IDLE_LINGER`` idle seconds."""
+        with _LoopThread._lock:
+            if self.pid != os.getpid():
+                return
+            self.refs -= 1
+            if self.refs > 0:
+                return
+            self._idle_gen += 1
+            gen = self._idle_gen
+        with contextlib.suppress(RuntimeError):  # the loop is closed already
+            self.loop.call_soon_threadsafe(self._arm_idle, gen)
+
+    def _arm_idle(self, gen: int) -> None:
+        self.loop.call_later(_IDLE_LINGER, self._retire_if_idle, gen)
+
+    def _retire_if_idle(self, gen: int) -> None:
+        cls = _LoopThread
+        with cls._lock:
+            if self.refs or gen != self._idle_gen or cls._current is not self:
+                return
+            cls._current = None
+            cls._retiring = self
+        self.loop.stop()
+
+    # ------------------------------------------------------------ running
+
+    def submit(
+        self,
+        factory: Callable[[], Coroutine[Any, Any, T]],
+        on_done: Callable[[], None] | None = None,
+    ) -> _Call[T]:
+        """Schedule ``factory()`` as a task on the loop (the coroutine is created there);
+        ``on_done`` runs on the loop once it has finished (registered before it starts)."""
+        call = _Call(self.loop, factory)
+        if on_done is not None:
+            call._callbacks.append(on_done)
+        if not self.alive():
+            raise ClientClosedError("the lmcache-async event-loop thread has stopped")
+        try:
+            self.loop.call_soon_threadsafe(call._start)
+        except RuntimeError as exc:
+            raise ClientClosedError("the lmcache-async event-loop thread has stopped") from exc
+        return call
+
+    def close_in_background(self, aclient: AsyncClient) -> _Call[None] | None:
+        """Schedule ``aclient.aclose()`` without waiting (holds a reference until done)."""
+        with _LoopThread._lock:
+            if not self.alive():
+                return None
+            self.refs += 1
+        holder: list[_Call[None]] = []
+
+        def finished() -> None:  # on the loop thread
+            for call in holder:
+                self.background.discard(call)
+            self.release()
+
+        try:
+            call = self.submit(aclient.aclose, on_done=finished)
+        except ClientClosedError:
+            self.release()
+            return None
+        holder.append(call)
+        self.background.add(call)
+        if call.done.is_set():  # it finished before it was added (done is set first)
+            self.background.discard(call)
+        return call
+
+    def shutdown(self, timeout: float) -> None:
+        """Stop the loop and join the thread (interpreter exit)."""
+        with _LoopThread._lock:
+            if _LoopThread._current is self:
+                _LoopThread._current = None
+        try:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        except RuntimeError:
+            return
+        self.thread.join(timeout)
+
+
+def _bound(timeout: object, grace: float) -> float | None:
+    """The facade's wait for an operation with deadline ``timeout``."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
+        return grace  # invalid: the async side raises ValueError at once
+    return float(timeout) + grace
+
+
+def _seconds(value: object, fallback: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        return fallback  # AsyncClient reports the bad value itself
+    return float(value)
+
+
+# Open clients, for the exit hook (a WeakSet: it never keeps a dropped client alive).
+_live: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+def _finalize(aclient: AsyncClient, lt: _LoopThread, pid: int, desc: str) -> None:
+    """weakref.finalize callback of a Client dropped (or still open at exit) unclosed."""
+    if os.getpid() != pid:
+        return  # inherited across fork: the parent owns the server-side state
+    try:
+        warnings.warn(
+            f"{desc} was never closed; closing it now (call close() or use 'with Client(...)')",
+            ResourceWarning,
+            stacklevel=2,
+        )
+    finally:
+        lt.close_in_background(aclient)  # holds its own reference until the close is done
+        lt.release()
+
+
+def _at_exit() -> None:
+    """Close clients left open (with a ResourceWarning), then stop the loop thread."""
+    for client in list(_live):
+        client._finalizer()
+    lt = _LoopThread._current
+    if lt is None or not lt.alive():
+        return
+    deadline = time.monotonic() + _JOIN_TIMEOUT + max(
+        (c._grace for c in list(_live)), default=0.0
+    )
+    for call in list(lt.background):
+        call.done.wait(max(deadline - time.monotonic(), 0.0))
+    lt.shutdown(max(deadline - time.monotonic(), 0.1))
+
+
+def _after_fork_in_child() -> None:
+    _LoopThread._lock = threading.RLock()
+    _LoopThread._current = None
+    _LoopThread._retiring = None
+    _tls.__dict__.clear()
+    for client in list(_live):
+        client._finalizer.detach()
+    _live.clear()
+
+
+atexit.register(_at_exit)
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class Client:
+    """A blocking client of one LMCache MP server for one model.
+
+    The same methods, arguments and return values as :class:`~lmcache_async.AsyncClient`,
+    without ``await``; ``close()`` instead of ``aclose()``. The constructor connects (like
+    the official SDK's ``connect``); :meth:`connect` is the same as a classmethod. Use it
+    as a context manager or call :meth:`close`::
+
+        with Client("tcp://localhost:5555", "http://localhost:8080", "my-model",
+                    geometry=KVGeometry(32, 8, 128)) as client:
+            client.store(kv, tokens)
+            kv = client.retrieve(tokens)
+
+    Safe to share between threads: concurrent calls run concurrently on the loop thread.
+    For the arguments see :class:`~lmcache_async.AsyncClient`.
+
+    Every blocking method:
+
+    * **timeout** -- the operation has the deadline ``timeout`` (default: the client's);
+      past it :class:`~lmcache_async.LMCacheTimeoutError` (also a ``TimeoutError``) is
+      raised and the operation cleans up on the server by itself. The caller never waits
+      longer than ``timeout + cleanup_grace``; ``timeout=None`` waits as long as it takes.
+    * **KeyboardInterrupt** while waiting -- the operation is cancelled on the loop, which
+      releases its server-side session, locks and reservations by itself (a store whose
+      slots were reserved is completed); the facade waits at most ``cleanup_grace`` for
+      the cancellation, then re-raises ``KeyboardInterrupt``.
+    * **from the loop thread** (code running on the client's own event loop) -- raises
+      :class:`SyncUsageError` at once instead of deadlocking.
+    * **after fork** -- a client inherited by a child process raises
+      :class:`SyncUsageError`; create a new one in the child.
+    * **after close** -- raises :class:`~lmcache_async.ClientClosedError`.
+
+    Raises (constructor): as :meth:`AsyncClient.open`; ``KeyboardInterrupt`` during the
+    connect closes whatever was opened.
+    """
+
+    def __init__(
+        self,
+        url: str = "tcp://localhost:5555",
+        http_url: str = "http://localhost:8080",
+        model_name: str = "",
+        *,
+        geometry: KVGeometry | None = None,
+        timeout: float | None = 60.0,
+        transfer: TransferMode = "auto",
+        num_kv_readers: int = 1,
+        ping_interval: float = 20.0,
+        cleanup_grace: float = 10.0,
+        metadata_ttl: float = 5.0,
+    ) -> None:
+        self._pid = os.getpid()
+        self._closed = True  # until opened
+        self._grace = _seconds(cleanup_grace, 10.0)
+        _refuse_on_loop_thread("Client()")
+
+        async def open_client() -> AsyncClient:
+            client = AsyncClient(
+                url,
+                http_url,
+                model_name,
+                geometry=geometry,
+                timeout=timeout,
+                transfer=transfer,
+                num_kv_readers=num_kv_readers,
+                ping_interval=ping_interval,
+                cleanup_grace=cleanup_grace,
+                metadata_ttl=metadata_ttl,
+            )
+            await client.open()
+            return client
+
+        lt = _LoopThread.acquire()
+        call: _Call[AsyncClient] | None = None
+        try:
+            call = lt.submit(open_client)
+            aclient = call.wait("open", _bound(timeout, self._grace), self._grace)
+        except BaseException:
+            if call is not None:  # interrupted: whatever opens after all is closed again
+                call.abandon(lt.close_in_background)
+            lt.release()
+            raise
+        self._lt = lt
+        self._async = aclient
+        self._closed = False
+        self._finalizer = weakref.finalize(
+            self, _finalize, aclient, lt, self._pid, f"<lmcache_async.Client {model_name!r} at {url}>"
+        )
+        _live.add(self)
+
+    @classmethod
+    def connect(
+        cls,
+        url: str = "tcp://localhost:5555",
+        http_url: str = "http://localhost:8080",
+        model_name: str = "",
+        *,
+        geometry: KVGeometry | None = None,
+        timeout: float | None = 60.0,
+        transfer: TransferMode = "auto",
+        num_kv_readers: int = 1,
+        ping_interval: float = 20.0,
+        cleanup_grace: float = 10.0,
+        metadata_ttl: float = 5.0,
+    ) -> Client:
+        """Create and open a :class:`Client` (the same as calling the class)."""
+        return cls(
+            url,
+            http_url,
+            model_name,
+            geometry=geometry,
+            timeout=timeout,
+            transfer=transfer,
+            num_kv_readers=num_kv_readers,
+            ping_interval=ping_interval,
+            cleanup_grace=cleanup_grace,
+            metadata_ttl=metadata_ttl,
+        )
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise SyncUsageError(
+                f"this Client was created in process {self._pid}, before a fork; it cannot "
+                "be used in the child (its event-loop thread did not survive the fork): "
+                "create a new Client in this process",
+                "forked",
+            )
+
+    def _run(self, name: str, bound: float | None, factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        self._check_process()
+        _refuse_on_loop_thread(f"Client.{name}()")
+        if self._closed:
+            raise ClientClosedError("the client is closed")
+        return self._lt.submit(factory).wait(name, bound, self._grace)
+
+    def _op_bound(self, timeout: object) -> float | None:
+        return _bound(self._async.timeout if timeout is _DEFAULT else timeout, self._grace)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per chunk (the server's ``--chunk-size``)."""
+        self._check_process()
+        return self._async.chunk_size
+
+    @property
+    def geometry(self) -> KVGeometry:
+        """The KV layout in use (explicit, or derived from ``/status``)."""
+        self._check_process()
+        return self._async.geometry
+
+    @property
+    def transfer(self) -> Literal["shm", "pickle"]:
+        """``"shm"`` or ``"pickle"``: how tensors travel."""
+        self._check_process()
+        return self._async.transfer
+
+    @property
+    def instance_id(self) -> int:
+        """The engine-driven registration id of this client (random, 63 bits)."""
+        return self._async.instance_id
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called (or the client was finalized)."""
+        return self._closed or self._async.closed
+
+    @property
+    def url(self) -> str:
+        return self._async.url
+
+    @property
+    def http_url(self) -> str:
+        return self._async.http_url
+
+    @property
+    def model_name(self) -> str:
+        return self._async.model_name
+
+    @property
+    def timeout(self) -> float | None:
+        """Default deadline (s) of every operation; settable (``None``: no deadline)."""
+        return self._async.timeout
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        self._async.timeout = _check_timeout(value, "timeout")
+
+    @property
+    def cleanup_grace(self) -> float:
+        return self._async.cleanup_grace
+
+    @property
+    def num_kv_readers(self) -> int:
+        return self._async.num_kv_readers
+
+    def __repr__(self) -> str:
+        inner = repr(self._async) if hasattr(self, "_async") else "<not opened>"
+        return f"<Client {inner}>"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> Client:
+        self._check_process()
+        if self._closed:
+            raise ClientClosedError("the client is closed")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the client (as :meth:`AsyncClient.aclose`): refuse new calls, let
+        abandoned operations finish their cleanup (bounded by ``cleanup_grace``),
+        unregister, close socket and session.
+
+        Idempotent; returns at once if another thread is already closing it. Waits at
+        most ``cleanup_grace + 10`` seconds (then logs a warning and returns).
+        KeyboardInterrupt cancels the close, which still closes socket and session on
+        the loop, and is re-raised. In a child process that inherited the client
+        (fork) it only marks the client closed. From the loop thread: SyncUsageError.
+        """
+        if os.getpid() != self._pid:
+            self._closed = True
+            return
+        _refuse_on_loop_thread("Client.close()")
+        if self._finalizer.detach() is None:
+            return  # already closed (or being closed by another thread)
+        _live.discard(self)
+        self._closed = True
+        lt = self._lt
+        try:
+            lt.submit(self._async.aclose).wait("close", self._grace + _CLOSE_EXTRA, self._grace)
+        except LMCacheTimeoutError:
+            log.warning("lmcache-async: closing %r took too long; left to the event loop", self)
+        except ClientClosedError:
+            pass  # the loop thread is gone: so are the socket and the session
+        finally:
+            lt.release()
+
+    # ------------------------------------------------------------------ operations
+
+    def lookup(self, tokens: Sequence[int], cache_salt: str = "", *, timeout: float | None = _DEFAULT) -> int:
+        """Length in tokens of the longest cached chunk-aligned prefix of ``tokens``.
+
+        Blocking :meth:`AsyncClient.lookup`; timeout, KeyboardInterrupt and loop-thread
+        behaviour as described in the class docstring.
+        """
+        return self._run(
+            "lookup",
+            self._op_bound(timeout),
+            lambda: self._async.lookup(tokens, cache_salt, timeout=timeout),
+        )
+
+    def retrieve(
+        self,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        out: torch.Tensor | None = None,
+        *,
+        timeout: float | None = _DEFAULT,
+    ) -> torch.Tensor | None:
+        """The KV of the longest cached chunk-aligned prefix of ``tokens``, or ``None``.
+
+        Blocking :meth:`AsyncClient.retrieve` (``[2, L, T_hit, D]``, a view of ``out``
+        when given). On timeout or KeyboardInterrupt nothing more is copied into ``out``
+        once the call has returned, except a large copy already running in a worker
+        thread, which finishes.
+        """
+        return self._run(
+            "retrieve",
+            self._op_bound(timeout),
+            lambda: self._async.retrieve(tokens, cache_salt, out, timeout=timeout),
+        )
+
+    def store(
+        self,
+        kv: torch.Tensor,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        *,
+        timeout: float | None = _DEFAULT,
+    ) -> bool:
+        """Store ``kv`` (``[2, L, T, D]``; ``[L, T, D]`` for MLA) under ``tokens``.
+
+        Blocking :meth:`AsyncClient.store`: True if at least one chunk was added, False
+        exactly when every chunk was already cached. On timeout or KeyboardInterrupt a
+        store whose slots were reserved is still completed on the loop (all chunks or
+        none); ``kv`` must not be modified until then.
+        """
+        return self._run(
+            "store",
+            self._op_bound(timeout),
+            lambda: self._async.store(kv, tokens, cache_salt, timeout=timeout),
+        )
+
+    def remap(
+        self,
+        source_tokens: Sequence[int],
+        target_tokens: Sequence[int],
+        cache_salt: str = "",
+        target_cache_salt: str | None = None,
+        *,
+        timeout: float | None = _DEFAULT,
+    ) -> RemapResult:
+        """Retrieve the KV of ``source_tokens`` and store it under ``target_tokens``.
+
+        Blocking :meth:`AsyncClient.remap`; the deadline covers both halves.
+        """
+        return self._run(
+            "remap",
+            self._op_bound(timeout),
+            lambda: self._async.remap(
+                source_tokens, target_tokens, cache_salt, target_cache_salt, timeout=timeout
+            ),
+        )
+
+    def noop(self, *, timeout: float | None = _DEFAULT) -> float:
+        """Round-trip a ``noop``; returns the server round-trip time in seconds (as
+        measured on the loop, without the facade's own hand-over)."""
+        return self._run("noop", self._op_bound(timeout), lambda: self._async.noop(timeout=timeout))
+
+    def status(self, *, max_age: float | None = None, timeout: float | None = _DEFAULT) -> dict[str, Any]:
+        """The server's ``/status`` document (cached for ``metadata_ttl`` seconds).
+
+        The caller waits at most ``timeout`` (default: the client's) plus ``cleanup_grace``.
+        """
+        return self._run(
+            "status", self._op_bound(timeout), lambda: self._async.status(max_age=max_age, timeout=timeout)
+        )
+
+    def config(self, *, max_age: float | None = None, timeout: float | None = _DEFAULT) -> dict[str, Any]:
+        """The server's ``/config`` document (cached for ``metadata_ttl`` seconds).
+
+        The caller waits at most ``timeout`` (default: the client's) plus ``cleanup_grace``.
+        """
+        return self._run(
+            "config", self._op_bound(timeout), lambda: self._async.config(max_age=max_age, timeout=timeout)
+        )
+
+    def drain(self, timeout: float | None = _DEFAULT) -> bool:
+        """Wait until operations abandoned by a timeout or an interrupt have finished their
+        server-side cleanup; True when none is left, False if ``timeout`` passed first."""
+        return self._run("drain", self._op_bound(timeout), lambda: self._async.drain(timeout))
+
+    # ---- bulk operations (lmcache_async.bulk): wrap each AsyncClient bulk method here ----
+    # A batch has no overall deadline (``timeout`` is per item, and every item is bounded
+    # by it), so the caller waits as long as the batch runs; Ctrl-C cancels the batch.
+    # ``items`` is consumed and ``progress`` is called on the event-loop thread: neither
+    # may block (a blocking Client call from them raises SyncUsageError).
+
+    def remap_many(
+        self,
+        pairs: Iterable[RemapPair | Sequence[Any]],
+        *,
+        concurrency: int = 8,
+        max_bytes_in_flight: int = 1 << 30,
+        progress: Callable[[BatchProgress], object] | None = None,
+        return_exceptions: bool = True,
+        timeout: float | None = _DEFAULT,
+    ) -> BatchResult:
+        """Remap many (source, target) pairs concurrently: blocking
+        :meth:`AsyncClient.remap_many` (see :func:`lmcache_async.bulk.remap_many`).
+
+        KeyboardInterrupt cancels the batch: every in-flight item releases its server
+        session, locks and reservations on the loop; then it is re-raised.
+        """
+        return self._run(
+            "remap_many",
+            None,
+            lambda: self._async.remap_many(
+                pairs,
+                concurrency=concurrency,
+                max_bytes_in_flight=max_bytes_in_flight,
+                progress=progress,
+                return_exceptions=return_exceptions,
+                timeout=timeout,
+            ),
+        )
+
+    def store_many(
+        self,
+        items: Iterable[StoreItem | Sequence[Any]],
+        *,
+        concurrency: int = 8,
+        max_bytes_in_flight: int = 1 << 30,
+        progress: Callable[[BatchProgress], object] | None = None,
+        return_exceptions: bool = True,
+        timeout: float | None = _DEFAULT,
+    ) -> BatchResult:
+        """Store many ``(kv, tokens[, cache_salt])`` items concurrently: blocking
+        :meth:`AsyncClient.store_many`. KeyboardInterrupt: as for :meth:`remap_many`."""
+        return self._run(
+            "store_many",
+            None,
+            lambda: self._async.store_many(
+                items,
+                concurrency=concurrency,
+                max_bytes_in_flight=max_bytes_in_flight,
+                progress=progress,
+                return_exceptions=return_exceptions,
+                timeout=timeout,
+            ),
+        )
+
+    def retrieve_many(
+        self,
+        token_lists: Iterable[RetrieveItem | Sequence[Any]],
+        *,
+        concurrency: int = 8,
+        max_bytes_in_flight: int = 1 << 30,
+        progress: Callable[[BatchProgress], object] | None = None,
+        return_exceptions: bool = True,
+        timeout: float | None = _DEFAULT,
+    ) -> BatchResult:
+        """Retrieve many prompts concurrently: blocking :meth:`AsyncClient.retrieve_many`.
+        KeyboardInterrupt: as for :meth:`remap_many`."""
+        return self._run(
+            "retrieve_many",
+            None,
+            lambda: self._async.retrieve_many(
+                token_lists,
+                concurrency=concurrency,
+                max_bytes_in_flight=max_bytes_in_flight,
+                progress=progress,
+                return_exceptions=return_exceptions,
+                timeout=timeout,
+            ),
+        )
+
+    # ---- end of bulk operations ----

@@ -1,0 +1,201 @@
+"""``lmcache_async.kvcache``: the official SDK's module-level API, against the real server.
+
+The model is registered the way vLLM does it (an lmcache-driven registration from
+``tests/support/engine_worker.py``), so ``connect`` without ``geometry=`` derives the
+layout from ``/status`` exactly like the official SDK. The official SDK itself
+(``tests/support/sdk_worker.py``, in the lmcache venv) runs next to it on the same
+server: return values and stored bytes are compared with it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import lmcache_async.kvcache as lmc_sdk
+from lmcache_async import KVGeometry, ModelNotRegisteredError
+from lmcache_async.sync_client import Client
+from tests.support.real_server import RealLMCacheServer
+from tests.support.workers import EngineWorker, SDKWorker
+
+MODEL = f"test-kvcache-dropin-{os.getpid()}"
+GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_size=16)
+CS = 16
+
+_rng = random.Random()
+
+
+def _tokens(n: int) -> list[int]:
+    return [_rng.randrange(1 << 31) for _ in range(n)]
+
+
+def _kv(n: int) -> torch.Tensor:
+    return torch.randn(GEOM.kv_shape(n)).to(GEOM.dtype)
+
+
+@dataclass
+class Registered:
+    """A session server on which an engine registered MODEL, and the official SDK."""
+
+    server: RealLMCacheServer
+    engine: EngineWorker
+    sdk: SDKWorker
+
+    @property
+    def mode(self) -> str:
+        return self.server.mode
+
+
+@pytest.fixture(scope="module", params=["shm", "pickle"])
+def registered(request: pytest.FixtureRequest, lmcache_python: Path) -> Iterator[Registered]:
+    srv: RealLMCacheServer = request.getfixturevalue(f"real_server_{request.param}")
+    with EngineWorker(srv.url, python=lmcache_python) as engine, SDKWorker(python=lmcache_python) as sdk:
+        engine.register(
+            MODEL,
+            num_layers=GEOM.num_layers,
+            num_kv_heads=GEOM.num_kv_heads,
+            head_dim=GEOM.head_dim,
+            block_size=GEOM.block_size,
+            num_blocks=32,
+            dtype=GEOM.dtype,
+        )
+        sdk.connect(srv.url, srv.http_url, MODEL)
+        yield Registered(srv, engine, sdk)
+
+
+def test_the_issue_snippet_runs_unchanged_but_for_the_import(registered: Registered) -> None:
+    srv = registered.server
+    # Chunk-aligned, as the snippet needs with the official SDK too: its store raises when
+    # len(tokens) differs from the KV's token count (retrieve returns whole chunks only).
+    source_tokens, target_tokens = _tokens(3 * CS), _tokens(3 * CS)
+    source_kv = _kv(3 * CS)
+    assert registered.engine.store(source_tokens, source_kv)  # written the vLLM way
+
+    # ---- the snippet of issue 5 (only the import and the endpoints differ) ----
+    ctx = lmc_sdk.connect(url=srv.url, http_url=srv.http_url, model_name=MODEL)
+    kv = lmc_sdk.retrieve(ctx, tokens=source_tokens)
+    if kv is not None:
+        lmc_sdk.store(ctx, kv=kv, tokens=target_tokens)
+    lmc_sdk.close(ctx)
+    # ---- end of the snippet ----
+
+    assert kv is not None and torch.equal(kv, source_kv)
+    assert isinstance(ctx, Client) and ctx.closed
+    moved = registered.engine.retrieve(target_tokens)  # read back the vLLM way
+    assert moved is not None and torch.equal(moved, source_kv)
+    official = registered.sdk.retrieve(target_tokens)
+    assert official is not None and torch.equal(official, source_kv)
+
+
+def test_return_values_are_the_official_sdks(registered: Registered) -> None:
+    srv, sdk = registered.server, registered.sdk
+    ctx = lmc_sdk.connect(srv.url, srv.http_url, MODEL, 30.0)
+    try:
+        assert ctx.geometry == GEOM  # derived from /status, as the official SDK does
+        assert ctx.timeout == 30.0 and ctx.transfer == registered.mode
+        ours, theirs = _tokens(2 * CS), _tokens(2 * CS)
+        kv_ours, kv_theirs = _kv(2 * CS), _kv(2 * CS)
+        # miss: None from both
+        assert lmc_sdk.retrieve(ctx, tokens=ours) is None
+        assert sdk.retrieve(ours) is None
+        # shorter than a chunk, or empty: None (nothing to look up)
+        assert lmc_sdk.retrieve(ctx, tokens=ours[: CS - 1]) is None
+        assert lmc_sdk.retrieve(ctx, tokens=[]) is None
+        # a fresh store: True from both
+        assert lmc_sdk.store(ctx, kv=kv_ours, tokens=ours) is True
+        assert sdk.store(theirs, kv_theirs) is True
+        # the same store again: False -- "everything was cached already". The official
+        # SDK says False on SHM but True on pickle (it reports written == reserved, 0 == 0);
+        # this drop-in says False on both.
+        assert lmc_sdk.store(ctx, kv=kv_ours, tokens=ours) is False
+        assert lmc_sdk.store(ctx, kv=kv_theirs, tokens=theirs) is False
+        assert sdk.store(theirs, kv_theirs) is (registered.mode == "pickle")
+        # what one stored the other reads bitwise
+        mine = sdk.retrieve(ours)
+        assert mine is not None and torch.equal(mine, kv_ours)
+        got = lmc_sdk.retrieve(ctx, tokens=theirs)
+        assert got is not None and torch.equal(got, kv_theirs)
+        assert torch.equal(got, sdk.retrieve(theirs))  # type: ignore[arg-type]
+        # a longer query returns the cached prefix (whole chunks)
+        longer = lmc_sdk.retrieve(ctx, tokens=[*ours, *_tokens(CS + 3)])
+        assert longer is not None and torch.equal(longer, kv_ours)
+        # lookup (an addition): the cached prefix length, nothing transferred
+        assert lmc_sdk.lookup(ctx, tokens=ours) == 2 * CS
+        assert lmc_sdk.lookup(ctx, [*ours[:CS], *_tokens(CS)]) == CS
+        # a store shorter than one chunk adds nothing
+        assert lmc_sdk.store(ctx, kv=_kv(CS - 1), tokens=_tokens(CS - 1)) is False
+        # tokens beyond the last whole chunk are ignored, but their KV must be given
+        odd, kv_odd = _tokens(CS + 5), _kv(CS + 5)
+        assert lmc_sdk.store(ctx, kv=kv_odd, tokens=odd) is True
+        prefix = lmc_sdk.retrieve(ctx, tokens=odd)
+        assert prefix is not None and torch.equal(prefix, kv_odd[:, :, :CS])
+        # the KV's token count must match len(tokens) (the official SDK raises too)
+        with pytest.raises(ValueError, match="shape"):
+            lmc_sdk.store(ctx, kv=prefix, tokens=odd)
+    finally:
+        lmc_sdk.close(ctx)
+
+
+def test_cache_salt_and_the_context_methods_of_the_sdk(registered: Registered) -> None:
+    srv = registered.server
+    ctx = lmc_sdk.connect(url=srv.url, http_url=srv.http_url, model_name=MODEL)
+    try:
+        toks, kv = _tokens(CS), _kv(CS)
+        assert lmc_sdk.store(ctx, kv=kv, tokens=toks, cache_salt="alice") is True
+        assert lmc_sdk.retrieve(ctx, tokens=toks) is None  # other namespace
+        got = lmc_sdk.retrieve(ctx, tokens=toks, cache_salt="alice")
+        assert got is not None and torch.equal(got, kv)
+        # the official context's methods and attributes work on the returned context
+        assert ctx.chunk_size == CS and isinstance(ctx.instance_id, int)
+        assert ctx.store(kv, toks, "alice") is False
+        again = ctx.retrieve(toks, "alice")
+        assert again is not None and torch.equal(again, kv)
+        grad = kv.float().requires_grad_().to(GEOM.dtype)  # the SDK detaches; so do we
+        assert lmc_sdk.store(ctx, kv=grad, tokens=_tokens(CS)) is True
+    finally:
+        ctx.close()
+    assert ctx.closed
+
+
+def test_geometry_extension_needs_no_engine(real_server: RealLMCacheServer) -> None:
+    unregistered = f"{MODEL}-no-engine"
+    with pytest.raises(ModelNotRegisteredError):
+        lmc_sdk.connect(real_server.url, real_server.http_url, unregistered)
+    ctx = lmc_sdk.connect(real_server.url, real_server.http_url, unregistered, geometry=GEOM)
+    try:
+        toks, kv = _tokens(2 * CS), _kv(2 * CS)
+        assert ctx.transfer == real_server.mode
+        assert lmc_sdk.store(ctx, kv=kv, tokens=toks) is True
+        assert lmc_sdk.store(ctx, kv=kv, tokens=toks) is False
+        got = lmc_sdk.retrieve(ctx, tokens=toks)
+        assert got is not None and torch.equal(got, kv)
+    finally:
+        lmc_sdk.close(ctx)
+
+
+def test_signatures_match_the_official_sdk() -> None:
+    def params(fn: object) -> list[tuple[str, object]]:
+        sig = inspect.signature(fn)  # type: ignore[arg-type]
+        return [(p.name, p.default) for p in sig.parameters.values() if p.kind is not p.KEYWORD_ONLY]
+
+    empty = inspect.Parameter.empty
+    # lmcache 0.5.6: lmcache.sdk.kvcache.connect and LMCacheSDKContext.retrieve/store
+    assert params(lmc_sdk.connect) == [
+        ("url", empty),
+        ("http_url", empty),
+        ("model_name", empty),
+        ("timeout", 60.0),
+    ]
+    assert params(lmc_sdk.retrieve) == [("ctx", empty), ("tokens", empty), ("cache_salt", "")]
+    assert params(lmc_sdk.store) == [("ctx", empty), ("kv", empty), ("tokens", empty), ("cache_salt", "")]
+    assert params(lmc_sdk.lookup) == [("ctx", empty), ("tokens", empty), ("cache_salt", "")]
+    assert params(lmc_sdk.close) == [("ctx", empty)]
+    assert inspect.signature(lmc_sdk.connect).parameters["geometry"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert sorted(lmc_sdk.__all__) == ["close", "connect", "lookup", "retrieve", "store"]

@@ -1,0 +1,616 @@
+"""The blocking facade :class:`lmcache_async.sync_client.Client`.
+
+Parity with AsyncClient (names, signatures, properties), bitwise round trips against the
+real server over SHM and pickle, 8 threads at once, calls inside ``asyncio.run``, the
+loop-thread deadlock guard, KeyboardInterrupt (real server paused with SIGSTOP: the call
+really is in flight, and after SIGCONT no server session is left), fork, one loop thread
+across repeated create/close, idle exit, and the ResourceWarning of a dropped client (in
+a subprocess). No wall-clock assertions; every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import _thread
+import asyncio
+import contextlib
+import inspect
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import lmcache_async.sync_client as sync_client
+from lmcache_async import (
+    AsyncClient,
+    ClientClosedError,
+    KVGeometry,
+    LMCacheError,
+    LMCacheTimeoutError,
+    RemapResult,
+    connect,
+)
+from lmcache_async.sync_client import LOOP_THREAD_NAME, Client, SyncUsageError
+from tests.support.real_server import REPO_ROOT, RealLMCacheServer
+
+GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_size=16)
+MODEL = f"test-sync-client-{os.getpid()}"
+CS = 16  # chunk size of the session servers
+
+_rng = random.Random()
+
+
+def _tokens(n: int) -> list[int]:
+    """Fresh random token ids: no collision with other tests on the shared servers."""
+    return [_rng.randrange(1 << 31) for _ in range(n)]
+
+
+def _kv(n: int) -> torch.Tensor:
+    return torch.randn(GEOM.kv_shape(n)).to(GEOM.dtype)
+
+
+def _client(srv: RealLMCacheServer, **kw: Any) -> Client:
+    return Client(srv.url, srv.http_url, MODEL, geometry=GEOM, **kw)
+
+
+def _loop_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == LOOP_THREAD_NAME and t.is_alive()]
+
+
+def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def _in_flight(client: Client) -> int:
+    return len(client._async._ops)  # test-only peek at the async client's operations
+
+
+@contextlib.contextmanager
+def _interrupt_main_when(cond: Callable[[], bool], timeout: float = 20.0) -> Iterator[None]:
+    """Deliver a KeyboardInterrupt to the main thread as soon as ``cond()`` holds."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while not stop.is_set() and time.monotonic() < deadline:
+            if cond():
+                _thread.interrupt_main()
+                return
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, name="test-interrupter", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join(timeout + 1)
+
+
+@contextlib.contextmanager
+def _paused(srv: RealLMCacheServer) -> Iterator[None]:
+    """SIGSTOP the server process (its ZMQ and HTTP endpoints stop answering)."""
+    pid = srv.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+# --------------------------------------------------------------------------- parity
+
+_SYNC_NAME = {"aclose": "close", "__aenter__": "__enter__", "__aexit__": "__exit__"}
+#: AsyncClient members deliberately without a blocking twin, and why.
+_NOT_MIRRORED = {"open": "a Client opens in its constructor (or Client.connect)"}
+
+
+def _public_members(cls: type) -> dict[str, Any]:
+    return {
+        name: value
+        for name, value in inspect.getmembers_static(cls)
+        if not name.startswith("_") or name in _SYNC_NAME
+    }
+
+
+def _params(fn: Any) -> tuple[list[tuple[str, Any, Any, Any]], Any]:
+    """Parameters (name, kind, default, annotation text) and return annotation text.
+
+    Annotations are compared as written (both modules use postponed annotations, and
+    some names exist only under TYPE_CHECKING), so a twin must spell them the same.
+    """
+    sig = inspect.signature(fn)
+    params = [(p.name, p.kind, p.default, p.annotation) for p in sig.parameters.values()]
+    ret = sig.return_annotation
+    return params, ("Client" if ret == "AsyncClient" else ret)
+
+
+def _parity_problems(async_cls: type, sync_cls: type) -> list[str]:
+    problems: list[str] = []
+    sync_members = dict(inspect.getmembers_static(sync_cls))
+    for name, member in _public_members(async_cls).items():
+        if name in _NOT_MIRRORED:
+            continue
+        sync_name = _SYNC_NAME.get(name, name)
+        twin = sync_members.get(sync_name)
+        if twin is None:
+            problems.append(f"{sync_cls.__name__}.{sync_name} is missing (twin of {name})")
+            continue
+        if isinstance(member, property):
+            if not isinstance(twin, property):
+                problems.append(f"{sync_cls.__name__}.{sync_name} is not a property")
+            else:
+                want = inspect.signature(member.fget).return_annotation  # type: ignore[arg-type]
+                got = inspect.signature(twin.fget).return_annotation  # type: ignore[arg-type]
+                if want != got:
+                    problems.append(f"property {sync_name}: {got} != {want}")
+            continue
+        if not callable(member):
+            continue
+        if inspect.iscoroutinefunction(twin):
+            problems.append(f"{sync_cls.__name__}.{sync_name} is a coroutine function")
+        if _params(member) != _params(twin):
+            problems.append(
+                f"{sync_cls.__name__}.{sync_name}{inspect.signature(twin)} != "
+                f"{async_cls.__name__}.{name}{inspect.signature(member)}"
+            )
+    return problems
+
+
+def test_every_public_async_member_has_a_blocking_twin_with_the_same_signature() -> None:
+    assert _parity_problems(AsyncClient, Client) == []
+
+
+def test_the_parity_check_catches_a_new_unwrapped_method() -> None:
+    class Grown(AsyncClient):
+        async def compact(self, tokens: list[int]) -> int:  # a new method, not wrapped
+            return 0
+
+        async def noop(self, *, timeout: float | None = 1.0) -> float:  # default differs
+            return 0.0
+
+    problems = _parity_problems(Grown, Client)
+    assert any("Client.compact is missing" in p for p in problems)
+    assert any(".noop(" in p for p in problems)
+
+
+def test_constructor_and_connect_take_the_async_clients_arguments() -> None:
+    want = _params(AsyncClient.__init__)[0]
+    assert _params(Client.__init__)[0] == want
+    assert _params(Client.connect)[0] == want[1:]  # classmethod: no self
+    assert _params(Client.connect)[0] == _params(connect)[0]
+
+
+def test_instance_attributes_are_mirrored() -> None:
+    unopened = AsyncClient("tcp://127.0.0.1:9", "http://127.0.0.1:9", "m")  # no I/O yet
+    public = {name for name in vars(unopened) if not name.startswith("_")}
+    assert public  # url, http_url, model_name, timeout, ...
+    assert sorted(n for n in public if not isinstance(getattr(Client, n, None), property)) == []
+
+
+def test_sync_usage_error_is_a_runtime_error_and_pickles() -> None:
+    import pickle
+
+    err = SyncUsageError("boom", "forked")
+    assert isinstance(err, LMCacheError) and isinstance(err, RuntimeError)
+    back = pickle.loads(pickle.dumps(err))
+    assert back.reason == "forked" and str(back) == "boom"
+
+
+# --------------------------------------------------------------------------- real server
+
+
+def test_store_retrieve_lookup_remap_bitwise(real_server: RealLMCacheServer) -> None:
+    srv = real_server
+    n = 3 * CS
+    source, target = _tokens(n + 5), _tokens(n)
+    kv = _kv(n + 5)
+    with _client(srv) as client:
+        assert client.transfer == srv.mode
+        assert client.chunk_size == CS
+        assert client.geometry == GEOM
+        assert client.retrieve(source) is None
+        assert client.lookup(source) == 0
+        assert client.store(kv, source) is True
+        assert client.store(kv, source) is False  # every chunk cached already
+        got = client.retrieve(source)
+        assert got is not None and torch.equal(got, kv[:, :, :n])
+        assert client.lookup(source) == n
+        out = torch.zeros(GEOM.kv_shape(n + CS), dtype=GEOM.dtype)
+        view = client.retrieve(source, out=out)
+        assert view is not None and view.data_ptr() == out.data_ptr() and torch.equal(view, kv[:, :, :n])
+        result = client.remap(source, target)
+        assert result == RemapResult(retrieved_tokens=n, stored_tokens=n, stored_new=True)
+        moved = client.retrieve(target)
+        assert moved is not None and torch.equal(moved, kv[:, :, :n])
+        salted = client.remap(source, target, target_cache_salt="other")
+        assert salted.stored_new is True
+        assert client.lookup(target, "other") == n
+        assert client.noop() > 0
+        assert client.status(max_age=0)["chunk_size"] == CS
+        assert client.config()["mp"]["chunk_size"] == CS
+    assert client.closed
+
+
+def test_bulk_wrappers_block_and_run_progress_on_the_loop_thread(real_server: RealLMCacheServer) -> None:
+    n = 2 * CS
+    sources, targets = [_tokens(n) for _ in range(4)], [_tokens(n) for _ in range(4)]
+    kvs = [_kv(n) for _ in range(4)]
+    progress_threads: set[str] = set()
+    with _client(real_server) as client:
+        stored = client.store_many(
+            list(zip(kvs, sources, strict=True)),
+            concurrency=2,
+            progress=lambda p: progress_threads.add(threading.current_thread().name),
+        )
+        assert [r.stored_new for r in stored] == [True] * 4
+        assert progress_threads == {LOOP_THREAD_NAME}
+        remapped = client.remap_many(list(zip(sources, targets, strict=True)), concurrency=3)
+        assert [(r.retrieved_tokens, r.stored_tokens, r.error) for r in remapped] == [(n, n, None)] * 4
+        got = client.retrieve_many(targets)
+        assert all(r.kv is not None and torch.equal(r.kv, kv) for r, kv in zip(got, kvs, strict=True))
+
+
+def test_lifecycle_close_is_idempotent_and_use_after_close_fails(real_server_shm: RealLMCacheServer) -> None:
+    client = Client.connect(real_server_shm.url, real_server_shm.http_url, MODEL, geometry=GEOM)
+    assert not client.closed and "open" in repr(client)
+    client.timeout = 5.0
+    assert client.timeout == 5.0
+    with pytest.raises(ValueError, match="timeout"):
+        client.timeout = -1
+    client.close()
+    client.close()
+    assert client.closed
+    with pytest.raises(ClientClosedError):
+        client.lookup(_tokens(CS))
+    with pytest.raises(ClientClosedError), client:
+        pass
+
+
+def test_open_failure_raises_and_releases_the_loop_thread(real_server_shm: RealLMCacheServer) -> None:
+    with pytest.raises(ValueError, match="url"):
+        Client("not a url", real_server_shm.http_url, MODEL, geometry=GEOM)
+    with pytest.raises(TypeError):
+        Client(real_server_shm.url, real_server_shm.http_url, MODEL, geometry="big")  # type: ignore[arg-type]
+    lt = sync_client._LoopThread._current
+    refs = lt.refs if lt is not None else 0
+    with pytest.raises(ValueError, match="url"):
+        Client("not a url", real_server_shm.http_url, MODEL, geometry=GEOM)
+    lt2 = sync_client._LoopThread._current
+    assert (lt2.refs if lt2 is not None else 0) == refs
+
+
+def test_eight_threads_at_once(real_server: RealLMCacheServer) -> None:
+    n_threads = 8
+    barrier = threading.Barrier(n_threads, timeout=30)
+    results: list[tuple[bool, bool, bool, int] | None] = [None] * n_threads
+    errors: list[str] = []
+    with _client(real_server) as client:
+
+        def work(i: int) -> None:
+            try:
+                n = CS * (1 + i % 3)
+                toks, other = _tokens(n), _tokens(n)
+                kv = _kv(n)
+                barrier.wait()
+                stored = client.store(kv, toks)
+                got = client.retrieve(toks)
+                moved = client.remap(toks, other)
+                back = client.retrieve(other)
+                same = got is not None and torch.equal(got, kv)
+                same_moved = back is not None and torch.equal(back, kv)
+                results[i] = (stored, same, same_moved, moved.stored_tokens - n)
+            except BaseException:
+                errors.append(traceback.format_exc())
+
+        threads = [threading.Thread(target=work, args=(i,), name=f"worker-{i}") for i in range(n_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not [t.name for t in threads if t.is_alive()]
+        assert errors == []
+        assert results == [(True, True, True, 0)] * n_threads
+        assert len(_loop_threads()) == 1
+
+
+def test_close_from_another_thread_while_calls_are_in_flight(real_server_shm: RealLMCacheServer) -> None:
+    toks = _tokens(CS)
+    client = _client(real_server_shm)
+    client.store(_kv(CS), toks)
+    started = threading.Barrier(5, timeout=30)
+    outcomes: list[str] = []
+
+    def hammer() -> None:
+        started.wait()
+        try:
+            while True:
+                assert client.lookup(toks) == CS
+        except ClientClosedError:
+            outcomes.append("closed")
+        except BaseException as exc:
+            outcomes.append(repr(exc))
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    started.wait()
+    time.sleep(0.05)  # let them get going (not an assertion)
+    client.close()
+    for t in threads:
+        t.join(30)
+    assert not [t for t in threads if t.is_alive()]
+    assert outcomes == ["closed"] * 4
+    _wait_for(lambda: real_server_shm.status()["active_sessions"] == 0, 20, "the sessions to end")
+
+
+def test_blocking_calls_inside_asyncio_run(real_server_shm: RealLMCacheServer) -> None:
+    toks = _tokens(2 * CS)
+    kv = _kv(2 * CS)
+
+    async def main() -> tuple[bool, bool, int]:
+        # A loop is running in this thread; the facade's own loop thread does the work.
+        with _client(real_server_shm) as client:
+            stored = client.store(kv, toks)
+            got = client.retrieve(toks)
+            return stored, got is not None and torch.equal(got, kv), client.lookup(toks)
+
+    assert asyncio.run(main()) == (True, True, 2 * CS)
+
+
+@pytest.mark.anyio
+async def test_blocking_calls_from_an_async_test(real_server_shm: RealLMCacheServer) -> None:
+    toks = _tokens(CS)
+    with _client(real_server_shm) as client:
+        assert client.store(_kv(CS), toks) is True
+        assert client.lookup(toks) == CS
+        # and the async client on this loop works next to it
+        async with AsyncClient(real_server_shm.url, real_server_shm.http_url, MODEL, geometry=GEOM) as ac:
+            assert await ac.lookup(toks) == CS
+
+
+def test_a_blocking_call_from_the_loop_thread_raises_at_once(real_server_shm: RealLMCacheServer) -> None:
+    toks = _tokens(CS)
+    with _client(real_server_shm) as client:
+        seen: list[BaseException] = []
+
+        async def on_the_loop() -> None:
+            for attempt in (
+                lambda: client.lookup(toks),
+                lambda: client.noop(),
+                lambda: client.close(),
+                lambda: _client(real_server_shm),
+            ):
+                try:
+                    attempt()
+                except BaseException as exc:
+                    seen.append(exc)
+
+        fut = asyncio.run_coroutine_threadsafe(on_the_loop(), client._lt.loop)
+        fut.result(timeout=30)
+        assert [type(e) for e in seen] == [SyncUsageError] * 4
+        assert all(isinstance(e, SyncUsageError) and e.reason == "loop_thread" for e in seen)
+        assert not client.closed
+        assert client.lookup(toks) == 0  # unaffected
+
+
+def test_the_wait_is_bounded_when_the_loop_is_stuck(real_server_shm: RealLMCacheServer) -> None:
+    with _client(real_server_shm, cleanup_grace=0.2) as client:
+        client._lt.loop.call_soon_threadsafe(time.sleep, 2.0)  # blocks the loop thread
+        with pytest.raises(LMCacheTimeoutError) as err:
+            client.noop(timeout=0.1)
+        assert err.value.operation == "noop"
+        assert client.noop(timeout=10) > 0  # the loop came back; the client still works
+
+
+def test_keyboard_interrupt_cancels_and_leaves_no_server_session(
+    fresh_real_server: Callable[..., RealLMCacheServer],
+) -> None:
+    srv = fresh_real_server("shm")
+    n = 4 * CS
+    toks = _tokens(n)
+    kv = _kv(n)
+    with _client(srv, cleanup_grace=10.0) as client:
+        assert client.store(kv, toks) is True
+        baseline = srv.status()["active_sessions"]
+        calls: list[Callable[[], object]] = [
+            lambda: client.lookup(toks, timeout=60),
+            lambda: client.retrieve(toks, timeout=60),
+        ]
+        for call in calls:
+            with (
+                _paused(srv),
+                _interrupt_main_when(lambda: _in_flight(client) > 0),
+                pytest.raises(KeyboardInterrupt),
+            ):
+                call()
+            # The server runs again: the abandoned operation ends its session on its own.
+            _wait_for(lambda: _in_flight(client) == 0, 30, "the abandoned operation to clean up")
+            _wait_for(
+                lambda: srv.status()["active_sessions"] == baseline
+                and srv.status()["active_prefetch_jobs"] == 0,
+                30,
+                "active_sessions to return to the baseline",
+            )
+        # Locks were released and the client is usable.
+        got = client.retrieve(toks)
+        assert got is not None and torch.equal(got, kv)
+        assert client.store(kv, toks) is False
+
+
+def test_keyboard_interrupt_during_connect_closes_what_was_opened(
+    fresh_real_server: Callable[..., RealLMCacheServer],
+) -> None:
+    srv = fresh_real_server("pickle")
+    before = _loop_threads()
+    lt = sync_client._LoopThread._current
+    refs = lt.refs if lt is not None and lt.alive() else 0
+    armed = threading.Event()
+    timer = threading.Timer(0.3, armed.set)  # by then the constructor waits on /config
+    with _paused(srv), _interrupt_main_when(armed.is_set), pytest.raises(KeyboardInterrupt):
+        _start_then_open(timer, srv)
+    timer.join(5)
+    lt = sync_client._LoopThread._current
+    assert (lt.refs if lt is not None and lt.alive() else 0) == refs
+    assert len(_loop_threads()) <= max(1, len(before))
+    _wait_for(lambda: srv.status()["registered_non_cuda_instance_ids"] == [], 20, "no registration")
+    with _client(srv) as client:  # and a client opens fine afterwards
+        assert client.lookup(_tokens(CS)) == 0
+
+
+def _start_then_open(timer: threading.Timer, srv: RealLMCacheServer) -> None:
+    timer.start()
+    _client(srv)
+
+
+def test_repeated_create_and_close_keeps_one_loop_thread(real_server: RealLMCacheServer) -> None:
+    toks = _tokens(CS)
+    idents = set()
+    for _ in range(5):
+        with _client(real_server) as client:
+            client.lookup(toks)
+            threads = _loop_threads()
+            assert len(threads) == 1
+            idents.add(threads[0].ident)
+    with _client(real_server) as a, _client(real_server) as b:
+        assert a._lt is b._lt
+        assert len(_loop_threads()) == 1
+    assert len(idents) == 1  # reused, not restarted
+    assert len(_loop_threads()) <= 1
+
+
+def test_the_idle_loop_thread_exits_and_a_new_one_starts(
+    real_server_shm: RealLMCacheServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    current = sync_client._LoopThread._current
+    if current is not None and current.alive() and current.refs:
+        pytest.skip("another test of this process holds an open Client")
+    monkeypatch.setattr(sync_client, "_IDLE_LINGER", 0.0)
+    with _client(real_server_shm) as client:
+        first = client._lt
+    _wait_for(lambda: not first.thread.is_alive(), 20, "the idle loop thread to exit")
+    assert _loop_threads() == []
+    with _client(real_server_shm) as client:
+        assert client._lt is not first
+        assert client.lookup(_tokens(CS)) == 0
+        assert len(_loop_threads()) == 1
+
+
+def test_fork_inherited_client_refuses_and_a_new_one_works(real_server_shm: RealLMCacheServer) -> None:
+    srv = real_server_shm
+    toks = _tokens(2 * CS)
+    with _client(srv) as client:
+        assert client.store(_kv(2 * CS), toks) is True
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never return into pytest
+            code = 99
+            try:
+                os.close(read_fd)
+                code = _forked_child(client, srv, toks, write_fd)
+            except BaseException:
+                os.write(write_fd, traceback.format_exc().encode())
+                code = 98
+            finally:
+                os._exit(code)
+        os.close(write_fd)
+        deadline = time.monotonic() + 60
+        status = None
+        while status is None:
+            done, raw = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = raw
+            elif time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child did not finish within 60 s")
+            else:
+                time.sleep(0.02)
+        with os.fdopen(read_fd, "rb") as pipe:
+            message = pipe.read().decode(errors="replace")
+        assert os.waitstatus_to_exitcode(status) == 0, message
+        assert client.lookup(toks) == 2 * CS  # the parent's client is untouched
+
+
+def _forked_child(client: Client, srv: RealLMCacheServer, toks: list[int], out: int) -> int:
+    def say(msg: str) -> None:
+        os.write(out, msg.encode() + b"\n")
+
+    try:
+        client.lookup(toks)
+    except SyncUsageError as exc:
+        if exc.reason != "forked" or "fork" not in str(exc):
+            say(f"wrong error: {exc!r}")
+            return 11
+    else:
+        say("the inherited client did not refuse")
+        return 10
+    client.close()  # a no-op in the child
+    if _loop_threads():
+        say(f"loop threads in the child: {_loop_threads()}")
+        return 12
+    with _client(srv) as fresh:
+        hit = fresh.lookup(toks)
+        if hit != 2 * CS:
+            say(f"the new client saw {hit} tokens")
+            return 13
+        if len(_loop_threads()) != 1:
+            say("not exactly one loop thread in the child")
+            return 14
+    return 0
+
+
+_DROPPED_SCRIPT = textwrap.dedent(
+    """
+    import gc, sys
+    import torch
+    from lmcache_async import KVGeometry
+    from lmcache_async.sync_client import Client
+
+    url, http_url, model = sys.argv[1:4]
+    geom = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_size=16)
+    dropped = Client(url, http_url, model, geometry=geom)
+    print("dropped", dropped.instance_id, flush=True)
+    del dropped
+    gc.collect()  # finalized now: closed in the background
+    kept = Client(url, http_url, model, geometry=geom)
+    kept.lookup([1] * 16)
+    print("kept", kept.instance_id, flush=True)
+    # exit with `kept` still open: closed by the exit hook
+    """
+)
+
+
+def test_a_dropped_client_is_closed_with_a_resource_warning(real_server_pickle: RealLMCacheServer) -> None:
+    srv = real_server_pickle
+    argv = [sys.executable, "-W", "always::ResourceWarning", "-c", _DROPPED_SCRIPT]
+    proc = subprocess.run(
+        [*argv, srv.url, srv.http_url, MODEL],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=str(REPO_ROOT),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    ids = {line.split()[0]: int(line.split()[1]) for line in proc.stdout.splitlines()}
+    assert set(ids) == {"dropped", "kept"}
+    assert proc.stderr.count("ResourceWarning") == 2, proc.stderr
+    assert proc.stderr.count("was never closed") == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+    registered = srv.status()["registered_non_cuda_instance_ids"]
+    assert ids["dropped"] not in registered and ids["kept"] not in registered
