@@ -1001,7 +1001,9 @@ class AsyncClient:
             raise ProtocolError(f"noop answered {reply.value()!r}")
         return time.perf_counter() - t0
 
-    async def status(self, *, max_age: float | None = None, timeout: float | None = _DEFAULT) -> dict[str, Any]:
+    async def status(
+        self, *, max_age: float | None = None, timeout: float | None = _DEFAULT
+    ) -> dict[str, Any]:
         """The server's ``/status`` document (cached for ``metadata_ttl`` seconds).
 
         Cancellation: a fetch shared with other callers keeps running for them.
@@ -1009,7 +1011,9 @@ class AsyncClient:
         self._require_open()
         return await self._meta.status(max_age=max_age, timeout=self._timeout(timeout))
 
-    async def config(self, *, max_age: float | None = None, timeout: float | None = _DEFAULT) -> dict[str, Any]:
+    async def config(
+        self, *, max_age: float | None = None, timeout: float | None = _DEFAULT
+    ) -> dict[str, Any]:
         """The server's ``/config`` document (cached for ``metadata_ttl`` seconds).
 
         Cancellation: a fetch shared with other callers keeps running for them.

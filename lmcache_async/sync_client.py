@@ -78,7 +78,6 @@ _WAIT_SLICE: Final = 0.1
 _IDLE_LINGER = 30.0
 #: ``aclose()`` beyond ``cleanup_grace``: unregister (5 s) and closing socket/session.
 _CLOSE_EXTRA: Final = 10.0
-#: ``status()``/``config()`` have no ``timeout=``; the HTTP fetch gives up after 10 s.
 #: Longest wait for a retiring loop thread to finish, and for the loop at exit.
 _JOIN_TIMEOUT: Final = 10.0
 

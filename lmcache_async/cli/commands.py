@@ -28,7 +28,6 @@ import json
 import math
 import os
 import re
-import secrets
 import sys
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -62,6 +61,8 @@ DEFAULT_URL: Final = "tcp://localhost:5555"
 DEFAULT_HTTP_URL: Final = "http://localhost:8080"
 PACKAGE_DTYPES: Final = ("float32", "float16", "bfloat16")
 SHM_PREFIX: Final = "lmcache_l1_pool_"
+#: Model name of the throwaway registration of `status --probe`.
+PROBE_MODEL: Final = "lmcache-async-probe"
 #: Seconds between two redraws of the progress bar.
 _BAR_INTERVAL: Final = 0.1
 
@@ -160,7 +161,7 @@ def _non_negative_int(text: str) -> int:
 
 
 def _timeout(text: str) -> float | None:
-    if text.lower() in ("none", "inf", "0"):
+    if text.lower() in ("none", "inf"):
         return None
     try:
         value = float(text)
@@ -543,7 +544,7 @@ def _predict_transport(config: dict[str, Any], mode: str) -> dict[str, Any]:
 
 async def _probe_transport(args: argparse.Namespace, chunk_size: int) -> dict[str, Any]:
     """Register a throwaway engine-driven context and ask the server (authoritative)."""
-    name = f"lmcache-async-probe-{secrets.token_hex(4)}"
+    name = PROBE_MODEL
     geometry = KVGeometry(1, 1, 8, torch.bfloat16, block_size=chunk_size)
     how = f"probed: registered {name!r} and unregistered it"
     try:
@@ -867,7 +868,7 @@ def read_pairs(path: Path) -> Iterator[_Line]:
                 salt = obj.get("cache_salt", "")
                 tsalt = obj.get("target_cache_salt")
             except ValueError as exc:  # json.JSONDecodeError is a ValueError
-                yield _Line(number, _key(text), error=f"line {number}: {_one_line(str(exc))}")
+                yield _Line(number, _key(text), error=f"invalid pair: {_one_line(str(exc))}")
                 continue
             canon = json.dumps([src, dst, salt, tsalt], separators=(",", ":"), default=str)
             yield _Line(number, _key(canon), pair=(src, dst, salt, tsalt))
@@ -980,7 +981,7 @@ async def _run_remap_batch(
     failures: list[str] = []
     for ln in bad:
         _write_row(report, _row(ln, None))
-        failures.append(str(ln.error))
+        failures.append(f"line {ln.line}: {ln.error}")
 
     def progress(p: BatchProgress) -> None:
         ln = work[p.item.index]
