@@ -8,6 +8,15 @@
 """
 
 from lmcache_async._version import __version__
+from lmcache_async.bulk import (
+    BatchProgress,
+    BatchResult,
+    BatchSummary,
+    ItemResult,
+    RemapPair,
+    RetrieveItem,
+    StoreItem,
+)
 from lmcache_async.client import AsyncClient, RemapResult, connect
 from lmcache_async.errors import (
     ClientClosedError,
@@ -25,16 +34,23 @@ from lmcache_async.sync_client import Client
 
 __all__ = [
     "AsyncClient",
+    "BatchProgress",
+    "BatchResult",
+    "BatchSummary",
     "Client",
     "ClientClosedError",
+    "ItemResult",
     "KVGeometry",
     "LMCacheConnectionError",
     "LMCacheError",
     "LMCacheTimeoutError",
     "ModelNotRegisteredError",
     "ProtocolError",
+    "RemapPair",
     "RemapResult",
+    "RetrieveItem",
     "ServerError",
+    "StoreItem",
     "TransferError",
     "UnsafePayloadError",
     "__version__",

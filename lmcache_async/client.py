@@ -20,9 +20,9 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
 import torch
 
@@ -52,6 +52,9 @@ from lmcache_async.wire import (
     validate_tokens,
 )
 
+if TYPE_CHECKING:  # bulk imports this module; its types are needed for annotations only
+    from lmcache_async.bulk import BatchProgress, BatchResult, RemapPair, RetrieveItem, StoreItem
+
 __all__ = ["AsyncClient", "RemapResult", "connect"]
 
 log = logging.getLogger(__name__)
@@ -79,9 +82,10 @@ class RemapResult:
     """What :meth:`AsyncClient.remap` did.
 
     Attributes:
-        retrieved_tokens: tokens of the source prefix found in the cache.
-        stored_tokens: tokens of the target prefix written with the source KV (the
-            retrieved length, cut to the target's length and to whole chunks).
+        retrieved_tokens: tokens of the source prefix read from the cache (only as far as
+            the target's whole chunks reach).
+        stored_tokens: tokens of the target prefix written with the source KV (equal to
+            ``retrieved_tokens``).
         stored_new: whether the store added any chunk (False when all were cached).
     """
 
@@ -92,6 +96,10 @@ class RemapResult:
     @property
     def hit(self) -> bool:
         return self.retrieved_tokens > 0
+
+
+class _Abandoned(Exception):
+    """An operation whose caller left before it sent anything (never seen by callers)."""
 
 
 class _RetrieveState:
@@ -444,6 +452,8 @@ class AsyncClient:
 
         async def run() -> T:
             await self._ensure_registered(op.remaining())
+            if op.abandoned:  # the caller left before anything was sent
+                raise _Abandoned
             try:
                 return await body(op)
             except LMCacheTimeoutError:
@@ -964,7 +974,9 @@ class AsyncClient:
     ) -> RemapResult:
         """Retrieve the KV of ``source_tokens`` and store it under ``target_tokens``.
 
-        The stored length is the retrieved length cut to the target's whole chunks.
+        Only the source prefix the target's whole chunks can take is read. On SHM the
+        source's slots are copied straight into the target's reserved slots (one copy,
+        no buffer in this process); on pickle the KV makes the round trip through here.
         ``target_cache_salt`` defaults to ``cache_salt``. The deadline covers both halves.
 
         Cancellation/timeout: as for :meth:`retrieve` and :meth:`store`.
@@ -978,17 +990,111 @@ class AsyncClient:
             else validate_cache_salt(target_cache_salt, "target_cache_salt")
         )
         timeout = self._timeout(timeout)
+        n = self._aligned(min(len(src), len(dst)))  # the target takes no more than this
+        if self._pool is not None:
+            return await self._run(
+                "remap", timeout, lambda op: self._remap_shm(op, src, dst, n, cache_salt, tsalt)
+            )
         start = time.monotonic()
-        kv = await self.retrieve(src, cache_salt, timeout=timeout)
+        kv = await self.retrieve(src[:n], cache_salt, timeout=timeout)
         if kv is None:
             return RemapResult(0, 0, False)
         hit = kv.shape[self.geometry.token_axis]
-        n = self._aligned(min(hit, len(dst)))
-        if n == 0:
-            return RemapResult(hit, 0, False)
         left = None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
-        new = await self.store(kv.narrow(self.geometry.token_axis, 0, n), dst[:n], tsalt, timeout=left)
-        return RemapResult(hit, n, new)
+        new = await self.store(kv, dst[:hit], tsalt, timeout=left)
+        return RemapResult(hit, hit, new)
+
+    async def _remap_shm(
+        self, op: _Op, src: list[int], dst: list[int], n: int, salt: str, tsalt: str
+    ) -> RemapResult:
+        """Remap inside the SHM pool: the source's slots are copied straight into the
+        target's reserved slots (one copy, no client-side buffer).
+
+        Cancellation/timeout: once the target's slots are reserved the copy and commit are
+        completed (as for :meth:`store`); every lock, pending read and session is released.
+        """
+        if n == 0:
+            return RemapResult(0, 0, False)
+        geom = self._geometry
+        assert geom is not None and self._pool is not None
+        rid = _request_id("remap")
+        key = self._key(src, n, rid, salt, worker=False)
+        hit = 0
+        state = _RetrieveState()
+        try:
+            hit = await self._lookup_locked(op, key, rid, release=False)
+            if hit == 0:
+                return RemapResult(0, 0, False)
+            rkey = self._key(src, hit, rid, salt, worker=True)
+            # Gates always in this order (retrieve, then store): no cycle between remaps.
+            async with (
+                self._gate(("retrieve", salt, tuple(src[:hit]))),
+                self._gate(("store", tsalt, tuple(dst[:hit]))),
+            ):
+                return await self._remap_slots(op, rkey, dst, hit, tsalt, state)
+        finally:
+            if hit and not state.prepared:
+                await self._free_locks(key, hit // self._chunk_size)
+            await self._cleanup_call(Op.END_SESSION, rid)
+
+    async def _remap_slots(
+        self, op: _Op, rkey: dict[str, Any], dst: list[int], hit: int, tsalt: str, state: _RetrieveState
+    ) -> RemapResult:
+        geom = self._geometry
+        assert geom is not None and self._pool is not None
+        shape = geom.kv_shape(self._chunk_size)
+        n_chunks = hit // self._chunk_size
+        committed = False
+        try:
+            state.prepared = True
+            resp = await self._call(op, Op.PREPARE_RETRIEVE, rkey, self._instance_id)
+            success, _data, rslots = parse_prepare_retrieve(resp)
+            if not success:
+                committed = True
+                return RemapResult(0, 0, False)  # evicted between lookup and prepare
+            if len(rslots) != n_chunks:
+                raise ProtocolError(f"prepare_retrieve gave {len(rslots)} slots for {n_chunks} chunks")
+            sources = [self._pool.view(s, shape, geom.dtype) for s in rslots]
+            if op.abandoned:  # the caller left before the store half began: skip it
+                return RemapResult(hit, 0, False)
+            srid = _request_id("remap-store")
+            skey = self._key(dst, hit, srid, tsalt, worker=True)
+            try:
+                sresp = await self._call(op, Op.PREPARE_STORE, skey, self._instance_id)
+                wslots, indices = parse_prepare_store(sresp)
+                if not wslots:
+                    await self._check_stored(op, dst, hit, tsalt, "reserve memory for")
+                    return RemapResult(hit, hit, False)
+                if max(indices) >= n_chunks:
+                    raise ProtocolError(f"prepare_store asked for chunk {max(indices)} of {n_chunks}")
+                pairs = [
+                    (self._pool.view(w, shape, geom.dtype), sources[j])
+                    for w, j in zip(wslots, indices, strict=True)
+                ]
+
+                def fill() -> None:
+                    for target, source in pairs:
+                        target.copy_(source)
+
+                if len(pairs) * shape_bytes(shape, geom.dtype) >= _THREAD_COPY_BYTES:
+                    await asyncio.to_thread(fill)
+                else:
+                    fill()
+                # The target is written: the source's pending read can go with its commit.
+                committed = True
+                ok, _ = await self._pipeline(
+                    op,
+                    (Op.COMMIT_STORE, skey, self._instance_id, b""),
+                    (Op.COMMIT_RETRIEVE, rkey, self._instance_id),
+                )
+                if ok is not True:
+                    raise TransferError("the server refused the SHM commit (registration lost?)")
+                return RemapResult(hit, hit, True)
+            finally:
+                await self._cleanup_call(Op.END_SESSION, srid)
+        finally:
+            if not committed:
+                await self._cleanup_call(Op.COMMIT_RETRIEVE, rkey, self._instance_id)
 
     # ------------------------------------------------------------------ misc
 
@@ -1038,14 +1144,6 @@ class AsyncClient:
     # ---- bulk operations (lmcache_async.bulk) ----
     # Thin wrappers: the implementation and its documentation live in lmcache_async.bulk,
     # imported lazily (it imports this module for its types only).
-
-    from typing import TYPE_CHECKING as _TYPE_CHECKING
-
-    if _TYPE_CHECKING:
-        from collections.abc import Iterable
-
-        from lmcache_async.bulk import BatchProgress, BatchResult, RemapPair, RetrieveItem, StoreItem
-    del _TYPE_CHECKING
 
     async def remap_many(
         self,
@@ -1154,6 +1252,14 @@ def _check_timeout(timeout: object, name: str) -> float | None:
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
         raise ValueError(f"{name} must be a non-negative number of seconds or None, got {timeout!r}")
     return float(timeout)
+
+
+def shape_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of one tensor of ``shape`` x ``dtype``."""
+    count = 1
+    for d in shape:
+        count *= d
+    return count * dtype.itemsize
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -52,10 +52,14 @@ class FakeRouter:
     def _bind(self) -> None:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        if self._port:
-            sock.bind(self.url)
-        else:
-            self._port = sock.bind_to_random_port("tcp://127.0.0.1")
+        try:
+            if self._port:
+                sock.bind(self.url)
+            else:
+                self._port = sock.bind_to_random_port("tcp://127.0.0.1")
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
         self._sock = sock
         self._task = asyncio.create_task(self._serve(sock))
 

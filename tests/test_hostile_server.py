@@ -3,6 +3,7 @@ not plain tensors, silence. Scripted with tests/fake_router.py plus a stub HTTP 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pickle
 import secrets
@@ -191,3 +192,31 @@ async def test_registration_refused_is_a_timeout_on_connect(http_stub: str) -> N
     async with FakeRouter(lambda req: [("reply", "OK")] if req.op is Op.NOOP else []) as router:
         with pytest.raises(lmc.LMCacheTimeoutError, match="register_kv_cache_engine_driven_context"):
             await lmc.connect(router.url, http_stub, "m", geometry=SMALL_GEOMETRY, timeout=0.5)
+
+
+async def test_keepalive_pings_with_the_instance_id_and_unregisters_on_close(http_stub: str) -> None:
+    base = scripted({"shm_name": "", "pool_size": 0}, {})
+    async with FakeRouter(lambda req: [("reply", True)] if req.op is Op.PING else base(req)) as router:
+        c = await lmc.connect(router.url, http_stub, "m", geometry=SMALL_GEOMETRY, timeout=5, ping_interval=0.1)
+        await asyncio.sleep(0.6)
+        await c.aclose()
+        pings = [wire.unpackb(r.args[0]) for r in router.requests if r.op is Op.PING]
+        assert len(pings) >= 3
+        assert set(pings) == {c.instance_id}
+        last = router.requests[-1]
+        assert last.op is Op.UNREGISTER_ENGINE_DRIVEN
+        assert wire.unpackb(last.args[0]) == c.instance_id
+        registers = [wire.unpackb(r.args[0]) for r in router.requests if r.op is Op.REGISTER_ENGINE_DRIVEN]
+        assert registers == [
+            {
+                "instance_id": c.instance_id,
+                "model_name": "m",
+                "world_size": 1,
+                "block_size": 16,
+                "num_layers": 2,
+                "hidden_dim_size": 16,
+                "dtype_str": "bfloat16",
+                "use_mla": False,
+                "num_physical_slots": CS,
+            }
+        ]

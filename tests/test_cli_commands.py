@@ -1,0 +1,709 @@
+"""The KV-cache subcommands of ``lmcache-async`` (lmcache_async/cli/commands.py).
+
+Every command runs as a subprocess (``python -m lmcache_async ...``) against the real
+LMCache 0.5.6 server, and its output is checked exactly (timings excepted). KV package
+files written by the official example's ``make-package`` are read by our ``store``: the
+official script when ``LMCACHE_SDK_EXAMPLE`` names it (it is not part of the lmcache
+0.5.6 distribution: ``examples/kvcache_sdk/store_retrieve.py`` of the LMCache
+repository), otherwise a writer run in the lmcache venv that does what its
+``make-package`` does (``torch.manual_seed``, ``torch.randn``, ``torch.save`` of the dict).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lmcache_async import AsyncClient
+from lmcache_async.cli import build_parser
+from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.support.real_server import RealLMCacheServer, child_env
+from tests.support.workers import EngineWorker
+
+CS = 16
+GEOMETRY_FLAGS = ["--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8"]  # SMALL_GEOMETRY
+PROG = "lmcache-async"
+
+#: Writes a KV package the way the official example's make-package does (run in the
+#: lmcache venv, with its torch): argv = output model salt chunk_size num_chunks
+#: num_layers hidden_dim dtype token_start seed.
+OFFICIAL_FORMAT_WRITER = """
+import sys, torch
+out, model, salt, cs, nc, nl, hd, dt, start, seed = sys.argv[1:]
+n = int(cs) * int(nc)
+torch.manual_seed(int(seed))
+kv = torch.randn((2, int(nl), n, int(hd)), dtype=getattr(torch, dt))
+torch.save({"kv": kv, "model_name": model, "tokens": list(range(int(start), int(start) + n)),
+            "cache_salt": salt}, out)
+print(f"wrote {out} with shape {tuple(kv.shape)} and dtype {kv.dtype}")
+"""
+
+
+def cli(*args: str, cwd: Path, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m lmcache_async ARGS``; output decoded without newline translation
+    (so a progress bar's ``\\r`` stays visible)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmcache_async", *args],
+        capture_output=True,
+        cwd=str(cwd),
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(), proc.stderr.decode())
+
+
+def ok(proc: subprocess.CompletedProcess[str], code: int = 0) -> subprocess.CompletedProcess[str]:
+    assert proc.returncode == code, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc
+
+
+def server_args(srv: RealLMCacheServer) -> list[str]:
+    return ["--url", srv.url, "--http-url", srv.http_url, "--timeout", "30"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def lines(*rows: tuple[str, str]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "".join(f"{k:<{width}}  {v}\n" for k, v in rows)
+
+
+def write_official_package(
+    python: Path, out: Path, model: str, salt: str, num_chunks: int, hidden: int, start: int, seed: int
+) -> str:
+    """Run the official make-package (or its stand-in, see the module docstring)."""
+    example = os.environ.get("LMCACHE_SDK_EXAMPLE")
+    args = [
+        str(out),
+        model,
+        salt,
+        str(CS),
+        str(num_chunks),
+        "2",
+        str(hidden),
+        "bfloat16",
+        str(start),
+        str(seed),
+    ]
+    if example:
+        cmd = [str(python), example, "make-package", "--output", str(out), "--model-name", model,
+               "--cache-salt", salt, "--chunk-size", str(CS), "--num-chunks", str(num_chunks),
+               "--num-layers", "2", "--hidden-dim", str(hidden), "--dtype", "bfloat16",
+               "--token-start", str(start), "--seed", str(seed)]  # fmt: skip
+    else:
+        cmd = [str(python), "-c", OFFICIAL_FORMAT_WRITER, *args]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=str(out.parent), env=child_env(), timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def store_sources(
+    srv: RealLMCacheServer, model: str, items: list[tuple[torch.Tensor, list[int], str]]
+) -> None:
+    async def go() -> None:
+        async with AsyncClient(srv.url, srv.http_url, model, geometry=SMALL_GEOMETRY, timeout=30) as c:
+            result = await c.store_many(items)
+            assert result.summary.failures == 0 and result.summary.stored_new == len(items)
+
+    asyncio.run(go())
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def test_every_command_has_help_and_the_common_flags() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    commands: dict[str, argparse.ArgumentParser] = sub.choices
+    for name in ("status", "make-package", "store", "lookup", "retrieve", "remap", "remap-batch"):
+        assert name in commands
+        flags = {s for a in commands[name]._actions for s in a.option_strings}
+        assert "--help" in flags and "--json" in flags
+        if name != "make-package":
+            assert {"--url", "--http-url", "--model-name", "--timeout", "--num-layers", "--num-kv-heads",
+                    "--head-dim", "--block-size", "--dtype"} <= flags  # fmt: skip
+    official = {"--output", "--model-name", "--cache-salt", "--chunk-size", "--num-chunks", "--num-layers",
+                "--hidden-dim", "--dtype", "--token-start", "--seed"}  # fmt: skip
+    assert official <= {s for a in commands["make-package"]._actions for s in a.option_strings}
+    assert {"--token-start", "--num-tokens", "--cache-salt"} <= {
+        s for a in commands["lookup"]._actions for s in a.option_strings
+    }
+    assert {"--concurrency", "--max-bytes-in-flight", "--report", "--resume", "--progress"} <= {
+        s for a in commands["remap-batch"]._actions for s in a.option_strings
+    }
+
+
+# --------------------------------------------------------------------------- packages
+
+
+@pytest.mark.timeout(300)
+def test_official_package_is_stored_looked_up_and_retrieved(
+    real_server: RealLMCacheServer, lmcache_python: Path, tmp_path: Path
+) -> None:
+    model = unique_model("cli-pkg")
+    start = fresh_tokens(1)[0]
+    official = tmp_path / "official.pt"
+    said = write_official_package(lmcache_python, official, model, "s1", 3, 16, start, 7)
+    assert said == f"wrote {official} with shape (2, 2, 48, 16) and dtype torch.bfloat16\n"
+
+    # Our make-package with the same flags writes the same bytes.
+    ours = tmp_path / "ours.pt"
+    made = ok(cli("make-package", "--output", str(ours), "--model-name", model, "--cache-salt", "s1",
+                  "--chunk-size", "16", "--num-chunks", "3", "--num-layers", "2", "--hidden-dim", "16",
+                  "--token-start", str(start), "--seed", "7", cwd=tmp_path))  # fmt: skip
+    assert made.stdout == f"wrote {ours} with shape (2, 2, 48, 16) and dtype torch.bfloat16\n"
+    a = torch.load(official, weights_only=True)
+    b = torch.load(ours, weights_only=True)
+    assert sorted(a) == sorted(b) == ["cache_salt", "kv", "model_name", "tokens"]
+    assert torch.equal(a["kv"].view(torch.int16), b["kv"].view(torch.int16))
+    assert (a["model_name"], a["tokens"], a["cache_salt"]) == (b["model_name"], b["tokens"], b["cache_salt"])
+    assert a["tokens"] == list(range(start, start + 48))
+
+    # store: model and salt from the package; no registration, so geometry from its shape.
+    stored = ok(cli("store", *server_args(real_server), "--input", str(official), cwd=tmp_path))
+    assert stored.stdout == lines(
+        ("model", model),
+        ("cache salt", "'s1'"),
+        ("tokens", "48"),
+        ("stored", "48 tokens (3 chunks), new"),
+        ("transfer", real_server.mode),
+        ("geometry", "package (model not in /status)"),
+    )
+    assert stored.stderr == ""
+    again = ok(cli("store", *server_args(real_server), "--input", str(official), "--json", cwd=tmp_path))
+    assert json.loads(again.stdout) == {
+        "input": str(official),
+        "model_name": model,
+        "cache_salt": "s1",
+        "num_tokens": 48,
+        "stored_tokens": 48,
+        "stored_new": False,
+        "transfer": real_server.mode,
+        "geometry_from": "package (model not in /status)",
+    }
+
+    geo = ["--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8"]  # 2 x 8 = the package's 16
+    looked = ok(cli("lookup", *server_args(real_server), "--model-name", model, "--cache-salt", "s1",
+                    "--token-start", str(start), "--num-tokens", "40", *geo, cwd=tmp_path))  # fmt: skip
+    assert looked.stdout == lines(
+        ("model", model),
+        ("cache salt", "'s1'"),
+        ("tokens", "40"),
+        ("cached", "32 tokens (2 chunks) of 32 looked up"),
+    )
+    unsalted = ok(cli("lookup", *server_args(real_server), "--model-name", model, "--tokens",
+                      f"{start}:{start + 48}", *geo, "--json", cwd=tmp_path))  # fmt: skip
+    assert json.loads(unsalted.stdout) == {
+        "model_name": model,
+        "cache_salt": "",
+        "num_tokens": 48,
+        "hit_tokens": 0,
+        "chunk_size": CS,
+    }
+
+    out = tmp_path / "got.pt"
+    got = ok(cli("retrieve", *server_args(real_server), "--model-name", model, "--cache-salt", "s1",
+                 "--token-start", str(start), "--num-tokens", "60", "--output", str(out), *geo,
+                 cwd=tmp_path))  # fmt: skip
+    assert got.stdout == lines(
+        ("model", model),
+        ("cache salt", "'s1'"),
+        ("tokens", "60"),
+        ("retrieved", "48 tokens (3 chunks)"),
+        ("output", f"{out} (shape (2, 2, 48, 16), torch.bfloat16)"),
+    )
+    pkg = torch.load(out, weights_only=True)
+    assert pkg["model_name"] == model and pkg["cache_salt"] == "s1"
+    assert pkg["tokens"] == list(range(start, start + 48))
+    assert torch.equal(pkg["kv"], a["kv"])
+
+    # A miss writes nothing.
+    nothing = tmp_path / "none.pt"
+    miss = ok(cli("retrieve", *server_args(real_server), "--model-name", model, "--token-start",
+                  str(start), "--num-tokens", "48", "--output", str(nothing), *geo, "--json",
+                  cwd=tmp_path))  # fmt: skip
+    assert json.loads(miss.stdout) == {
+        "model_name": model,
+        "cache_salt": "",
+        "num_tokens": 48,
+        "hit_tokens": 0,
+        "output": None,
+        "shape": None,
+        "dtype": None,
+    }
+    assert not nothing.exists()
+
+
+def test_make_package_json_and_refusal_of_unsafe_files(tmp_path: Path) -> None:
+    out = tmp_path / "p.pt"
+    made = ok(cli("make-package", "--output", str(out), "--model-name", "m", "--chunk-size", "16",
+                  "--num-chunks", "2", "--num-layers", "3", "--hidden-dim", "8", "--dtype", "float16",
+                  "--json", cwd=tmp_path))  # fmt: skip
+    assert json.loads(made.stdout) == {
+        "output": str(out),
+        "model_name": "m",
+        "cache_salt": "",
+        "shape": [2, 3, 32, 8],
+        "dtype": "float16",
+        "token_start": 0,
+        "num_tokens": 32,
+    }
+    pkg = torch.load(out, weights_only=True)
+    assert pkg["kv"].dtype == torch.float16 and pkg["tokens"] == list(range(32))
+
+    # A pickle that would run code is refused by the weights_only loader, before any
+    # server is contacted (the URL below is never reached).
+    evil = tmp_path / "evil.pt"
+    torch.save(
+        {"kv": torch.zeros(1), "model_name": "m", "tokens": [1], "cache_salt": "", "x": Path("/")}, evil
+    )
+    refused = ok(cli("store", "--http-url", "http://127.0.0.1:9", "--input", str(evil), cwd=tmp_path), 1)
+    assert refused.stdout == ""
+    assert refused.stderr.startswith(f"{PROG} store: error: {evil}: not a loadable KV package (")
+    assert refused.stderr.count("\n") == 1
+
+
+# --------------------------------------------------------------------------- remap
+
+
+def test_remap_one_pair_from_a_package_and_ranges(real_server_shm: RealLMCacheServer, tmp_path: Path) -> None:
+    srv = real_server_shm
+    model = unique_model("cli-remap")
+    src = fresh_tokens(64)
+    dst = fresh_tokens(40)
+    kv = random_kv(SMALL_GEOMETRY, 64, seed=3)
+    store_sources(srv, model, [(kv, src, "")])
+    pkg = tmp_path / "src.pt"
+    torch.save({"kv": kv, "model_name": model, "tokens": src, "cache_salt": ""}, pkg)
+    done = ok(cli("remap", *server_args(srv), *GEOMETRY_FLAGS, "--model-name", model, "--source-package",
+                  str(pkg), "--target-tokens", f"{dst[0]}:{dst[0] + 40}", "--target-cache-salt", "t",
+                  cwd=tmp_path))  # fmt: skip
+    assert done.stdout == lines(
+        ("model", model),
+        ("source", "64 tokens, salt '' (none)"),
+        ("target", "40 tokens, salt 't'"),
+        ("retrieved", "32 tokens (2 chunks)"),
+        ("stored", "32 tokens (2 chunks), new"),
+    )
+    listed = ",".join(str(t) for t in dst[:20]) + f",{dst[20]}:{dst[0] + 40}"
+    again = ok(cli("remap", *server_args(srv), *GEOMETRY_FLAGS, "--model-name", model, "--source-tokens",
+                   f"{src[0]}:{src[0] + 64}", "--target-tokens", listed, "--target-cache-salt", "t", "--json",
+                   cwd=tmp_path))  # fmt: skip
+    assert json.loads(again.stdout) == {
+        "model_name": model,
+        "cache_salt": "",
+        "target_cache_salt": "t",
+        "source_tokens": 64,
+        "target_tokens": 40,
+        "retrieved_tokens": 32,
+        "stored_tokens": 32,
+        "stored_new": False,
+        "hit": True,
+    }
+
+    async def check() -> None:
+        async with AsyncClient(srv.url, srv.http_url, model, geometry=SMALL_GEOMETRY, timeout=30) as c:
+            got = await c.retrieve(dst, "t")
+            assert got is not None and torch.equal(got, kv[:, :, :32])
+
+    asyncio.run(check())
+
+
+@pytest.mark.timeout(300)
+def test_remap_batch_report_progress_and_resume(real_server_shm: RealLMCacheServer, tmp_path: Path) -> None:
+    srv = real_server_shm
+    model = unique_model("cli-batch")
+    pool = fresh_tokens(40 * 100)
+    src = [pool[k * 100 : k * 100 + 32] for k in range(40)]
+    dst = [pool[k * 100 + 50 : k * 100 + 82] for k in range(40)]
+    kvs = [random_kv(SMALL_GEOMETRY, 32, seed=k) for k in range(16)]
+    store_sources(srv, model, [(kvs[k], src[k], "x" if k == 5 else "") for k in range(16)])
+
+    text = ["# remap batch of the CLI test"]  # line 1
+    expect: dict[int, dict[str, Any]] = {}
+    for k in range(16):  # lines 2..17: hits, in the three token formats
+        n = 20 if k % 4 == 3 else 32  # a 20-token target takes 16 tokens
+        forms: list[Any] = [
+            {"start": src[k][0], "count": 32},
+            src[k],
+            f"{src[k][0]}:{src[k][0] + 32}",
+        ]
+        targets: list[Any] = [{"start": dst[k][0], "count": n}, dst[k][:n], f"{dst[k][0]}:{dst[k][0] + n}"]
+        row: dict[str, Any] = {"source": forms[k % 3], "target": targets[k % 3]}
+        if k == 5:
+            row["cache_salt"] = "x"
+            row["target_cache_salt"] = "y"
+        text.append(json.dumps(row))
+        m = 16 if n == 20 else 32
+        expect[k + 2] = {
+            "status": "hit",
+            "retrieved_tokens": m,
+            "stored_tokens": m,
+            "stored_new": True,
+            "error": None,
+        }
+    text.append("")  # line 18
+    for k in range(16, 19):  # lines 19..21: sources never stored
+        text.append(json.dumps({"source": src[k], "target": dst[k]}))
+        expect[len(text)] = {
+            "status": "miss",
+            "retrieved_tokens": 0,
+            "stored_tokens": 0,
+            "stored_new": False,
+            "error": None,
+        }
+    text.append(json.dumps({"source": src[0], "target": [-1, 2, 3]}))  # line 22
+    expect[22] = {"error": "ValueError: target_tokens: token id -1 is outside [0, 2**32)"}
+    text.append(json.dumps({"source": {"start": 0, "count": -1}, "target": dst[0]}))  # line 23
+    expect[23] = {"error": "invalid pair: source: 'start' and 'count' must be ints >= 0"}
+    text.append("not json")  # line 24
+    expect[24] = {"error": "invalid pair: Expecting value: line 1 column 1 (char 0)"}
+    text.append(json.dumps({"source": src[0], "target": dst[0], "salt": "x"}))  # line 25
+    expect[25] = {"error": "invalid pair: unknown keys ['salt']"}
+    for line in (22, 23, 24, 25):
+        expect[line].update(status="error", retrieved_tokens=0, stored_tokens=0, stored_new=False)
+    pairs_file = tmp_path / "pairs.jsonl"
+    pairs_file.write_text("\n".join(text) + "\n")
+    report = tmp_path / "report.jsonl"
+    failure_lines = (
+        f"{PROG} remap-batch: failed: line 23: {expect[23]['error']}\n"
+        f"{PROG} remap-batch: failed: line 24: {expect[24]['error']}\n"
+        f"{PROG} remap-batch: failed: line 25: {expect[25]['error']}\n"
+        f"{PROG} remap-batch: failed: line 22: {expect[22]['error']}\n"
+    )
+
+    def read_report() -> list[dict[str, Any]]:
+        rows = [json.loads(r) for r in report.read_text().splitlines()]
+        for r in rows:
+            assert isinstance(r.pop("elapsed"), float)
+            assert re.fullmatch(r"[0-9a-f]{20}", r.pop("key"))
+        return rows
+
+    hit_tokens = sum(v.get("stored_tokens", 0) for v in expect.values())
+    assert hit_tokens == 12 * 32 + 4 * 16 == 448
+
+    # Run 1: everything, with a memory budget smaller than one 32-token item (those run
+    # alone) and the progress bar forced on.
+    first = ok(cli("remap-batch", str(pairs_file), *server_args(srv), *GEOMETRY_FLAGS, "--model-name", model,
+                   "--report", str(report), "--concurrency", "4", "--max-bytes-in-flight", "2K", "--progress",
+                   "--json", cwd=tmp_path), 1)  # fmt: skip
+    summary = json.loads(first.stdout)
+    assert isinstance(summary.pop("elapsed"), float) and isinstance(summary.pop("gb_per_s"), float)
+    assert summary == {
+        "file": str(pairs_file),
+        "pairs": 23,
+        "skipped": 0,
+        "run": 23,
+        "hits": 16,
+        "misses": 3,
+        "failures": 4,
+        "stored_new": 16,
+        "retrieved_tokens": 448,
+        "stored_tokens": 448,
+        "bytes_moved": 2 * 448 * SMALL_GEOMETRY.bytes_per_token,
+        "peak_bytes_in_flight": 32 * SMALL_GEOMETRY.bytes_per_token,  # an oversized item, alone
+        "report": str(report),
+    }
+    bar, rest = first.stderr.split("\n", 1)
+    assert re.fullmatch(
+        r"(\r\[[#.]{24}\] \d+/20 +\d+%  hits \d+  misses \d+  failed \d+"
+        r"  \d+\.\d\d GB  \d+\.\d\d GB/s\x1b\[K)+",
+        bar,
+    )
+    assert bar.rsplit("\r", 1)[1].startswith(
+        "[########################] 20/20 100%  hits 16  misses 3  failed 1  0.00 GB  "
+    )
+    assert rest == failure_lines
+    rows = read_report()
+    assert len(rows) == 23
+    assert {r["line"]: {k: v for k, v in r.items() if k != "line"} for r in rows} == expect
+
+    # Every target holds its source's KV (salted pair under "y").
+    async def check() -> None:
+        async with AsyncClient(srv.url, srv.http_url, model, geometry=SMALL_GEOMETRY, timeout=30) as c:
+            got = await c.retrieve_many(
+                [(dst[k][: expect[k + 2]["stored_tokens"]], "y" if k == 5 else "") for k in range(16)]
+            )
+            for k, r in enumerate(got):
+                m = expect[k + 2]["stored_tokens"]
+                assert r.kv is not None and torch.equal(r.kv, kvs[k][:, :, :m]), k
+
+    asyncio.run(check())
+
+    # Run 2: as if run 1 had been interrupted after lines 2..6 were reported.
+    kept = [r for r in report.read_text().splitlines() if json.loads(r)["line"] in (2, 3, 4, 5, 6)]
+    assert len(kept) == 5
+    report.write_text("\n".join(kept) + "\n")
+    second = ok(cli("remap-batch", str(pairs_file), *server_args(srv), *GEOMETRY_FLAGS, "--model-name", model,
+                    "--report", str(report), "--resume", "--json", cwd=tmp_path), 1)  # fmt: skip
+    summary = json.loads(second.stdout)
+    del summary["elapsed"], summary["gb_per_s"], summary["peak_bytes_in_flight"]
+    skipped_tokens = sum(expect[line]["stored_tokens"] for line in (2, 3, 4, 5, 6))
+    assert summary == {
+        "file": str(pairs_file),
+        "pairs": 23,
+        "skipped": 5,
+        "run": 18,
+        "hits": 11,
+        "misses": 3,
+        "failures": 4,
+        "stored_new": 0,  # run 1 stored these targets already
+        "retrieved_tokens": 448 - skipped_tokens,
+        "stored_tokens": 448 - skipped_tokens,
+        "bytes_moved": 2 * (448 - skipped_tokens) * SMALL_GEOMETRY.bytes_per_token,
+        "report": str(report),
+    }
+    assert second.stderr == failure_lines
+    rows = read_report()
+    assert len(rows) == 23 and sorted(r["line"] for r in rows) == sorted(expect)
+
+    # Run 3: only the failed lines are left; the readable summary.
+    third = ok(cli("remap-batch", str(pairs_file), *server_args(srv), *GEOMETRY_FLAGS, "--model-name", model,
+                   "--report", str(report), "--resume", cwd=tmp_path), 1)  # fmt: skip
+    out = third.stdout.splitlines(keepends=True)
+    assert re.fullmatch(r"elapsed    \d+\.\d{3} s \(\d+\.\d\d GB/s\)\n", out[7])
+    del out[7]
+    assert "".join(out) == lines(
+        ("pairs", "23 (19 skipped: done in the previous report)"),
+        ("hits", "0"),
+        ("misses", "0"),
+        ("failures", "4"),
+        ("retrieved", "0 tokens (0 chunks)"),
+        ("stored", "0 tokens (0 chunks), 0 new"),
+        ("moved", "0 bytes"),
+        ("report", str(report)),
+    )
+    assert third.stderr == failure_lines
+    rows = read_report()
+    assert len(rows) == 27 and sorted(r["line"] for r in rows[23:]) == [22, 23, 24, 25]
+
+
+@pytest.mark.timeout(300)
+def test_remap_batch_interrupted_exits_130_keeps_its_report_and_cleans_up(
+    real_server_shm: RealLMCacheServer, tmp_path: Path
+) -> None:
+    srv = real_server_shm
+    model = unique_model("cli-sigint")
+    pool = fresh_tokens(400 * 100)
+    src = pool[:48]
+    store_sources(srv, model, [(random_kv(SMALL_GEOMETRY, 48, seed=1), src, "")])
+    pairs_file = tmp_path / "many.jsonl"
+    pairs_file.write_text(
+        "".join(
+            json.dumps({"source": src, "target": pool[k * 100 : k * 100 + 48]}) + "\n" for k in range(1, 400)
+        )
+    )
+    report = tmp_path / "report.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmcache_async", "remap-batch", str(pairs_file), *server_args(srv),
+         *GEOMETRY_FLAGS, "--model-name", model, "--report", str(report), "--concurrency", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(tmp_path),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while (not report.exists() or report.read_text().count("\n") < 5) and proc.poll() is None:
+            assert time.monotonic() < deadline, "no progress in the report"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 130, err
+    assert out == b"" and err == b"interrupted\n"
+    rows = [json.loads(r) for r in report.read_text().splitlines()]  # every line complete
+    assert 5 <= len(rows) < 399
+    assert all(r["status"] == "hit" for r in rows)
+    assert srv.status()["active_sessions"] == 0 or _wait_sessions(srv) == 0
+
+
+def _wait_sessions(srv: RealLMCacheServer, deadline: float = 30.0) -> int:
+    end = time.monotonic() + deadline
+    while True:
+        n = int(srv.status()["active_sessions"])
+        if n == 0 or time.monotonic() > end:
+            return n
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- status
+
+
+@pytest.mark.timeout(300)
+def test_status_of_a_server_with_an_engine_registration(
+    fresh_real_server: Callable[..., RealLMCacheServer], lmcache_python: Path, tmp_path: Path
+) -> None:
+    srv = fresh_real_server("shm")
+    size = 2**30
+    segment = f"/dev/shm/lmcache_l1_pool_{srv.shm_name}"
+    with EngineWorker(srv.url, python=lmcache_python) as eng:
+        eng.register("engine-m", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=64)
+        readable = ok(cli("status", *server_args(srv), "--model-name", "engine-m", cwd=tmp_path))
+        assert readable.stdout == lines(
+            ("server", f"{srv.http_url} (healthy)"),
+            ("zmq", f"{srv.url} (answers noop)"),
+            ("version", "0.5.6"),
+            ("chunk size", "16 tokens"),
+            ("transfer mode", "auto (serves this client)"),
+            ("transport", f"shm: {segment} (1.00 GiB) maps [predicted from /config and a map attempt]"),
+            ("sessions", "0 active, 0 prefetch jobs"),
+            ("clients", "0 engine-driven registrations"),
+            ("model", "engine-m (registered)"),
+            ("models", "1"),
+        ) + (
+            "  model     world  layers  kv heads  head dim  dtype     block  mla  bytes/token\n"
+            "  engine-m  1      2       2         8         bfloat16  4      no   128\n"
+        )
+        probed = ok(cli("status", *server_args(srv), "--probe", "--json", cwd=tmp_path))
+        data = json.loads(probed.stdout)
+        assert data.pop("noop_rtt_ms") > 0
+        assert data.pop("server_instance_id") == srv.config()["mp"]["instance_id"]
+        assert data == {
+            "http_url": srv.http_url,
+            "url": srv.url,
+            "healthy": True,
+            "zmq_reachable": True,
+            "version": "0.5.6",
+            "chunk_size": 16,
+            "supported_transfer_mode": "auto",
+            "transport": {
+                "mode": "shm",
+                "how": "probed: registered 'lmcache-async-probe' and unregistered it",
+                "detail": "the server's SHM pool maps",
+            },
+            "active_sessions": 0,
+            "active_prefetch_jobs": 0,
+            "models": [
+                {
+                    "model_name": "engine-m",
+                    "world_size": 1,
+                    "num_layers": 2,
+                    "num_kv_heads": 2,
+                    "head_dim": 8,
+                    "dtype": "bfloat16",
+                    "block_size": 4,
+                    "use_mla": False,
+                    "bytes_per_token": 128,
+                }
+            ],
+            "engine_driven_clients": [],
+        }
+        assert srv.status()["non_cuda_context_meta"] == {}  # the probe unregistered
+
+        # Geometry from /status: our store is read back by the inference engine.
+        tokens = fresh_tokens(32)
+        kv = random_kv(SMALL_GEOMETRY, 32, seed=11)
+        pkg = tmp_path / "e.pt"
+        torch.save({"kv": kv, "model_name": "engine-m", "tokens": tokens, "cache_salt": ""}, pkg)
+        stored = ok(cli("store", *server_args(srv), "--input", str(pkg), "--json", cwd=tmp_path))
+        assert json.loads(stored.stdout)["geometry_from"] == "/status"
+        got = eng.retrieve(tokens)
+        assert got is not None and torch.equal(got, kv)
+    json_status = json.loads(ok(cli("status", *server_args(srv), "--json", cwd=tmp_path)).stdout)
+    assert json_status["transport"] == {
+        "mode": "shm",
+        "how": "predicted from /config and a map attempt",
+        "segment": segment,
+        "detail": f"{segment} ({size / 2**30:.2f} GiB) maps",
+    }
+    assert json_status["models"] == []  # the engine unregistered on quit
+
+
+def test_status_of_a_pickle_server(real_server_pickle: RealLMCacheServer, tmp_path: Path) -> None:
+    data = json.loads(ok(cli("status", *server_args(real_server_pickle), "--json", cwd=tmp_path)).stdout)
+    assert data["transport"] == {
+        "mode": "pickle",
+        "how": "predicted from /config and a map attempt",
+        "detail": "the server has no SHM pool",
+    }
+    assert (data["healthy"], data["zmq_reachable"], data["chunk_size"]) == (True, True, 16)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_unreachable_server_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    port = free_port()
+    http = f"http://127.0.0.1:{port}"
+    url = f"tcp://127.0.0.1:{free_port()}"
+    for command, extra in (
+        ("status", []),
+        ("lookup", ["--model-name", "m", "--num-tokens", "32"]),
+        ("remap-batch", [str(tmp_path / "pairs.jsonl"), "--model-name", "m", *GEOMETRY_FLAGS]),
+    ):
+        (tmp_path / "pairs.jsonl").write_text('{"source": "0:16", "target": "16:32"}\n')
+        proc = ok(cli(command, "--url", url, "--http-url", http, *extra, cwd=tmp_path), 1)
+        assert proc.stdout == ""
+        assert (
+            proc.stderr
+            == f"{PROG} {command}: error: cannot reach the LMCache server at {http}: connection refused\n"
+        )
+
+
+def test_zmq_endpoint_not_answering_is_one_line(real_server_shm: RealLMCacheServer, tmp_path: Path) -> None:
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    proc = ok(cli("lookup", "--url", dead, "--http-url", real_server_shm.http_url, "--timeout", "2",
+                  "--model-name", "m", "--num-tokens", "16", *GEOMETRY_FLAGS, cwd=tmp_path), 1)  # fmt: skip
+    assert proc.stdout == ""
+    assert re.fullmatch(
+        rf"{PROG} lookup: error: the LMCache server at {re.escape(dead)}"
+        r" did not answer noop within \d\.\d s\n",
+        proc.stderr,
+    )
+
+
+def test_usage_errors_exit_2(real_server_shm: RealLMCacheServer, tmp_path: Path) -> None:
+    srv = real_server_shm
+    cases = [
+        (
+            ["lookup", *server_args(srv), "--model-name", "m", "--num-tokens", "3", "--num-layers", "2"],
+            "an explicit geometry needs --num-layers, --num-kv-heads and --head-dim"
+            " (missing --num-kv-heads, --head-dim)",
+        ),
+        (
+            ["remap-batch", "x.jsonl", *server_args(srv), "--model-name", "m", "--resume"],
+            "--resume needs --report FILE (the report of the previous run)",
+        ),
+        (
+            ["status", "--url", srv.http_url],
+            "--url is the ZMQ endpoint (e.g. tcp://localhost:5555); give the HTTP endpoint "
+            f"{srv.http_url} as --http-url",
+        ),
+    ]
+    for argv, message in cases:
+        proc = ok(cli(*argv, cwd=tmp_path), 2)
+        assert (proc.stdout, proc.stderr) == ("", f"{PROG} {argv[0]}: error: {message}\n")
+    bad_range = ok(
+        cli("remap", "--model-name", "m", "--source-tokens", "9:3", "--target-tokens", "1", cwd=tmp_path), 2
+    )
+    assert bad_range.stderr.endswith("error: argument --source-tokens: range '9:3' ends before it starts\n")
+    unregistered = ok(cli("lookup", *server_args(srv), "--model-name", "nobody-registered-this",
+                          "--num-tokens", "16", cwd=tmp_path), 1)  # fmt: skip
+    assert unregistered.stderr.startswith(
+        f"{PROG} lookup: error: model 'nobody-registered-this' is not registered on the server (registered: "
+    )
+    assert unregistered.stderr.endswith(
+        "pass --num-layers, --num-kv-heads and --head-dim (and --block-size, --dtype)\n"
+    )
