@@ -153,9 +153,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                     t = await ours(clients[geom], our_case, chunks, args.iters, base + 50_000)
                                 if rnd:
                                     results[name][who].append(statistics.median(t))
+                                # keep the L1 from filling up (the server evicts lazily)
+                                await c_big._conn.call(Op.CLEAR, (True,), timeout=60)
                             print(f"round {rnd} {name} done", file=sys.stderr)
-                            # keep the L1 from filling up
-                            await c_big._conn.call(Op.CLEAR, (True,), timeout=60)
                         if rnd:
                             results["copy16"]["anchor"].append(statistics.median(copy_anchor(16, args.iters)))
     return {k: v for k, v in results.items() if all(v.values())}
@@ -189,7 +189,7 @@ def main() -> None:
     )
     parser.add_argument("--iters", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--l1-gb", type=int, default=6)
+    parser.add_argument("--l1-gb", type=int, default=8)
     parser.add_argument("--only", nargs="*", help="run only these cases")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

@@ -136,6 +136,7 @@ async def connect(
     ping_interval: float = 20.0,
     cleanup_grace: float = 10.0,
     metadata_ttl: float = 5.0,
+    prefault_shm: bool = True,
 ) -> AsyncClient:
     """Create an :class:`AsyncClient` and open it (see there for the arguments).
 
@@ -157,6 +158,7 @@ async def connect(
         ping_interval=ping_interval,
         cleanup_grace=cleanup_grace,
         metadata_ttl=metadata_ttl,
+        prefault_shm=prefault_shm,
     )
     await client.open()
     return client
@@ -182,6 +184,9 @@ class AsyncClient:
         ping_interval: seconds between keep-alive pings of the registration (<= 30).
         cleanup_grace: extra seconds an abandoned operation may spend cleaning up.
         metadata_ttl: seconds ``/config`` and ``/status`` stay cached.
+        prefault_shm: map the whole SHM pool into this process in a background thread
+            after connecting, so that no transfer pays first-touch page faults (see
+            :meth:`lmcache_async.shm.ShmPool.start_prefault`).
     """
 
     def __init__(
@@ -197,6 +202,7 @@ class AsyncClient:
         ping_interval: float = 20.0,
         cleanup_grace: float = 10.0,
         metadata_ttl: float = 5.0,
+        prefault_shm: bool = True,
     ) -> None:
         if not isinstance(url, str) or "://" not in url:
             raise ValueError(f"url must look like tcp://host:port, got {url!r}")
@@ -219,6 +225,7 @@ class AsyncClient:
         self.cleanup_grace = float(cleanup_grace)
         self.num_kv_readers = num_kv_readers
         self._want_transfer: TransferMode = transfer
+        self._prefault_shm = bool(prefault_shm)
         self._explicit_geometry = geometry
         self._geometry: KVGeometry | None = geometry
         self._ping_interval = ping_interval
@@ -398,6 +405,8 @@ class AsyncClient:
         if self._server_has_shm and self._want_transfer != "pickle":
             try:
                 self._pool = ShmPool(shm_name, pool_size)
+                if self._prefault_shm:
+                    self._pool.start_prefault()
             except TransferError:
                 if self._want_transfer == "shm":
                     raise

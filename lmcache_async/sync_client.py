@@ -494,6 +494,7 @@ class Client:
         ping_interval: float = 20.0,
         cleanup_grace: float = 10.0,
         metadata_ttl: float = 5.0,
+        prefault_shm: bool = True,
     ) -> None:
         self._pid = os.getpid()
         self._closed = True  # until opened
@@ -512,6 +513,7 @@ class Client:
                 ping_interval=ping_interval,
                 cleanup_grace=cleanup_grace,
                 metadata_ttl=metadata_ttl,
+                prefault_shm=prefault_shm,
             )
             await client.open()
             return client
@@ -548,6 +550,7 @@ class Client:
         ping_interval: float = 20.0,
         cleanup_grace: float = 10.0,
         metadata_ttl: float = 5.0,
+        prefault_shm: bool = True,
     ) -> Client:
         """Create and open a :class:`Client` (the same as calling the class)."""
         return cls(
@@ -561,6 +564,7 @@ class Client:
             ping_interval=ping_interval,
             cleanup_grace=cleanup_grace,
             metadata_ttl=metadata_ttl,
+            prefault_shm=prefault_shm,
         )
 
     # ------------------------------------------------------------------ plumbing
