@@ -19,10 +19,10 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import lmcache_async as lmc  # noqa: E402
-from lmcache_async import wire  # noqa: E402
-from lmcache_async.wire import Op  # noqa: E402
-from tests.support.real_server import RealLMCacheServer, lmcache_venv_python  # noqa: E402
+import lmcache_async as lmc
+from lmcache_async import wire
+from lmcache_async.wire import Op
+from tests.support.real_server import RealLMCacheServer, lmcache_venv_python
 
 
 def blocking(url: str, op: Op, args: tuple[Any, ...], n: int) -> float:
@@ -52,7 +52,9 @@ async def ours(url: str, http_url: str, op: Op, args: tuple[Any, ...], n: int) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=300)
     args = parser.parse_args()
     with RealLMCacheServer("shm", venv_python=lmcache_venv_python(), chunk_size=256) as srv:
