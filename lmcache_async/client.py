@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 import os
 import secrets
 import time
@@ -576,12 +577,6 @@ class AsyncClient:
             raise ProtocolError(f"prefetch status {value!r} is not a chunk count")
         return value
 
-    async def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if dst.numel() * dst.element_size() >= _THREAD_COPY_BYTES:
-            await asyncio.to_thread(dst.copy_, src)
-        else:
-            dst.copy_(src)
-
     # ------------------------------------------------------------------ operations
 
     async def lookup(
@@ -1085,7 +1080,7 @@ class AsyncClient:
                     for target, source in pairs:
                         target.copy_(source)
 
-                if len(pairs) * shape_bytes(shape, geom.dtype) >= _THREAD_COPY_BYTES:
+                if len(pairs) * _shape_bytes(shape, geom.dtype) >= _THREAD_COPY_BYTES:
                     await asyncio.to_thread(fill)
                 else:
                     fill()
@@ -1263,12 +1258,9 @@ def _check_timeout(timeout: object, name: str) -> float | None:
     return float(timeout)
 
 
-def shape_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+def _shape_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """Bytes of one tensor of ``shape`` x ``dtype``."""
-    count = 1
-    for d in shape:
-        count *= d
-    return count * dtype.itemsize
+    return math.prod(shape) * dtype.itemsize
 
 
 def _remaining(deadline: float | None) -> float | None:
