@@ -126,7 +126,6 @@ class Connection:
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ever_connected = False
-        self._connected_event: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -134,7 +133,6 @@ class Connection:
         """Create the socket and start the reader and monitor tasks (does not wait for
         the TCP connection: zmq connects in the background and queues sends)."""
         self._loop = asyncio.get_running_loop()
-        self._connected_event = asyncio.Event()
         try:
             ctx = zmq.asyncio.Context()
             sock = ctx.socket(zmq.DEALER)
@@ -261,7 +259,7 @@ class Connection:
             self._table.resolve(reply)
 
     async def _monitor_loop(self) -> None:
-        assert self._monitor is not None and self._connected_event is not None
+        assert self._monitor is not None
         while True:
             msg = await self._monitor.recv_multipart()
             event = parse_monitor_message(msg)["event"]
@@ -271,10 +269,8 @@ class Connection:
                     log.info("reconnected to %s (generation %d)", self.url, self.generation)
                 self._ever_connected = True
                 self.connected = True
-                self._connected_event.set()
             elif event == zmq.EVENT_DISCONNECTED:
                 self.connected = False
-                self._connected_event.clear()
                 n = self._table.fail_all(
                     lambda op: LMCacheConnectionError(f"{op_name(op)}: connection to {self.url} lost")
                 )
