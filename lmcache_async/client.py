@@ -37,14 +37,17 @@ from lmcache_async.errors import (
     TransferError,
 )
 from lmcache_async.geometry import KVGeometry, dtype_name
+from lmcache_async.inline_codec import decode_inline, encode_inline
 from lmcache_async.metadata import Metadata
-from lmcache_async.pickle_codec import decode_tensor_list, encode_tensor_list
 from lmcache_async.shm import ShmPool
 from lmcache_async.wire import (
+    GEN_0_5_6,
     CacheKey,
     Op,
     PreEncoded,
     RegisterPayload,
+    WireGeneration,
+    generation_for_version,
     parse_prepare_retrieve,
     parse_prepare_store,
     parse_register_response,
@@ -138,6 +141,7 @@ async def connect(
     cleanup_grace: float = 10.0,
     metadata_ttl: float = 5.0,
     prefault_shm: bool = True,
+    api_key: str | None = None,
 ) -> AsyncClient:
     """Create an :class:`AsyncClient` and open it (see there for the arguments).
 
@@ -160,6 +164,7 @@ async def connect(
         cleanup_grace=cleanup_grace,
         metadata_ttl=metadata_ttl,
         prefault_shm=prefault_shm,
+        api_key=api_key,
     )
     await client.open()
     return client
@@ -188,6 +193,9 @@ class AsyncClient:
         prefault_shm: map the whole SHM pool into this process in a background thread
             after connecting, so that no transfer pays first-touch page faults (see
             :meth:`lmcache_async.shm.ShmPool.start_prefault`).
+        api_key: sent as ``Authorization: Bearer KEY`` on every HTTP call (servers
+            started with an API key answer 401 without it); default: the
+            ``LMCACHE_API_KEY`` environment variable. The ZMQ side has no keys.
     """
 
     def __init__(
@@ -204,6 +212,7 @@ class AsyncClient:
         cleanup_grace: float = 10.0,
         metadata_ttl: float = 5.0,
         prefault_shm: bool = True,
+        api_key: str | None = None,
     ) -> None:
         if not isinstance(url, str) or "://" not in url:
             raise ValueError(f"url must look like tcp://host:port, got {url!r}")
@@ -230,7 +239,9 @@ class AsyncClient:
         self._explicit_geometry = geometry
         self._geometry: KVGeometry | None = geometry
         self._ping_interval = ping_interval
-        self._meta = Metadata(http_url, ttl=metadata_ttl)
+        self._meta = Metadata(http_url, ttl=metadata_ttl, api_key=api_key)
+        self._wire: WireGeneration = GEN_0_5_6
+        self._server_version: str | None = None
         self._conn = Connection(url)
         self._state = _State.NEW
         self._pid = os.getpid()
@@ -270,6 +281,20 @@ class AsyncClient:
         self._require_open()
         assert self._transfer is not None
         return self._transfer
+
+    @property
+    def server_version(self) -> str:
+        """The LMCache version the server reported on ``/lmc_version`` at connect
+        (``"unknown"`` for a server without that route, talked to as 0.5.6)."""
+        self._require_open()
+        return self._server_version or "unknown"
+
+    @property
+    def wire_generation(self) -> str:
+        """The wire generation in use, ``"0.5.6"`` or ``"0.5.7"`` (picked from
+        :attr:`server_version`)."""
+        self._require_open()
+        return self._wire.name
 
     @property
     def instance_id(self) -> int:
@@ -312,6 +337,7 @@ class AsyncClient:
         self._reg_lock = asyncio.Lock()
         try:
             deadline = None if self.timeout is None else time.monotonic() + self.timeout
+            await self._detect_generation(_remaining(deadline))
             await self._load_config(_remaining(deadline))
             if self._geometry is None:
                 status = await self._meta.status(max_age=0, timeout=_remaining(deadline))
@@ -366,12 +392,40 @@ class AsyncClient:
             await self._meta.close()
             self._state = _State.CLOSED
 
+    async def _detect_generation(self, timeout: float | None) -> None:
+        """Ask ``/lmc_version`` which generation the server is and speak its wire.
+
+        Raises:
+            UnsupportedServerVersionError: a version older than 0.5.6 or unparseable.
+            AuthenticationError: the server wants an API key (0.5.7 with keys).
+        """
+        version = await self._meta.version(timeout=timeout)
+        if version is None:
+            log.warning(
+                "%s has no /lmc_version (a server older than lmcache 0.5.6?); talking to it as 0.5.6",
+                self.http_url,
+            )
+            wire = GEN_0_5_6
+        else:
+            wire = generation_for_version(version)
+        self._server_version = version
+        self._wire = wire
+        self._conn.wire = wire
+
     async def _load_config(self, timeout: float | None) -> None:
         config = await self._meta.config(max_age=0, timeout=timeout)
         mp = Metadata.mp_section(config)
-        chunk_size = mp.get("chunk_size")
+        if self._wire.chunk_size_from == "status":
+            # The configured size is only a minimum the server may round up; /status
+            # has the live one (get_chunk_size would freeze it: never used as a probe).
+            status = await self._meta.status(max_age=0, timeout=timeout)
+            chunk_size = status.get("chunk_size")
+            where = "/status chunk_size"
+        else:
+            chunk_size = mp.get("chunk_size")
+            where = "/config mp.chunk_size"
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ProtocolError(f"/config mp.chunk_size is {chunk_size!r}")
+            raise ProtocolError(f"{where} is {chunk_size!r}")
         mode = mp.get("supported_transfer_mode", "engine_driven")
         if mode not in ("engine_driven", "auto"):
             raise ServerError(
@@ -533,7 +587,7 @@ class AsyncClient:
             request_id=request_id,
             cache_salt=cache_salt,
             num_kv_readers=self.num_kv_readers,
-        ).to_wire()
+        ).to_wire(self._wire)
 
     def _aligned(self, n: int) -> int:
         return n // self._chunk_size * self._chunk_size
@@ -661,7 +715,7 @@ class AsyncClient:
             calls.append(
                 (
                     Op.FREE_LOOKUP_LOCKS,
-                    dict(key, end=end, token_ids=key["token_ids"][:end]),
+                    self._wire.key_prefix(key, end),
                     key["world_size"],
                 )
             )
@@ -682,7 +736,7 @@ class AsyncClient:
         """Release the read locks a lookup took on its first ``chunks`` chunks."""
         if chunks:
             end = chunks * self._chunk_size
-            free_key = dict(key, end=end, token_ids=key["token_ids"][:end])
+            free_key = self._wire.key_prefix(key, end)
             await self._cleanup_call(Op.FREE_LOOKUP_LOCKS, free_key, key["world_size"])
 
     async def retrieve(
@@ -794,7 +848,7 @@ class AsyncClient:
             return None
         n_chunks = hit // self._chunk_size
         shape = geom.kv_shape(self._chunk_size)
-        tensors = decode_tensor_list(data, count=n_chunks, shape=shape, dtype=geom.dtype)
+        tensors = decode_inline(self._wire, data, count=n_chunks, shape=shape, dtype=geom.dtype)
         if op.abandoned:
             return None
         if target is None:
@@ -938,9 +992,9 @@ class AsyncClient:
             chunks = [self._chunk(kv, j) for j in range(first, end // self._chunk_size)]
             nbytes = sum(c.numel() for c in chunks) * kv.element_size()
             if nbytes >= _THREAD_COPY_BYTES:
-                frame = await asyncio.to_thread(encode_tensor_list, chunks)
+                frame = await asyncio.to_thread(encode_inline, self._wire, chunks)
             else:
-                frame = encode_tensor_list(chunks)
+                frame = encode_inline(self._wire, chunks)
             key = self._key(toks, end, rid, salt, start=hit, worker=True)
             ok = await self._call(op, Op.COMMIT_STORE, key, self._instance_id, PreEncoded(frame))
             if ok is not True:

@@ -495,6 +495,7 @@ class Client:
         cleanup_grace: float = 10.0,
         metadata_ttl: float = 5.0,
         prefault_shm: bool = True,
+        api_key: str | None = None,
     ) -> None:
         self._pid = os.getpid()
         self._closed = True  # until opened
@@ -514,6 +515,7 @@ class Client:
                 cleanup_grace=cleanup_grace,
                 metadata_ttl=metadata_ttl,
                 prefault_shm=prefault_shm,
+                api_key=api_key,
             )
             await client.open()
             return client
@@ -551,6 +553,7 @@ class Client:
         cleanup_grace: float = 10.0,
         metadata_ttl: float = 5.0,
         prefault_shm: bool = True,
+        api_key: str | None = None,
     ) -> Client:
         """Create and open a :class:`Client` (the same as calling the class)."""
         return cls(
@@ -565,6 +568,7 @@ class Client:
             cleanup_grace=cleanup_grace,
             metadata_ttl=metadata_ttl,
             prefault_shm=prefault_shm,
+            api_key=api_key,
         )
 
     # ------------------------------------------------------------------ plumbing
@@ -607,6 +611,18 @@ class Client:
         """``"shm"`` or ``"pickle"``: how tensors travel."""
         self._check_process()
         return self._async.transfer
+
+    @property
+    def server_version(self) -> str:
+        """The LMCache version the server reported at connect (``/lmc_version``)."""
+        self._check_process()
+        return self._async.server_version
+
+    @property
+    def wire_generation(self) -> str:
+        """The wire generation in use, ``"0.5.6"`` or ``"0.5.7"``."""
+        self._check_process()
+        return self._async.wire_generation
 
     @property
     def instance_id(self) -> int:
