@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+## Both real LMCache venvs: .lmcache-venv (0.5.6) and .lmcache-venv-057 (0.5.7rc3).
 lmcache-venv:
-	tests/support/build_lmcache_venv.sh
+	tests/support/build_lmcache_venv.sh --generation 0.5.6
+	tests/support/build_lmcache_venv.sh --generation 0.5.7
 
 ## The main job: the KV remap demo on the embedded server (no LMCache needed).
 demo: venv
@@ -46,4 +48,4 @@ bench: venv lmcache-venv
 	$(BIN)/python benchmarks/bench_client.py
 
 clean:
-	rm -rf $(VENV) .lmcache-venv .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .lmcache-venv .lmcache-venv-057 .mypy_cache .ruff_cache .pytest_cache
