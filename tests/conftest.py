@@ -351,6 +351,8 @@ from lmcache_async import AsyncClient, KVGeometry  # noqa: E402
 SERVER_CONFIGS = [
     pytest.param("real-shm", marks=pytest.mark.real_server),
     pytest.param("real-pickle", marks=pytest.mark.real_server),
+    pytest.param("real057-shm", marks=pytest.mark.real_server),
+    pytest.param("real057-pickle", marks=pytest.mark.real_server),
     "embedded-shm",
     "embedded-pickle",
 ]
@@ -386,6 +388,8 @@ def server(request: pytest.FixtureRequest) -> Any:
     kind, mode = request.param.split("-")
     if kind == "real":
         return request.getfixturevalue(f"real_server_{mode}")
+    if kind == "real057":
+        return request.getfixturevalue(f"real_server_057_{mode}")
     return request.getfixturevalue(f"embedded_server_{mode}")
 
 
@@ -397,7 +401,7 @@ def own_server(server: Any, request: pytest.FixtureRequest) -> Iterator[Callable
 
     def make() -> Any:
         if isinstance(server, RealLMCacheServer):
-            srv = request.getfixturevalue("fresh_real_server")(server.mode)
+            srv = request.getfixturevalue("fresh_real_server")(server.mode, generation=server.generation)
         else:
             srv = _embedded(server.mode)
             made.append(srv)
