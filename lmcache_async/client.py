@@ -21,7 +21,7 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
@@ -53,6 +53,7 @@ from lmcache_async.wire import (
     parse_register_response,
     validate_cache_salt,
     validate_model_name,
+    validate_request_configs,
     validate_tokens,
 )
 
@@ -65,6 +66,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 TransferMode = Literal["auto", "shm", "pickle"]
+Configs = dict[str, Any] | None
 
 _DEFAULT: Final[Any] = object()
 #: Copies larger than this run in a worker thread so the event loop keeps serving others.
@@ -574,6 +576,7 @@ class AsyncClient:
         *,
         start: int = 0,
         worker: bool,
+        configs: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         geom = self._geometry
         assert geom is not None
@@ -586,6 +589,7 @@ class AsyncClient:
             end=end,
             request_id=request_id,
             cache_salt=cache_salt,
+            request_configs=configs,
             num_kv_readers=self.num_kv_readers,
         ).to_wire(self._wire)
 
@@ -634,11 +638,18 @@ class AsyncClient:
     # ------------------------------------------------------------------ operations
 
     async def lookup(
-        self, tokens: Sequence[int], cache_salt: str = "", *, timeout: float | None = _DEFAULT
+        self,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        *,
+        request_configs: Mapping[str, Any] | None = None,
+        timeout: float | None = _DEFAULT,
     ) -> int:
         """Length in tokens of the longest cached chunk-aligned prefix of ``tokens``.
 
         Releases the read locks the lookup took and ends its session before returning.
+        ``request_configs`` (LMCache request configs, e.g. ``{"lmcache.skip_load":
+        True}`` on 0.5.7) travel in the key, as the official SDK sends them.
 
         Raises:
             ValueError/TypeError: bad arguments (nothing is sent).
@@ -649,6 +660,7 @@ class AsyncClient:
         """
         toks = validate_tokens(tokens)
         validate_cache_salt(cache_salt)
+        configs = validate_request_configs(request_configs)
         timeout = self._timeout(timeout)
         end = self._aligned(len(toks))
 
@@ -656,7 +668,7 @@ class AsyncClient:
             if end == 0:
                 return 0
             rid = _request_id("lookup")
-            key = self._key(toks, end, rid, cache_salt, worker=False)
+            key = self._key(toks, end, rid, cache_salt, worker=False, configs=configs)
             return await self._lookup_locked(op, key, rid, release=True)
 
         return await self._run("lookup", timeout, body)
@@ -745,6 +757,7 @@ class AsyncClient:
         cache_salt: str = "",
         out: torch.Tensor | None = None,
         *,
+        request_configs: Mapping[str, Any] | None = None,
         timeout: float | None = _DEFAULT,
     ) -> torch.Tensor | None:
         """The KV of the longest cached chunk-aligned prefix of ``tokens``, or ``None``.
@@ -756,6 +769,10 @@ class AsyncClient:
                 ``[2, L, T, D]`` (``[L, T, D]`` for MLA) with ``T >=`` the chunk-aligned
                 token count; it is filled without any other allocation of that size and
                 a view of its first ``T_hit`` tokens is returned.
+            request_configs: LMCache request configs carried in the keys of the lookup
+                and the retrieve (str keys, msgpack-encodable values), as the official
+                SDK sends them; e.g. ``{"lmcache.skip_load": True}`` makes a 0.5.7
+                server report a miss.
             timeout: deadline in seconds (default: the client's).
 
         Returns:
@@ -772,6 +789,7 @@ class AsyncClient:
         """
         toks = validate_tokens(tokens)
         validate_cache_salt(cache_salt)
+        configs = validate_request_configs(request_configs)
         timeout = self._timeout(timeout)
         geom = self.geometry
         end = self._aligned(len(toks))
@@ -782,14 +800,14 @@ class AsyncClient:
             if end == 0:
                 return None
             rid = _request_id("retrieve")
-            key = self._key(toks, end, rid, cache_salt, worker=False)
+            key = self._key(toks, end, rid, cache_salt, worker=False, configs=configs)
             hit = 0
             state = _RetrieveState()
             try:
                 hit = await self._lookup_locked(op, key, rid, release=False)
                 if hit == 0:
                     return None
-                rkey = self._key(toks, hit, rid, cache_salt, worker=True)
+                rkey = self._key(toks, hit, rid, cache_salt, worker=True, configs=configs)
                 target = out.narrow(geom.token_axis, 0, hit) if out is not None else None
                 if self._pool is None:
                     return await self._retrieve_pickle(op, rkey, hit, target, state)
@@ -902,12 +920,15 @@ class AsyncClient:
         tokens: Sequence[int],
         cache_salt: str = "",
         *,
+        request_configs: Mapping[str, Any] | None = None,
         timeout: float | None = _DEFAULT,
     ) -> bool:
         """Store ``kv`` (``[2, L, T, D]``, or ``[L, T, D]`` for MLA) under ``tokens``.
 
         ``T == len(tokens)``; tokens beyond the last whole chunk are ignored (as in the
-        official SDK). Chunks already cached are not sent again.
+        official SDK). Chunks already cached are not sent again. ``request_configs``
+        travel in the keys of the store's requests (as in the official SDK); the
+        client's own check of which chunks are cached runs without them.
 
         Returns:
             True if at least one chunk was added; False exactly when every chunk was
@@ -925,6 +946,7 @@ class AsyncClient:
         """
         toks = validate_tokens(tokens)
         validate_cache_salt(cache_salt)
+        configs = validate_request_configs(request_configs)
         timeout = self._timeout(timeout)
         self._require_open()
         kv = self._check_kv(kv, len(toks))
@@ -937,16 +959,18 @@ class AsyncClient:
             # the chunks "being written" and could not tell that from out-of-memory.
             async with self._gate(("store", cache_salt, tuple(toks[:end]))):
                 if self._pool is not None:
-                    return await self._store_shm(op, kv, toks, end, cache_salt)
-                return await self._store_pickle(op, kv, toks, end, cache_salt)
+                    return await self._store_shm(op, kv, toks, end, cache_salt, configs)
+                return await self._store_pickle(op, kv, toks, end, cache_salt, configs)
 
         return await self._run("store", timeout, body)
 
-    async def _store_shm(self, op: _Op, kv: torch.Tensor, toks: list[int], end: int, salt: str) -> bool:
+    async def _store_shm(
+        self, op: _Op, kv: torch.Tensor, toks: list[int], end: int, salt: str, configs: Configs
+    ) -> bool:
         geom = self._geometry
         assert geom is not None and self._pool is not None
         rid = _request_id("store")
-        key = self._key(toks, end, rid, salt, worker=True)
+        key = self._key(toks, end, rid, salt, worker=True, configs=configs)
         try:
             resp = await self._call(op, Op.PREPARE_STORE, key, self._instance_id)
             slots, indices = parse_prepare_store(resp)
@@ -979,7 +1003,9 @@ class AsyncClient:
         finally:
             await self._cleanup_call(Op.END_SESSION, rid)
 
-    async def _store_pickle(self, op: _Op, kv: torch.Tensor, toks: list[int], end: int, salt: str) -> bool:
+    async def _store_pickle(
+        self, op: _Op, kv: torch.Tensor, toks: list[int], end: int, salt: str, configs: Configs
+    ) -> bool:
         rid = _request_id("store")
         lookup_key = self._key(toks, end, rid, salt, worker=False)
         try:
@@ -995,7 +1021,7 @@ class AsyncClient:
                 frame = await asyncio.to_thread(encode_inline, self._wire, chunks)
             else:
                 frame = encode_inline(self._wire, chunks)
-            key = self._key(toks, end, rid, salt, start=hit, worker=True)
+            key = self._key(toks, end, rid, salt, start=hit, worker=True, configs=configs)
             ok = await self._call(op, Op.COMMIT_STORE, key, self._instance_id, PreEncoded(frame))
             if ok is not True:
                 raise TransferError("the server could not store every chunk (out of memory?)")

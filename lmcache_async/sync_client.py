@@ -52,7 +52,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, TypeVar
 
 import torch
@@ -709,7 +709,14 @@ class Client:
 
     # ------------------------------------------------------------------ operations
 
-    def lookup(self, tokens: Sequence[int], cache_salt: str = "", *, timeout: float | None = _DEFAULT) -> int:
+    def lookup(
+        self,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        *,
+        request_configs: Mapping[str, Any] | None = None,
+        timeout: float | None = _DEFAULT,
+    ) -> int:
         """Length in tokens of the longest cached chunk-aligned prefix of ``tokens``.
 
         Blocking :meth:`AsyncClient.lookup`; timeout, KeyboardInterrupt and loop-thread
@@ -718,7 +725,7 @@ class Client:
         return self._run(
             "lookup",
             self._op_bound(timeout),
-            lambda: self._async.lookup(tokens, cache_salt, timeout=timeout),
+            lambda: self._async.lookup(tokens, cache_salt, request_configs=request_configs, timeout=timeout),
         )
 
     def retrieve(
@@ -727,6 +734,7 @@ class Client:
         cache_salt: str = "",
         out: torch.Tensor | None = None,
         *,
+        request_configs: Mapping[str, Any] | None = None,
         timeout: float | None = _DEFAULT,
     ) -> torch.Tensor | None:
         """The KV of the longest cached chunk-aligned prefix of ``tokens``, or ``None``.
@@ -739,7 +747,9 @@ class Client:
         return self._run(
             "retrieve",
             self._op_bound(timeout),
-            lambda: self._async.retrieve(tokens, cache_salt, out, timeout=timeout),
+            lambda: self._async.retrieve(
+                tokens, cache_salt, out, request_configs=request_configs, timeout=timeout
+            ),
         )
 
     def store(
@@ -748,6 +758,7 @@ class Client:
         tokens: Sequence[int],
         cache_salt: str = "",
         *,
+        request_configs: Mapping[str, Any] | None = None,
         timeout: float | None = _DEFAULT,
     ) -> bool:
         """Store ``kv`` (``[2, L, T, D]``; ``[L, T, D]`` for MLA) under ``tokens``.
@@ -760,7 +771,9 @@ class Client:
         return self._run(
             "store",
             self._op_bound(timeout),
-            lambda: self._async.store(kv, tokens, cache_salt, timeout=timeout),
+            lambda: self._async.store(
+                kv, tokens, cache_salt, request_configs=request_configs, timeout=timeout
+            ),
         )
 
     def remap(

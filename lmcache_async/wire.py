@@ -73,6 +73,7 @@ __all__ = [
     "unpackb",
     "validate_cache_salt",
     "validate_model_name",
+    "validate_request_configs",
     "validate_tokens",
 ]
 
@@ -356,6 +357,24 @@ def validate_tokens(tokens: object, name: str = "tokens") -> list[int]:
             raise TypeError(f"{name} must contain ints, found {type(t).__name__}")
     bad = next(t for t in out if t < 0 or t >= MAX_TOKEN)
     raise ValueError(f"{name}: token id {bad} is outside [0, 2**32)")
+
+
+def validate_request_configs(configs: object, name: str = "request_configs") -> dict[str, Any] | None:
+    """Check LMCache request configs: ``None`` or a mapping with str keys whose values
+    msgpack can encode; returns a plain dict copy (or ``None``)."""
+    if configs is None:
+        return None
+    if not isinstance(configs, Mapping):
+        raise TypeError(f"{name} must be a mapping or None, got {type(configs).__name__}")
+    out = dict(configs)
+    bad = next((k for k in out if not isinstance(k, str)), None)
+    if bad is not None:
+        raise TypeError(f"{name} keys must be str, got {type(bad).__name__}")
+    try:
+        packb(out)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TypeError(f"{name} must hold msgpack-encodable values: {exc}") from None
+    return out
 
 
 def _check_int(value: object, name: str, minimum: int = 0) -> int:
