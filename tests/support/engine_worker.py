@@ -1,8 +1,12 @@
 """Fake inference-engine (vLLM-style) worker for the REAL LMCache server.
 
-Run with the LMCACHE venv's python (it imports lmcache 0.5.6); spoken to over
-JSON lines on stdin/stdout by ``tests/support/workers.py::EngineWorker``
-(protocol framing: ``_worker_loop.py``). lmcache's log output goes to stderr.
+Run with an LMCACHE venv's python: lmcache 0.5.6 (``.lmcache-venv``) or the
+0.5.7rc3 generation (``.lmcache-venv-057``); the worker reads the installed
+version and speaks that generation's key format (0.5.6: ``token_ids``; 0.5.7:
+packed ``token_bytes``, built by lmcache's own ``IPCCacheServerKey.from_token_ids``).
+Every other call is the same public API in both. Spoken to over JSON lines on
+stdin/stdout by ``tests/support/workers.py::EngineWorker`` (protocol framing:
+``_worker_loop.py``). lmcache's log output goes to stderr.
 
 It registers a paged, vLLM flash-attention KV cache through lmcache's own
 lmcache-driven client path -- exactly what vLLM's worker adapter
@@ -20,6 +24,9 @@ flattened), the LMCache object layout. Block 0 is never used: the server's
 Parallel setup mirrors vLLM on a single GPU (TP=PP=1, one server):
 ``world_size`` (kv world size) = 1, ``worker_id`` = 0, ``num_kv_readers`` = 1,
 ``tp_size`` passed to ``lookup`` = 1.
+
+The ready line carries ``lmcache_version`` (e.g. ``"0.5.6"``, ``"0.5.7rc3.dev0"``)
+and ``generation`` (``"0.5.6"`` or ``"0.5.7"``).
 
 Commands (request -> reply, besides ``ok``/``id``):
 
@@ -50,7 +57,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _worker_loop import WorkerExit, error_reply, send, serve, take_protocol_stdout
+from _worker_loop import WorkerExit, error_reply, installed_lmcache, send, serve, take_protocol_stdout
 
 PROTO = take_protocol_stdout()
 
@@ -79,6 +86,11 @@ WORKER_ID = 0  # kv worker id of that single worker
 NUM_KV_READERS = 1  # non-MLA: one reader per object
 TP_SIZE = 1  # sent with lookup (arity only)
 NULL_BLOCK_ID = 0  # server default --null-block-id
+
+
+LMCACHE_VERSION, GENERATION = installed_lmcache()
+#: 0.5.7 keys carry packed ``token_bytes`` (a map with ``token_ids`` is rejected).
+PACKED_TOKENS = hasattr(IPCCacheServerKey, "from_token_ids")
 
 
 def _kv_segments() -> list[str]:
@@ -133,18 +145,20 @@ class Engine:
     def _key(
         self, tokens: list[int], end: int, request_id: str, cache_salt: str, worker_id: int | None
     ) -> Any:
-        return IPCCacheServerKey(
-            model_name=self.model_name,
-            world_size=WORLD_SIZE,
-            worker_id=worker_id,
-            token_ids=tuple(tokens),
-            start=0,
-            end=end,
-            request_id=request_id,
-            cache_salt=cache_salt,
-            request_configs=None,
-            num_kv_readers=NUM_KV_READERS,
-        )
+        fields: dict[str, Any] = {
+            "model_name": self.model_name,
+            "world_size": WORLD_SIZE,
+            "worker_id": worker_id,
+            "start": 0,
+            "end": end,
+            "request_id": request_id,
+            "cache_salt": cache_salt,
+            "request_configs": None,
+            "num_kv_readers": NUM_KV_READERS,
+        }
+        if PACKED_TOKENS:
+            return IPCCacheServerKey.from_token_ids(token_ids=tokens, **fields)
+        return IPCCacheServerKey(token_ids=tuple(tokens), **fields)
 
     def _slot_index(self, block_ids: list[int], n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         tok = torch.arange(n_tokens)
@@ -458,7 +472,17 @@ class Engine:
 
 def main() -> int:
     engine = Engine()
-    send(PROTO, {"ok": True, "ready": True, "pid": os.getpid(), "worker": "engine"})
+    send(
+        PROTO,
+        {
+            "ok": True,
+            "ready": True,
+            "pid": os.getpid(),
+            "worker": "engine",
+            "lmcache_version": LMCACHE_VERSION,
+            "generation": GENERATION,
+        },
+    )
     handlers = {
         "register": engine.register,
         "store": engine.store,
