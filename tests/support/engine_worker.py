@@ -28,11 +28,21 @@ Parallel setup mirrors vLLM on a single GPU (TP=PP=1, one server):
 The ready line carries ``lmcache_version`` (e.g. ``"0.5.6"``, ``"0.5.7rc3.dev0"``)
 and ``generation`` (``"0.5.6"`` or ``"0.5.7"``).
 
+Transfer modes (``register``'s ``transfer_mode``): ``"lmcache_driven"`` (default)
+is vLLM's path on a GPU: the cache is registered with ``register_kv_cache`` and the
+server gathers/scatters it (real servers only). ``"engine_driven"`` is lmcache's
+own worker path for non-CUDA devices: the worker gathers/scatters itself and moves
+the chunks with ``prepare_store``/``commit_store``/``prepare_retrieve``/
+``commit_retrieve`` (SHM slots or the inline payload of its generation), which the
+embedded server serves too; such a registration does not appear in ``/status``
+``cache_context_meta``.
+
 Commands (request -> reply, besides ``ok``/``id``):
 
 * ``register`` {url, model_name, num_layers, num_kv_heads, head_dim, block_size,
-  num_blocks, dtype ("bfloat16"...), timeout=30, seed=0}
-  -> {instance_id, chunk_size, blocks_in_chunk, kv_shape, layer_names, kv_segments}
+  num_blocks, dtype ("bfloat16"...), timeout=30, seed=0, transfer_mode="lmcache_driven"}
+  -> {instance_id, chunk_size, blocks_in_chunk, kv_shape, layer_names, kv_segments,
+  transfer}  (``transfer``: the class name of lmcache's transfer context)
 * ``store`` {tokens, kv_file, cache_salt="", timeout, wait_visible=true,
   visible_timeout=min(timeout, 10)}
   -> {stored (server's bool), stored_tokens, visible_tokens, visible_probes, block_ids}
@@ -86,6 +96,8 @@ WORKER_ID = 0  # kv worker id of that single worker
 NUM_KV_READERS = 1  # non-MLA: one reader per object
 TP_SIZE = 1  # sent with lookup (arity only)
 NULL_BLOCK_ID = 0  # server default --null-block-id
+#: lmcache's transfer context modes this worker can register with (see the docstring).
+TRANSFER_MODES = ("lmcache_driven", "engine_driven")
 
 
 LMCACHE_VERSION, GENERATION = installed_lmcache()
@@ -231,6 +243,9 @@ class Engine:
         self.dtype = dtype
         self.timeout = float(req.get("timeout", 30.0))
         self.rng = random.Random(int(req.get("seed", 0)))
+        transfer_mode = str(req.get("transfer_mode", "lmcache_driven"))
+        if transfer_mode not in TRANSFER_MODES:
+            raise ValueError(f"transfer_mode must be one of {TRANSFER_MODES}, got {transfer_mode!r}")
         if min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size) <= 0:
             raise ValueError("geometry values must be positive")
         if self.num_blocks < 2:
@@ -257,7 +272,7 @@ class Engine:
                 kv_caches,
                 instance_id=self.instance_id,
                 req_client=self.req_client,
-                mode="lmcache_driven",
+                mode=transfer_mode,
             )
             # register() wraps every layer for IPC: on CPU the tensor's storage
             # is moved (in place, tensor.set_) into a POSIX shm segment
@@ -291,6 +306,7 @@ class Engine:
             "kv_shape": list(shape),
             "layer_names": list(kv_caches),
             "kv_segments": _kv_segments(),
+            "transfer": type(transfer_ctx).__name__,
         }
 
     def store(self, req: dict[str, Any]) -> dict[str, Any]:

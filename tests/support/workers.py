@@ -368,12 +368,17 @@ class EngineWorker(_JsonLinesWorker):
         dtype: torch.dtype = torch.bfloat16,
         *,
         seed: int = 0,
+        transfer_mode: str = "lmcache_driven",
         timeout: float | None = None,
     ) -> dict[str, Any]:
         """Register ``num_layers`` x ``[2, num_blocks, block_size, NH, HS]``.
 
+        ``transfer_mode``: ``"lmcache_driven"`` (vLLM's GPU path; real servers only)
+        or ``"engine_driven"`` (lmcache's worker path for non-CUDA devices: it moves
+        the chunks itself with prepare/commit, which the embedded server serves too).
+
         Returns the worker's reply (instance_id, chunk_size, blocks_in_chunk,
-        kv_shape, layer_names, kv_segments).
+        kv_shape, layer_names, kv_segments, transfer).
         """
         reply = self.request(
             "register",
@@ -387,6 +392,7 @@ class EngineWorker(_JsonLinesWorker):
             num_blocks=num_blocks,
             dtype=_dtype_name(dtype),
             seed=seed,
+            transfer_mode=transfer_mode,
         )
         self.registration = reply
         return reply
