@@ -8,6 +8,12 @@ prefetch result, releases the read locks it took, commits the SHM reads or write
 holds and ends its session. A store whose slots were reserved is completed (all its
 chunks are committed, never some); a retrieve no longer copies into the caller's tensor.
 So a timeout or a cancellation never leaves sessions, locks or reservations behind.
+
+Layers: this module holds the lifecycle (detect the server generation, load the
+configuration, register, keep alive, re-register after a restart) and validates every
+argument; each operation's RPC sequence lives once in :mod:`lmcache_async.operations`,
+over a small channel interface; what differs between server generations is data in
+:class:`lmcache_async.wire.WireGeneration`.
 """
 
 from __future__ import annotations
@@ -16,13 +22,10 @@ import asyncio
 import contextlib
 import enum
 import logging
-import math
 import os
 import secrets
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
 import torch
@@ -37,19 +40,15 @@ from lmcache_async.errors import (
     TransferError,
 )
 from lmcache_async.geometry import KVGeometry, dtype_name
-from lmcache_async.inline_codec import decode_inline, encode_inline
 from lmcache_async.metadata import Metadata
+from lmcache_async.operations import Operations, OpState, Registration, RemapResult, run_detached
 from lmcache_async.shm import ShmPool
 from lmcache_async.wire import (
     GEN_0_5_6,
-    CacheKey,
     Op,
-    PreEncoded,
     RegisterPayload,
     WireGeneration,
     generation_for_version,
-    parse_prepare_retrieve,
-    parse_prepare_store,
     parse_register_response,
     validate_cache_salt,
     validate_model_name,
@@ -69,10 +68,6 @@ TransferMode = Literal["auto", "shm", "pickle"]
 Configs = dict[str, Any] | None
 
 _DEFAULT: Final[Any] = object()
-#: Copies larger than this run in a worker thread so the event loop keeps serving others.
-_THREAD_COPY_BYTES: Final = 8 << 20
-#: Longest single wait_prefetch_status: it blocks one of the server's CPU workers.
-_PREFETCH_WAIT_SLICE: Final = 0.05
 
 
 class _State(enum.Enum):
@@ -83,51 +78,25 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-@dataclass(frozen=True, slots=True)
-class RemapResult:
-    """What :meth:`AsyncClient.remap` did.
-
-    Attributes:
-        retrieved_tokens: tokens of the source prefix read from the cache (only as far as
-            the target's whole chunks reach).
-        stored_tokens: tokens of the target prefix written with the source KV (equal to
-            ``retrieved_tokens``).
-        stored_new: whether the store added any chunk (False when all were cached).
-    """
-
-    retrieved_tokens: int
-    stored_tokens: int
-    stored_new: bool
-
-    @property
-    def hit(self) -> bool:
-        return self.retrieved_tokens > 0
-
-
 class _Abandoned(Exception):
     """An operation whose caller left before it sent anything (never seen by callers)."""
 
 
-class _RetrieveState:
-    __slots__ = ("prepared",)
+class _ConnectionChannel:
+    """The :class:`~lmcache_async.operations.Channel` of a ZMQ connection."""
 
-    def __init__(self) -> None:
-        self.prepared = False
+    __slots__ = ("_conn",)
 
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
 
-class _Op:
-    """Shared state between a caller and the task running its operation."""
+    @property
+    def usable(self) -> bool:
+        return self._conn.connected and not self._conn.closed
 
-    __slots__ = ("abandoned", "deadline")
-
-    def __init__(self, deadline: float | None) -> None:
-        self.deadline = deadline
-        self.abandoned = False
-
-    def remaining(self) -> float | None:
-        if self.deadline is None:
-            return None
-        return max(self.deadline - time.monotonic(), 0.0)
+    async def call(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> Any:
+        reply = await self._conn.call(opcode, args, timeout=timeout)
+        return reply.value()
 
 
 async def connect(
@@ -245,6 +214,7 @@ class AsyncClient:
         self._wire: WireGeneration = GEN_0_5_6
         self._server_version: str | None = None
         self._conn = Connection(url)
+        self._channel = _ConnectionChannel(self._conn)
         self._state = _State.NEW
         self._pid = os.getpid()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -509,39 +479,32 @@ class AsyncClient:
 
     # ------------------------------------------------------------------ op runner
 
-    async def _run(self, name: str, timeout: float | None, body: Callable[[_Op], Awaitable[T]]) -> T:
+    async def _run(
+        self, name: str, timeout: float | None, body: Callable[[Operations, OpState], Awaitable[T]]
+    ) -> T:
+        """Run ``body`` over this client's operations in a task of its own (see
+        :func:`~lmcache_async.operations.run_detached`), re-registering first if needed."""
         self._require_open()
         if asyncio.get_running_loop() is not self._loop:
             raise LMCacheError("the client is used from an event loop other than the one that opened it")
-        start = time.monotonic()
-        op = _Op(None if timeout is None else start + timeout + self.cleanup_grace)
 
-        async def run() -> T:
+        async def run(op: OpState) -> T:
             await self._ensure_registered(op.remaining())
             if op.abandoned:  # the caller left before anything was sent
                 raise _Abandoned
             try:
-                return await body(op)
+                return await body(self._operations(), op)
             except LMCacheTimeoutError:
                 # Unanswered prepare/commit requests are what a reaped registration looks
                 # like; re-registering an existing id is cheap, so do it before the next op.
                 self._stale = True
                 raise
 
-        task = asyncio.ensure_future(run())
+        return await run_detached(name, timeout, self.cleanup_grace, run, self._track)
+
+    def _track(self, task: asyncio.Task[Any]) -> None:
         self._ops.add(task)
         task.add_done_callback(self._op_done)
-        try:
-            async with asyncio.timeout(timeout) as cm:
-                return await asyncio.shield(task)
-        except TimeoutError:
-            if not cm.expired():
-                raise
-            op.abandoned = True
-            raise LMCacheTimeoutError(name, time.monotonic() - start) from None
-        except asyncio.CancelledError:
-            op.abandoned = True
-            raise
 
     def _op_done(self, task: asyncio.Task[Any]) -> None:
         self._ops.discard(task)
@@ -550,48 +513,24 @@ class AsyncClient:
             if exc is not None:
                 log.debug("operation task ended with %r", exc)
 
-    async def _call(self, op: _Op, opcode: Op, *args: Any) -> Any:
-        reply = await self._conn.call(opcode, args, timeout=op.remaining())
-        return reply.value()
-
-    async def _cleanup_call(self, opcode: Op, *args: Any) -> Any:
-        """A cleanup RPC: its own short deadline; errors are logged, not raised."""
-        if not self._conn.connected or self._conn.closed:
-            return None
-        try:
-            reply = await self._conn.call(opcode, args, timeout=self.cleanup_grace)
-            return reply.value()
-        except LMCacheError as exc:
-            log.warning("cleanup %s failed: %s", opcode.name.lower(), exc)
-            return None
-
-    # ------------------------------------------------------------------ helpers
-
-    def _key(
-        self,
-        tokens: list[int],
-        end: int,
-        request_id: str,
-        cache_salt: str,
-        *,
-        start: int = 0,
-        worker: bool,
-        configs: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    def _operations(self) -> Operations:
+        """The operations of the current registration."""
         geom = self._geometry
         assert geom is not None
-        return CacheKey(
+        reg = Registration(
             model_name=self.model_name,
-            world_size=geom.world_size,
-            worker_id=0 if worker else None,
-            token_ids=tokens[:end],
-            start=start,
-            end=end,
-            request_id=request_id,
-            cache_salt=cache_salt,
-            request_configs=configs,
+            geometry=geom,
+            chunk_size=self._chunk_size,
+            wire=self._wire,
+            instance_id=self._instance_id,
             num_kv_readers=self.num_kv_readers,
-        ).to_wire(self._wire)
+            pool=self._pool,
+            server_has_shm=self._server_has_shm,
+            fifo_cpu=self._fifo_cpu,
+        )
+        return Operations(self._channel, reg, cleanup_grace=self.cleanup_grace, gates=self._gates)
+
+    # ------------------------------------------------------------------ helpers
 
     def _aligned(self, n: int) -> int:
         return n // self._chunk_size * self._chunk_size
@@ -612,28 +551,6 @@ class AsyncClient:
         if kv.dtype != geom.dtype:
             raise TypeError(f"kv has dtype {kv.dtype}, the geometry says {geom.dtype}")
         return kv
-
-    def _chunk(self, kv: torch.Tensor, index: int) -> torch.Tensor:
-        geom = self._geometry
-        assert geom is not None
-        return kv.narrow(geom.token_axis, index * self._chunk_size, self._chunk_size)
-
-    async def _prefetch_result(self, op: _Op, request_id: str, first: Any = None) -> int:
-        """Consume the prefetch status of ``request_id``: hit length in chunks.
-
-        Asks at once (the usual case: the prefetch finished before the question arrives;
-        ``first`` is the answer to a question already asked), then waits server-side in
-        short slices, so no client-side polling delay is added and the server's shared
-        CPU worker is never held for long.
-        """
-        value = first if first is not None else await self._call(op, Op.QUERY_PREFETCH_STATUS, request_id)
-        while value is None:
-            remaining = op.remaining()
-            slice_ = _PREFETCH_WAIT_SLICE if remaining is None else min(_PREFETCH_WAIT_SLICE, remaining)
-            value = await self._call(op, Op.WAIT_PREFETCH_STATUS, request_id, float(slice_))
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ProtocolError(f"prefetch status {value!r} is not a chunk count")
-        return value
 
     # ------------------------------------------------------------------ operations
 
@@ -664,92 +581,9 @@ class AsyncClient:
         timeout = self._timeout(timeout)
         end = self._aligned(len(toks))
 
-        async def body(op: _Op) -> int:
-            if end == 0:
-                return 0
-            rid = _request_id("lookup")
-            key = self._key(toks, end, rid, cache_salt, worker=False, configs=configs)
-            return await self._lookup_locked(op, key, rid, release=True)
-
-        return await self._run("lookup", timeout, body)
-
-    async def _lookup_locked(self, op: _Op, key: dict[str, Any], rid: str, *, release: bool) -> int:
-        """lookup + consume status; when ``release``, free the locks and end the session.
-
-        Returns tokens hit. Whatever happens, the status is consumed and (when
-        ``release``) locks and session are released.
-        """
-        geom = self._geometry
-        assert geom is not None
-        chunks: int | None = None
-        ok = False
-        try:
-            if self._fifo_cpu:
-                # One CPU worker on the server runs lookup-pool requests in arrival
-                # order, so the status question can follow the lookup without its ack.
-                _, first = await self._pipeline(
-                    op, (Op.LOOKUP, key, geom.world_size), (Op.QUERY_PREFETCH_STATUS, rid)
-                )
-                chunks = await self._prefetch_result(op, rid, first)
-            else:
-                await self._call(op, Op.LOOKUP, key, geom.world_size)  # the ack first (pitfall 6)
-                chunks = await self._prefetch_result(op, rid)
-            ok = True
-            return chunks * self._chunk_size
-        finally:
-            if chunks is None:
-                chunks = await self._drain_prefetch(rid)
-            if release and self._fifo_cpu:
-                await self._release_pipelined(key, rid, chunks)
-            else:
-                if release or not ok:
-                    await self._free_locks(key, chunks)
-                if release:
-                    await self._cleanup_call(Op.END_SESSION, rid)
-
-    async def _pipeline(self, op: _Op, *calls: tuple[Any, ...]) -> list[Any]:
-        """Send several requests back to back (in order) and wait for all replies.
-
-        Raises the first error after every reply (or error) is in.
-        """
-        tasks = [asyncio.ensure_future(self._call(op, *c)) for c in calls]
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return results
-
-    async def _release_pipelined(self, key: dict[str, Any], rid: str, chunks: int) -> None:
-        """free_lookup_locks + end_session in one round trip (FIFO CPU worker only)."""
-        calls: list[tuple[Any, ...]] = []
-        if chunks:
-            end = chunks * self._chunk_size
-            calls.append(
-                (
-                    Op.FREE_LOOKUP_LOCKS,
-                    self._wire.key_prefix(key, end),
-                    key["world_size"],
-                )
-            )
-        calls.append((Op.END_SESSION, rid))
-        await asyncio.gather(*(self._cleanup_call(*c) for c in calls))
-
-    async def _drain_prefetch(self, rid: str) -> int:
-        deadline = time.monotonic() + self.cleanup_grace
-        while time.monotonic() < deadline:
-            value = await self._cleanup_call(Op.WAIT_PREFETCH_STATUS, rid, _PREFETCH_WAIT_SLICE)
-            if value is not None:
-                return value if isinstance(value, int) else 0
-            if not self._conn.connected:
-                return 0
-        return 0
-
-    async def _free_locks(self, key: dict[str, Any], chunks: int) -> None:
-        """Release the read locks a lookup took on its first ``chunks`` chunks."""
-        if chunks:
-            end = chunks * self._chunk_size
-            free_key = self._wire.key_prefix(key, end)
-            await self._cleanup_call(Op.FREE_LOOKUP_LOCKS, free_key, key["world_size"])
+        return await self._run(
+            "lookup", timeout, lambda ops, op: ops.lookup(op, toks, end, cache_salt, configs)
+        )
 
     async def retrieve(
         self,
@@ -791,103 +625,14 @@ class AsyncClient:
         validate_cache_salt(cache_salt)
         configs = validate_request_configs(request_configs)
         timeout = self._timeout(timeout)
-        geom = self.geometry
+        self._require_open()
         end = self._aligned(len(toks))
         if out is not None:
             self._check_out(out, end)
 
-        async def body(op: _Op) -> torch.Tensor | None:
-            if end == 0:
-                return None
-            rid = _request_id("retrieve")
-            key = self._key(toks, end, rid, cache_salt, worker=False, configs=configs)
-            hit = 0
-            state = _RetrieveState()
-            try:
-                hit = await self._lookup_locked(op, key, rid, release=False)
-                if hit == 0:
-                    return None
-                rkey = self._key(toks, hit, rid, cache_salt, worker=True, configs=configs)
-                target = out.narrow(geom.token_axis, 0, hit) if out is not None else None
-                if self._pool is None:
-                    return await self._retrieve_pickle(op, rkey, hit, target, state)
-                # The server keys pending SHM reads by (instance, key) without the request
-                # id: concurrent retrieves of one prefix must not overlap their pairs.
-                async with self._gate(("retrieve", cache_salt, tuple(toks[:hit]))):
-                    return await self._retrieve_shm(op, rkey, hit, target, state)
-            finally:
-                if hit and not state.prepared:
-                    await self._free_locks(key, hit // self._chunk_size)
-                await self._cleanup_call(Op.END_SESSION, rid)
-
-        return await self._run("retrieve", timeout, body)
-
-    async def _retrieve_shm(
-        self, op: _Op, rkey: dict[str, Any], hit: int, target: torch.Tensor | None, state: _RetrieveState
-    ) -> torch.Tensor | None:
-        geom = self._geometry
-        assert geom is not None and self._pool is not None
-        committed = False
-        try:
-            state.prepared = True
-            resp = await self._call(op, Op.PREPARE_RETRIEVE, rkey, self._instance_id)
-            success, _data, slots = parse_prepare_retrieve(resp)
-            if not success:
-                committed = True  # nothing is pending on the server
-                return None  # evicted between lookup and prepare: a miss
-            n_chunks = hit // self._chunk_size
-            if len(slots) != n_chunks:
-                raise ProtocolError(f"prepare_retrieve gave {len(slots)} slots for {n_chunks} chunks")
-            shape = geom.kv_shape(self._chunk_size)
-            views = [self._pool.view(s, shape, geom.dtype) for s in slots]
-            if op.abandoned:
-                return None
-            if target is None:
-                target = torch.empty(geom.kv_shape(hit), dtype=geom.dtype)
-            await self._copy_chunks(target, views)
-            committed = True
-            await self._call(op, Op.COMMIT_RETRIEVE, rkey, self._instance_id)
-            return target
-        finally:
-            if not committed:
-                await self._cleanup_call(Op.COMMIT_RETRIEVE, rkey, self._instance_id)
-
-    async def _retrieve_pickle(
-        self, op: _Op, rkey: dict[str, Any], hit: int, target: torch.Tensor | None, state: _RetrieveState
-    ) -> torch.Tensor | None:
-        geom = self._geometry
-        assert geom is not None
-        if self._server_has_shm:
-            raise TransferError("the server keeps its KV in SHM, which this client cannot map")
-        state.prepared = True  # the server releases the locks when it answers
-        resp = await self._call(op, Op.PREPARE_RETRIEVE, rkey, self._instance_id)
-        success, data, _slots = parse_prepare_retrieve(resp)
-        if not success:
-            return None
-        n_chunks = hit // self._chunk_size
-        shape = geom.kv_shape(self._chunk_size)
-        tensors = decode_inline(self._wire, data, count=n_chunks, shape=shape, dtype=geom.dtype)
-        if op.abandoned:
-            return None
-        if target is None:
-            target = torch.empty(geom.kv_shape(hit), dtype=geom.dtype)
-        await self._copy_chunks(target, tensors)
-        return target
-
-    @contextlib.asynccontextmanager
-    async def _gate(self, identity: tuple[Any, ...]) -> AsyncIterator[None]:
-        """Serialize operations on one key identity within this client."""
-        entry = self._gates.get(identity)
-        if entry is None:
-            entry = self._gates[identity] = [asyncio.Lock(), 0]
-        entry[1] += 1
-        try:
-            async with entry[0]:
-                yield
-        finally:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self._gates[identity]
+        return await self._run(
+            "retrieve", timeout, lambda ops, op: ops.retrieve(op, toks, end, cache_salt, configs, out)
+        )
 
     def _check_out(self, out: object, end: int) -> None:
         geom = self._geometry
@@ -901,18 +646,6 @@ class AsyncClient:
             raise ValueError(f"out has shape {got}, expected {want} (token axis may be longer)")
         if out.dtype != geom.dtype:
             raise TypeError(f"out has dtype {out.dtype}, the geometry says {geom.dtype}")
-
-    async def _copy_chunks(self, target: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
-        total = sum(c.numel() for c in chunks) * target.element_size()
-
-        def copy_all() -> None:
-            for i, chunk in enumerate(chunks):
-                self._chunk(target, i).copy_(chunk)
-
-        if total >= _THREAD_COPY_BYTES:
-            await asyncio.to_thread(copy_all)
-        else:
-            copy_all()
 
     async def store(
         self,
@@ -952,99 +685,8 @@ class AsyncClient:
         kv = self._check_kv(kv, len(toks))
         end = self._aligned(len(toks))
 
-        async def body(op: _Op) -> bool:
-            if end == 0:
-                return False
-            # One store per key at a time from this client: a concurrent twin would see
-            # the chunks "being written" and could not tell that from out-of-memory.
-            async with self._gate(("store", cache_salt, tuple(toks[:end]))):
-                if self._pool is not None:
-                    return await self._store_shm(op, kv, toks, end, cache_salt, configs)
-                return await self._store_pickle(op, kv, toks, end, cache_salt, configs)
-
-        return await self._run("store", timeout, body)
-
-    async def _store_shm(
-        self, op: _Op, kv: torch.Tensor, toks: list[int], end: int, salt: str, configs: Configs
-    ) -> bool:
-        geom = self._geometry
-        assert geom is not None and self._pool is not None
-        rid = _request_id("store")
-        key = self._key(toks, end, rid, salt, worker=True, configs=configs)
-        try:
-            resp = await self._call(op, Op.PREPARE_STORE, key, self._instance_id)
-            slots, indices = parse_prepare_store(resp)
-            if not slots:
-                # Nothing reservable: every chunk is cached (or being written), or the
-                # server is out of memory (it reserves a batch all-or-nothing). A lookup
-                # tells which; it only runs on this uncommon path.
-                await self._check_stored(op, toks, end, salt, "reserve memory for")
-                return False
-            n_chunks = end // self._chunk_size
-            if max(indices) >= n_chunks:
-                raise ProtocolError(f"prepare_store asked for chunk {max(indices)} of {n_chunks}")
-            shape = geom.kv_shape(self._chunk_size)
-            views = [self._pool.view(s, shape, geom.dtype) for s in slots]
-            pairs = [(v, self._chunk(kv, j)) for v, j in zip(views, indices, strict=True)]
-            nbytes = sum(v.numel() for v in views) * kv.element_size()
-
-            def fill() -> None:
-                for view, src in pairs:
-                    view.copy_(src)
-
-            if nbytes >= _THREAD_COPY_BYTES:
-                await asyncio.to_thread(fill)
-            else:
-                fill()
-            ok = await self._call(op, Op.COMMIT_STORE, key, self._instance_id, b"")
-            if ok is not True:
-                raise TransferError("the server refused the SHM commit (registration lost?)")
-            return True
-        finally:
-            await self._cleanup_call(Op.END_SESSION, rid)
-
-    async def _store_pickle(
-        self, op: _Op, kv: torch.Tensor, toks: list[int], end: int, salt: str, configs: Configs
-    ) -> bool:
-        rid = _request_id("store")
-        lookup_key = self._key(toks, end, rid, salt, worker=False)
-        try:
-            # The lookup tells which chunks are cached already; its locks are not needed.
-            hit = await self._lookup_locked(op, lookup_key, rid, release=False)
-            await self._free_locks(lookup_key, hit // self._chunk_size)
-            if hit >= end:
-                return False
-            first = hit // self._chunk_size
-            chunks = [self._chunk(kv, j) for j in range(first, end // self._chunk_size)]
-            nbytes = sum(c.numel() for c in chunks) * kv.element_size()
-            if nbytes >= _THREAD_COPY_BYTES:
-                frame = await asyncio.to_thread(encode_inline, self._wire, chunks)
-            else:
-                frame = encode_inline(self._wire, chunks)
-            key = self._key(toks, end, rid, salt, start=hit, worker=True, configs=configs)
-            ok = await self._call(op, Op.COMMIT_STORE, key, self._instance_id, PreEncoded(frame))
-            if ok is not True:
-                raise TransferError("the server could not store every chunk (out of memory?)")
-        finally:
-            await self._cleanup_call(Op.END_SESSION, rid)
-        # A pickle commit the server found no memory for still answers True: verify.
-        await self._check_stored(op, toks, end, salt, "store")
-        return True
-
-    async def _check_stored(self, op: _Op, toks: list[int], end: int, salt: str, what: str) -> None:
-        """Raise TransferError unless all of ``toks[:end]`` is cached (re-checked briefly,
-        in case another writer is committing the same chunks right now)."""
-        cached = 0
-        for delay in (0.0, 0.02, 0.1):
-            await asyncio.sleep(delay)
-            rid = _request_id("store-check")
-            key = self._key(toks, end, rid, salt, worker=False)
-            cached = await self._lookup_locked(op, key, rid, release=True)
-            if cached >= end:
-                return
-        raise TransferError(
-            f"the server could not {what} {(end - cached) // self._chunk_size} chunks "
-            "(L1 full of locked or reserved objects?)"
+        return await self._run(
+            "store", timeout, lambda ops, op: ops.store(op, kv, toks, end, cache_salt, configs)
         )
 
     async def remap(
@@ -1077,7 +719,7 @@ class AsyncClient:
         n = self._aligned(min(len(src), len(dst)))  # the target takes no more than this
         if self._pool is not None:
             return await self._run(
-                "remap", timeout, lambda op: self._remap_shm(op, src, dst, n, cache_salt, tsalt)
+                "remap", timeout, lambda ops, op: ops.remap(op, src, dst, n, cache_salt, tsalt)
             )
         start = time.monotonic()
         kv = await self.retrieve(src[:n], cache_salt, timeout=timeout)
@@ -1087,98 +729,6 @@ class AsyncClient:
         left = None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
         new = await self.store(kv, dst[:hit], tsalt, timeout=left)
         return RemapResult(hit, hit, new)
-
-    async def _remap_shm(
-        self, op: _Op, src: list[int], dst: list[int], n: int, salt: str, tsalt: str
-    ) -> RemapResult:
-        """Remap inside the SHM pool: the source's slots are copied straight into the
-        target's reserved slots (one copy, no client-side buffer).
-
-        Cancellation/timeout: once the target's slots are reserved the copy and commit are
-        completed (as for :meth:`store`); every lock, pending read and session is released.
-        """
-        if n == 0:
-            return RemapResult(0, 0, False)
-        geom = self._geometry
-        assert geom is not None and self._pool is not None
-        rid = _request_id("remap")
-        key = self._key(src, n, rid, salt, worker=False)
-        hit = 0
-        state = _RetrieveState()
-        try:
-            hit = await self._lookup_locked(op, key, rid, release=False)
-            if hit == 0:
-                return RemapResult(0, 0, False)
-            rkey = self._key(src, hit, rid, salt, worker=True)
-            # Gates always in this order (retrieve, then store): no cycle between remaps.
-            async with (
-                self._gate(("retrieve", salt, tuple(src[:hit]))),
-                self._gate(("store", tsalt, tuple(dst[:hit]))),
-            ):
-                return await self._remap_slots(op, rkey, dst, hit, tsalt, state)
-        finally:
-            if hit and not state.prepared:
-                await self._free_locks(key, hit // self._chunk_size)
-            await self._cleanup_call(Op.END_SESSION, rid)
-
-    async def _remap_slots(
-        self, op: _Op, rkey: dict[str, Any], dst: list[int], hit: int, tsalt: str, state: _RetrieveState
-    ) -> RemapResult:
-        geom = self._geometry
-        assert geom is not None and self._pool is not None
-        shape = geom.kv_shape(self._chunk_size)
-        n_chunks = hit // self._chunk_size
-        committed = False
-        try:
-            state.prepared = True
-            resp = await self._call(op, Op.PREPARE_RETRIEVE, rkey, self._instance_id)
-            success, _data, rslots = parse_prepare_retrieve(resp)
-            if not success:
-                committed = True
-                return RemapResult(0, 0, False)  # evicted between lookup and prepare
-            if len(rslots) != n_chunks:
-                raise ProtocolError(f"prepare_retrieve gave {len(rslots)} slots for {n_chunks} chunks")
-            sources = [self._pool.view(s, shape, geom.dtype) for s in rslots]
-            if op.abandoned:  # the caller left before the store half began: skip it
-                return RemapResult(hit, 0, False)
-            srid = _request_id("remap-store")
-            skey = self._key(dst, hit, srid, tsalt, worker=True)
-            try:
-                sresp = await self._call(op, Op.PREPARE_STORE, skey, self._instance_id)
-                wslots, indices = parse_prepare_store(sresp)
-                if not wslots:
-                    await self._check_stored(op, dst, hit, tsalt, "reserve memory for")
-                    return RemapResult(hit, hit, False)
-                if max(indices) >= n_chunks:
-                    raise ProtocolError(f"prepare_store asked for chunk {max(indices)} of {n_chunks}")
-                pairs = [
-                    (self._pool.view(w, shape, geom.dtype), sources[j])
-                    for w, j in zip(wslots, indices, strict=True)
-                ]
-
-                def fill() -> None:
-                    for target, source in pairs:
-                        target.copy_(source)
-
-                if len(pairs) * _shape_bytes(shape, geom.dtype) >= _THREAD_COPY_BYTES:
-                    await asyncio.to_thread(fill)
-                else:
-                    fill()
-                # The target is written: the source's pending read can go with its commit.
-                committed = True
-                ok, _ = await self._pipeline(
-                    op,
-                    (Op.COMMIT_STORE, skey, self._instance_id, b""),
-                    (Op.COMMIT_RETRIEVE, rkey, self._instance_id),
-                )
-                if ok is not True:
-                    raise TransferError("the server refused the SHM commit (registration lost?)")
-                return RemapResult(hit, hit, True)
-            finally:
-                await self._cleanup_call(Op.END_SESSION, srid)
-        finally:
-            if not committed:
-                await self._cleanup_call(Op.COMMIT_RETRIEVE, rkey, self._instance_id)
 
     # ------------------------------------------------------------------ misc
 
@@ -1338,14 +888,6 @@ def _check_timeout(timeout: object, name: str) -> float | None:
     return float(timeout)
 
 
-def _shape_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Bytes of one tensor of ``shape`` x ``dtype``."""
-    return math.prod(shape) * dtype.itemsize
-
-
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
-
-def _request_id(kind: str) -> str:
-    return f"lmca-{kind}-{uuid.uuid4().hex}"

@@ -197,6 +197,22 @@ class WireGeneration:
         """Number of argument frames ``op`` takes on this generation."""
         return OP_ARITY[op] + len(self.trailing_args.get(op, ()))
 
+    def request_args(self, op: Op, args: Sequence[Any]) -> tuple[Any, ...]:
+        """``op``'s argument values on this generation: ``args`` (the 0.5.6 arguments)
+        with the trailing ones this generation requires appended; ``args`` that already
+        have this generation's arity are returned as they are.
+
+        Raises ``ValueError`` for any other count (the server would drop the request).
+        """
+        if len(args) == OP_ARITY[op]:
+            args = (*args, *self.trailing_args.get(op, ()))
+        if len(args) != self.arity(op):
+            raise ValueError(
+                f"{op_name(op)} takes {self.arity(op)} argument frames, "
+                f"got {len(args)} (the {self.name} wire)"
+            )
+        return tuple(args)
+
     def encode_tokens(self, tokens: Sequence[int]) -> list[int] | bytes:
         """The value of the key's token field (``tokens`` already validated)."""
         if self.key_tokens == "token_bytes":
@@ -663,13 +679,7 @@ def encode_request(
     """
     if uid < 0:
         raise ValueError("uid must be non-negative")
-    if len(args) == OP_ARITY[op]:
-        args = (*args, *generation.trailing_args.get(op, ()))
-    if len(args) != generation.arity(op):
-        raise ValueError(
-            f"{op_name(op)} takes {generation.arity(op)} argument frames, "
-            f"got {len(args)} (the {generation.name} wire)"
-        )
+    args = generation.request_args(op, args)
     frames: list[bytes | bytearray | memoryview] = [packb(uid), packb(int(op))]
     for arg in args:
         frames.append(arg.frame if isinstance(arg, PreEncoded) else packb(arg))

@@ -355,6 +355,8 @@ SERVER_CONFIGS = [
     pytest.param("real057-pickle", marks=pytest.mark.real_server),
     "embedded-shm",
     "embedded-pickle",
+    "embedded057-shm",
+    "embedded057-pickle",
 ]
 
 
@@ -381,6 +383,23 @@ def embedded_server_pickle() -> Iterator[Any]:
     handle.stop()
 
 
+@pytest.fixture(scope="session")
+def embedded_server_057_shm() -> Iterator[Any]:
+    """A shared embedded server speaking 0.5.7 (SHM, chunk size 16)."""
+    handle = _embedded("shm", protocol="0.5.7")
+    yield handle
+    handle.stop()
+    assert handle.shm_segment is None or not os.path.exists(handle.shm_segment)
+
+
+@pytest.fixture(scope="session")
+def embedded_server_057_pickle() -> Iterator[Any]:
+    """A shared embedded server speaking 0.5.7 (inline tensor envelopes, chunk size 16)."""
+    handle = _embedded("pickle", protocol="0.5.7")
+    yield handle
+    handle.stop()
+
+
 @pytest.fixture(params=SERVER_CONFIGS)
 def server(request: pytest.FixtureRequest) -> Any:
     """Each server configuration of the contract suite in turn (url, http_url, mode,
@@ -390,6 +409,8 @@ def server(request: pytest.FixtureRequest) -> Any:
         return request.getfixturevalue(f"real_server_{mode}")
     if kind == "real057":
         return request.getfixturevalue(f"real_server_057_{mode}")
+    if kind == "embedded057":
+        return request.getfixturevalue(f"embedded_server_057_{mode}")
     return request.getfixturevalue(f"embedded_server_{mode}")
 
 
@@ -403,7 +424,7 @@ def own_server(server: Any, request: pytest.FixtureRequest) -> Iterator[Callable
         if isinstance(server, RealLMCacheServer):
             srv = request.getfixturevalue("fresh_real_server")(server.mode, generation=server.generation)
         else:
-            srv = _embedded(server.mode)
+            srv = _embedded(server.mode, protocol=server.protocol)
             made.append(srv)
         return srv
 
