@@ -104,7 +104,9 @@ async def in_redis(redis: RedisServer, pattern: str, count: int) -> list[str]:
 def chunk_bytes(kv: torch.Tensor) -> set[bytes]:
     """The bytes of each chunk object ``[2, L, CS, D]`` as LMCache keeps it."""
     n = kv.shape[2] // CS
-    return {kv[:, :, i * CS : (i + 1) * CS, :].contiguous().view(torch.uint8).numpy().tobytes() for i in range(n)}
+    return {
+        kv[:, :, i * CS : (i + 1) * CS, :].contiguous().view(torch.uint8).numpy().tobytes() for i in range(n)
+    }
 
 
 def redis_values(redis: RedisServer, pattern: str) -> set[bytes]:
@@ -157,7 +159,12 @@ async def test_remap_many_spread_over_both_servers(cluster: Cluster) -> None:
         pairs = list(zip(sources, targets, strict=True))
         ra, rb = await asyncio.gather(ca.remap_many(pairs[0::2]), cb.remap_many(pairs[1::2]))
         for r in (ra, rb):
-            assert (r.summary.items, r.summary.hits, r.summary.misses, r.summary.failures) == (n // 2, n // 2, 0, 0)
+            assert (r.summary.items, r.summary.hits, r.summary.misses, r.summary.failures) == (
+                n // 2,
+                n // 2,
+                0,
+                0,
+            )
             assert r.summary.stored_new == n // 2
             assert [x.retrieved_tokens for x in r] == [2 * CS] * (n // 2)
         await in_redis(cluster.redis, f"{model}@*", 4 * n)
@@ -214,12 +221,10 @@ async def test_no_cross_server_invalidation(cluster: Cluster) -> None:
         assert got_b is not None and torch.equal(got_b, kv_b)  # B still serves its L1 copy
 
 
-async def test_server_a_killed_b_serves_what_reached_redis(
-    cluster: Cluster, _real_server_registry: Any, lmcache_python: Path
-) -> None:
+async def test_server_a_killed_b_serves_what_reached_redis(cluster: Cluster, fresh_real_server: Any) -> None:
     """A server that dies (SIGKILL, no shutdown) loses only what had not reached Redis."""
     model = unique_model("mh-kill")
-    a2 = _real_server_registry.start("shm", lmcache_python, name="l2_a_killed", extra_args=l2_args(cluster.redis))
+    a2 = fresh_real_server("shm", name="l2_a_killed", extra_args=l2_args(cluster.redis))
     tokens, kv = fresh_tokens(3 * CS), random_kv(GEOM, 3 * CS)
     async with client_of(a2, model) as ca:
         assert await ca.store(kv, tokens) is True
@@ -235,7 +240,7 @@ async def test_server_a_killed_b_serves_what_reached_redis(
 
 @pytest.mark.timeout(240)
 async def test_redis_restart_is_not_survived_until_servers_restart(
-    _real_server_registry: Any, lmcache_python: Path
+    fresh_real_server: Any,
 ) -> None:
     """What LMCache 0.5.6 guarantees across a Redis restart (here a Redis that keeps its
     data, AOF with fsync always): nothing is lost from Redis or from the servers' L1s,
@@ -244,8 +249,8 @@ async def test_redis_restart_is_not_survived_until_servers_restart(
     its log) and other servers miss it silently -- until that LMCache server restarts."""
     model = unique_model("mh-redis")
     with RedisServer(persistent=True) as redis:
-        a = _real_server_registry.start("shm", lmcache_python, name="l2r_a", extra_args=l2_args(redis))
-        b = _real_server_registry.start("pickle", lmcache_python, name="l2r_b", extra_args=l2_args(redis))
+        a = fresh_real_server("shm", name="l2r_a", extra_args=l2_args(redis))
+        b = fresh_real_server("pickle", name="l2r_b", extra_args=l2_args(redis))
         before, kv1 = fresh_tokens(2 * CS), random_kv(GEOM, 2 * CS)
         after, kv2 = fresh_tokens(2 * CS), random_kv(GEOM, 2 * CS)
         async with client_of(a, model) as ca:
@@ -288,7 +293,9 @@ def remote(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process cannot map any server's SHM pool, as on another host."""
 
     def fail(self: ShmPool, shm_name: str, pool_size: int) -> None:
-        raise TransferError(f"cannot open shared memory /dev/shm/{shm_name}: [Errno 2] No such file or directory")
+        raise TransferError(
+            f"cannot open shared memory /dev/shm/{shm_name}: [Errno 2] No such file or directory"
+        )
 
     monkeypatch.setattr(ShmPool, "__init__", fail)
 
@@ -352,7 +359,9 @@ async def test_remote_client_of_an_shm_server_is_told_at_connect_and_retrieve_fa
         assert got is not None and torch.equal(got, kv)
 
 
-async def test_remote_store_lands_in_the_shm_servers_l1(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_remote_store_lands_in_the_shm_servers_l1(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A remote client's pickle store into an SHM server is readable bitwise by a client
     on the server's host (no prepare_store is sent, so nothing is left reserved)."""
     model = unique_model("mh-remote-local")
@@ -360,7 +369,9 @@ async def test_remote_store_lands_in_the_shm_servers_l1(cluster: Cluster, monkey
     async with client_of(cluster.a, model) as local:
         assert local.transfer == "shm"
         with monkeypatch.context() as m:
-            m.setattr(ShmPool, "__init__", lambda *a: (_ for _ in ()).throw(TransferError("no /dev/shm here")))
+            m.setattr(
+                ShmPool, "__init__", lambda *a: (_ for _ in ()).throw(TransferError("no /dev/shm here"))
+            )
             async with client_of(cluster.a, model) as remote_a:
                 assert remote_a.transfer == "pickle"
                 assert await remote_a.store(kv, tokens) is True
@@ -408,19 +419,18 @@ async def test_remap_batch_sharded_over_two_hosts(cluster: Cluster, tmp_path: Pa
             assert await ca.store(kv, src) is True
     await in_redis(cluster.redis, f"{model}@*", 2 * n)
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"source": s, "target": t}) + "\n" for s, t in zip(sources, targets, strict=True)))
+    pairs.write_text(
+        "".join(json.dumps({"source": s, "target": t}) + "\n" for s, t in zip(sources, targets, strict=True))
+    )
 
     hosts = {1: cluster.a, 2: cluster.b}
     reports = {i: tmp_path / f"report-{i}.jsonl" for i in hosts}
-    procs = await asyncio.gather(
-        *(
-            asyncio.to_thread(
-                cli, "remap-batch", str(pairs), *server_flags(srv), "--model-name", model,
-                "--shard", f"{i}/2", "--report", str(reports[i]), "--json", cwd=tmp_path,
-            )  # fmt: skip
-            for i, srv in hosts.items()
-        )
-    )
+    argv = {
+        i: ["remap-batch", str(pairs), *server_flags(srv), "--model-name", model,
+            "--shard", f"{i}/2", "--report", str(reports[i]), "--json"]
+        for i, srv in hosts.items()
+    }  # fmt: skip
+    procs = await asyncio.gather(*(asyncio.to_thread(cli, *argv[i], cwd=tmp_path) for i in hosts))
     rows: dict[int, list[dict[str, Any]]] = {}
     for i, proc in zip(hosts, procs, strict=True):
         assert proc.returncode == 0, proc.stderr
@@ -449,7 +459,16 @@ async def test_remap_batch_sharded_over_two_hosts(cluster: Cluster, tmp_path: Pa
     assert again.returncode == 0, again.stderr
     summary = json.loads(again.stdout)
     assert (summary["pairs"], summary["skipped"], summary["run"]) == (len(rows[1]), len(rows[1]), 0)
-    bad = cli("remap-batch", str(pairs), *server_flags(cluster.a), "--model-name", model, "--shard", "3/2", cwd=tmp_path)
+    bad = cli(
+        "remap-batch",
+        str(pairs),
+        *server_flags(cluster.a),
+        "--model-name",
+        model,
+        "--shard",
+        "3/2",
+        cwd=tmp_path,
+    )
     assert bad.returncode == 2
     assert "argument --shard: shard index must be in 1..2, got 3" in bad.stderr
 
@@ -460,7 +479,9 @@ async def test_remap_batch_sharded_over_two_hosts(cluster: Cluster, tmp_path: Pa
 def _require_057() -> Path:
     python = VENV_057 / "bin" / "python"
     if not (VENV_057 / "bin" / "lmcache").exists():
-        pytest.fail(f"the lmcache 0.5.7rc3 venv is missing at {VENV_057} (set LMCACHE_057_VENV)", pytrace=False)
+        pytest.fail(
+            f"the lmcache 0.5.7rc3 venv is missing at {VENV_057} (set LMCACHE_057_VENV)", pytrace=False
+        )
     return python
 
 
@@ -490,7 +511,11 @@ async def test_rolling_upgrade_056_and_057_share_redis(
     geometry = KVGeometry(2, 2, 8, torch.bfloat16, 4)
     reg = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "num_blocks": 64}
     ours, theirs, engine_056 = fresh_tokens(2 * CS), fresh_tokens(2 * CS), fresh_tokens(3 * CS)
-    kv_ours, kv_theirs, kv_056 = random_kv(geometry, 2 * CS), random_kv(geometry, 2 * CS), random_kv(geometry, 3 * CS)
+    kv_ours, kv_theirs, kv_056 = (
+        random_kv(geometry, 2 * CS),
+        random_kv(geometry, 2 * CS),
+        random_kv(geometry, 3 * CS),
+    )
     python_057 = _require_057()
     with (
         EngineWorker(server_057.url, python=python_057) as new_engine,

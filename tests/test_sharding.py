@@ -35,7 +35,7 @@ def test_parse_shard(text: str, index: int, count: int) -> None:
     ],
 )
 def test_parse_shard_rejects(text: str, message: str) -> None:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match=r"^(shard|a shard)") as info:
         parse_shard(text)
     assert str(info.value) == message
 

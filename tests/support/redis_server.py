@@ -288,7 +288,9 @@ class RedisServer:
             if len(found) == count:
                 return found
             if time.monotonic() > deadline:
-                raise RedisError(f"{len(found)} keys match {pattern!r} after {timeout:.0f} s, expected {count}")
+                raise RedisError(
+                    f"{len(found)} keys match {pattern!r} after {timeout:.0f} s, expected {count}"
+                )
             time.sleep(0.02)
 
     def log_tail(self, n: int = 30) -> str:
