@@ -84,24 +84,26 @@ def _encode(args: tuple[Any, ...]) -> bytes:
 class _Reader:
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        self._buf = b""
+        self._buf = bytearray()  # appends are amortized O(1): large values stay linear
 
     def _fill(self) -> None:
-        data = self._sock.recv(1 << 16)
+        data = self._sock.recv(1 << 20)
         if not data:
             raise RedisError("redis closed the connection")
         self._buf += data
 
     def _line(self) -> bytes:
-        while b"\r\n" not in self._buf:
+        while (end := self._buf.find(b"\r\n")) < 0:
             self._fill()
-        line, self._buf = self._buf.split(b"\r\n", 1)
+        line = bytes(self._buf[:end])
+        del self._buf[: end + 2]
         return line
 
     def _exact(self, n: int) -> bytes:
         while len(self._buf) < n + 2:
             self._fill()
-        data, self._buf = self._buf[:n], self._buf[n + 2 :]
+        data = bytes(self._buf[:n])
+        del self._buf[: n + 2]
         return data
 
     def reply(self) -> Any:
