@@ -378,6 +378,12 @@ async def test_remote_store_lands_in_the_shm_servers_l1(
         got = await local.retrieve(tokens)
         assert got is not None and torch.equal(got, kv)
         assert await local.store(kv, tokens) is False
+        # Asking for pickle on an SHM server gives the same store-only client, on purpose.
+        async with client_of(cluster.a, model, transfer="pickle") as by_choice:
+            assert by_choice.transfer == "pickle"
+            assert await by_choice.lookup(tokens) == 3 * CS
+            with pytest.raises(TransferError, match=r"does not map \(transfer='pickle' was asked for\)"):
+                await by_choice.retrieve(tokens)
 
 
 # --------------------------------------------------------------------------- bulk jobs across hosts
