@@ -225,6 +225,7 @@ class AsyncClient:
         self._pool: ShmPool | None = None
         self._transfer: Literal["shm", "pickle"] | None = None
         self._server_has_shm = False
+        self._cannot_retrieve: str | None = None  # why retrieve can't work (SHM server, no map)
         self._reg_generation = -1
         self._stale = False
         self._reg_lock: asyncio.Lock | None = None
@@ -429,18 +430,31 @@ class AsyncClient:
             self._pool.close()
             self._pool = None
         self._server_has_shm = bool(shm_name) and pool_size > 0
+        why_not = "transfer='pickle' was asked for"
         if self._server_has_shm and self._want_transfer != "pickle":
             try:
                 self._pool = ShmPool(shm_name, pool_size)
                 if self._prefault_shm:
                     self._pool.start_prefault()
-            except TransferError:
+            except TransferError as exc:
                 if self._want_transfer == "shm":
                     raise
-                log.warning("cannot map the server's SHM pool %s; storing over pickle", shm_name)
+                why_not = str(exc)
         elif self._want_transfer == "shm":
             raise TransferError("transfer='shm' but the server has no SHM pool (--shm-name)")
         self._transfer = "shm" if self._pool is not None else "pickle"
+        # An SHM server answers prepare_retrieve only with slots in its pool, never with
+        # inline data: a client that cannot map the pool (another host) can store over
+        # TCP but never retrieve. Say so now, and make every retrieve fail with it.
+        self._cannot_retrieve = None
+        if self._server_has_shm and self._pool is None:
+            self._cannot_retrieve = (
+                f"the server {self.url} keeps its KV in the shared-memory pool {shm_name!r}, which this "
+                f"client does not map ({why_not}); an SHM server never sends KV over TCP, so retrieve "
+                "and remap cannot work from here. Run the client on the server's host, or start the "
+                "server with --shm-name '' to serve KV over TCP. store and lookup work."
+            )
+            log.warning("%s", self._cannot_retrieve)
         self._reg_generation = generation
         self._stale = False
 
@@ -615,7 +629,8 @@ class AsyncClient:
         Raises:
             ValueError/TypeError: bad arguments (nothing is sent).
             LMCacheTimeoutError: no answer within ``timeout``.
-            TransferError: the server keeps KV in SHM this client cannot map.
+            TransferError: the server keeps KV in SHM this client cannot map (a client on
+                another host): raised by every retrieve, hit or miss, before anything is sent.
 
         Cancellation/timeout: nothing more is copied into ``out`` once the caller has
         left (a copy already running finishes); read locks, SHM reads and the session
@@ -630,6 +645,8 @@ class AsyncClient:
         if out is not None:
             self._check_out(out, end)
 
+        if self._cannot_retrieve is not None:  # before anything is sent: never a silent miss
+            raise TransferError(self._cannot_retrieve)
         return await self._run(
             "retrieve", timeout, lambda ops, op: ops.retrieve(op, toks, end, cache_salt, configs, out)
         )
