@@ -549,7 +549,6 @@ async def test_rolling_upgrade_056_and_057_share_redis(
         assert got is not None and torch.equal(got, kv_theirs)
 
 
-@pytest.mark.skip(reason="LEAD: enable once AsyncClient speaks 0.5.7 (issue 10 merged)")
 async def test_rolling_upgrade_this_client_on_both_generations(
     cluster: Cluster, server_057: RealLMCacheServer
 ) -> None:
