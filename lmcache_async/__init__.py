@@ -7,6 +7,7 @@
 >>> kv = await client.retrieve(tokens)
 """
 
+from lmcache_async._defaults import DEFAULT, DefaultType
 from lmcache_async._version import __version__
 from lmcache_async.bulk import (
     BatchProgress,
@@ -20,30 +21,44 @@ from lmcache_async.bulk import (
 from lmcache_async.client import AsyncClient, RemapResult, connect
 from lmcache_async.errors import (
     ClientClosedError,
+    ClientNotOpenError,
+    ClientStateError,
+    ForkedClientError,
+    ForkedSyncClientError,
     LMCacheConnectionError,
     LMCacheError,
     LMCacheTimeoutError,
+    LoopThreadCallError,
     ModelNotRegisteredError,
     ProtocolError,
     ServerError,
+    SyncUsageError,
     TransferError,
     UnsafePayloadError,
+    WrongEventLoopError,
 )
 from lmcache_async.geometry import KVGeometry
 from lmcache_async.sync_client import Client
 
 __all__ = [
+    "DEFAULT",
     "AsyncClient",
     "BatchProgress",
     "BatchResult",
     "BatchSummary",
     "Client",
     "ClientClosedError",
+    "ClientNotOpenError",
+    "ClientStateError",
+    "DefaultType",
+    "ForkedClientError",
+    "ForkedSyncClientError",
     "ItemResult",
     "KVGeometry",
     "LMCacheConnectionError",
     "LMCacheError",
     "LMCacheTimeoutError",
+    "LoopThreadCallError",
     "ModelNotRegisteredError",
     "ProtocolError",
     "RemapPair",
@@ -51,8 +66,10 @@ __all__ = [
     "RetrieveItem",
     "ServerError",
     "StoreItem",
+    "SyncUsageError",
     "TransferError",
     "UnsafePayloadError",
+    "WrongEventLoopError",
     "__version__",
     "connect",
 ]

@@ -1,6 +1,24 @@
-"""A drop-in for the official SDK's module-level KV-cache functions.
+"""The official SDK's KV-cache API, on :class:`~lmcache_async.Client`.
 
-Code written against the official SDK keeps working with only the import changed::
+What this replaces, exactly:
+
+* lmcache 0.5.6's ``lmcache.sdk.kvcache`` has one function, ``connect(url, http_url,
+  model_name, timeout=60.0)``, returning an ``LMCacheSDKContext`` whose methods do the
+  work: ``ctx.retrieve(tokens, cache_salt="")``, ``ctx.store(kv, tokens,
+  cache_salt="")``, ``ctx.close()``, ``ctx.chunk_size``, ``ctx.instance_id``. Here
+  :func:`connect` has the same arguments and returns a
+  :class:`~lmcache_async.Client`, which has those methods and properties.
+* The module-level functions :func:`retrieve`, :func:`store`, :func:`lookup` and
+  :func:`close` take that context first; each is a one-line call of its method. They are
+  not in lmcache's ``lmcache.sdk.kvcache`` (0.5.6 and 0.5.7rc3 have only ``connect``).
+  The newer SDK example script of the LMCache repository
+  (``examples/kvcache_sdk/store_retrieve.py``) calls URL-based functions of
+  ``lmcache.sdk`` instead (``lmc_sdk.retrieve(path, url, model_name=..., tokens=...)``),
+  which this module does not provide.
+
+Code written against the 0.5.6 SDK (``ctx = kvcache.connect(...)``, then
+``ctx.retrieve(...)``, ``ctx.store(...)``, ``ctx.close()``) keeps working with only the
+import changed. The function form::
 
     import lmcache_async.kvcache as lmc_sdk
 
@@ -11,10 +29,7 @@ Code written against the official SDK keeps working with only the import changed
         lmc_sdk.store(ctx, kv=kv, tokens=target_tokens)
     lmc_sdk.close(ctx)
 
-The context is a :class:`lmcache_async.sync_client.Client`, so the SDK context's own
-methods (``ctx.retrieve(tokens, cache_salt)``, ``ctx.store(kv, tokens, cache_salt)``,
-``ctx.close()``, ``ctx.chunk_size``, ``ctx.instance_id``) work on it as well. Every
-function is a one-line call of that client; there is no second implementation.
+There is no second implementation: every function calls the :class:`Client`.
 
 Differences from the official SDK (all deliberate):
 
@@ -46,7 +61,7 @@ def connect(
     url: str,
     http_url: str,
     model_name: str,
-    timeout: float = 60.0,
+    timeout: float | None = 60.0,
     *,
     geometry: KVGeometry | None = None,
 ) -> Client:
@@ -56,7 +71,9 @@ def connect(
         url: ZMQ endpoint of the server, e.g. ``tcp://localhost:5555``.
         http_url: HTTP endpoint of the server, e.g. ``http://localhost:8080``.
         model_name: the model whose KV is stored.
-        timeout: deadline in seconds of every call made with this context.
+        timeout: deadline in seconds of every call made with this context (``None``:
+            none; checked as every ``timeout`` of the library, see
+            :func:`lmcache_async._defaults.check_timeout`).
         geometry: the KV layout; when omitted it is read from ``/status``, which
             requires an inference engine to have registered ``model_name``.
 

@@ -39,6 +39,7 @@ from lmcache_async import (
     RemapResult,
     connect,
 )
+from lmcache_async.errors import LoopThreadCallError
 from lmcache_async.sync_client import LOOP_THREAD_NAME, Client, SyncUsageError
 from tests.support.real_server import REPO_ROOT, RealLMCacheServer
 
@@ -402,7 +403,7 @@ def test_a_blocking_call_from_the_loop_thread_raises_at_once(real_server_shm: Re
 
         fut = asyncio.run_coroutine_threadsafe(on_the_loop(), client._lt.loop)
         fut.result(timeout=30)
-        assert [type(e) for e in seen] == [SyncUsageError] * 4
+        assert [type(e) for e in seen] == [LoopThreadCallError] * 4
         assert all(isinstance(e, SyncUsageError) and e.reason == "loop_thread" for e in seen)
         assert not client.closed
         assert client.lookup(toks) == 0  # unaffected
