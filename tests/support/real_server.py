@@ -123,7 +123,7 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
+        if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP", "PYTHONSAFEPATH")
     }
     env.update(LMCACHE_QUIET_ENV)
     env["PYTHONUNBUFFERED"] = "1"
