@@ -53,9 +53,13 @@ def check_timeout(value: object, name: str = "timeout", *, allow_none: bool = Tr
     if value is None or (isinstance(value, float) and value == math.inf):
         if allow_none:
             return None
-        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        raise ValueError(f"{name} must be a finite non-negative number of seconds, got {value!r}")
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        what = "a number of seconds >= 0 or None" if allow_none else "a finite number of seconds >= 0"
+        what = (
+            "a non-negative number of seconds or None"
+            if allow_none
+            else "a finite non-negative number of seconds"
+        )
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return float(value)
 

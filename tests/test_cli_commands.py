@@ -58,7 +58,8 @@ print(f"wrote {out} with shape {tuple(kv.shape)} and dtype {kv.dtype}")
 
 def cli(*args: str, cwd: Path, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
     """Run ``python -m lmcache_async ARGS``; output decoded without newline translation
-    (so a progress bar's ``\\r`` stays visible)."""
+    (so a progress bar's ``\\r`` stays visible). Without ``COLUMNS``/``LINES`` (readline,
+    once imported by the test process, exports them): the progress line is not cut."""
     proc = subprocess.run(
         [sys.executable, "-m", "lmcache_async", *args],
         capture_output=True,
@@ -66,6 +67,7 @@ def cli(*args: str, cwd: Path, timeout: float = 120.0) -> subprocess.CompletedPr
         timeout=timeout,
         stdin=subprocess.DEVNULL,
         check=False,
+        env={k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
     )
     return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(), proc.stderr.decode())
 
@@ -258,7 +260,9 @@ def test_official_package_is_stored_looked_up_and_retrieved(
     assert not nothing.exists()
 
 
-def test_make_package_json_and_refusal_of_unsafe_files(tmp_path: Path) -> None:
+def test_make_package_json_and_refusal_of_unsafe_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "p.pt"
     made = ok(cli("make-package", "--output", str(out), "--model-name", "m", "--chunk-size", "16",
                   "--num-chunks", "2", "--num-layers", "3", "--hidden-dim", "8", "--dtype", "float16",
@@ -281,12 +285,10 @@ def test_make_package_json_and_refusal_of_unsafe_files(tmp_path: Path) -> None:
     torch.save(
         {"kv": torch.zeros(1), "model_name": "m", "tokens": [1], "cache_salt": "", "x": Path("/")}, evil
     )
-    refused = ok(cli("store", "--http-url", "http://127.0.0.1:9", "--input", str(evil), cwd=tmp_path), 1)
-    assert refused.stdout == ""
-    assert refused.stderr.startswith(
-        f"{PROG} store: error: {evil}: not a KV package: it holds objects other than tensors, "
-    )
-    assert refused.stderr.count("\n") == 1
+    code, stdout, err = run_main(capsys, "store", "--http-url", "http://127.0.0.1:9", "--input", str(evil))
+    assert (code, stdout) == (1, "")
+    assert err.startswith(f"{PROG} store: error: {evil}: not a KV package: it holds objects other than tensors, ")
+    assert err.count("\n") == 1
 
 
 # --------------------------------------------------------------------------- remap
@@ -649,7 +651,7 @@ def test_status_of_a_pickle_server(real_server_pickle: RealLMCacheServer, tmp_pa
 # --------------------------------------------------------------------------- errors
 
 
-def test_unreachable_server_is_one_line_and_exit_1(tmp_path: Path) -> None:
+def test_unreachable_server_is_one_line_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     port = free_port()
     http = f"http://127.0.0.1:{port}"
     url = f"tcp://127.0.0.1:{free_port()}"
@@ -659,12 +661,8 @@ def test_unreachable_server_is_one_line_and_exit_1(tmp_path: Path) -> None:
         ("remap-batch", [str(tmp_path / "pairs.jsonl"), "--model-name", "m", *GEOMETRY_FLAGS]),
     ):
         (tmp_path / "pairs.jsonl").write_text('{"source": "0:16", "target": "16:32"}\n')
-        proc = ok(cli(command, "--url", url, "--http-url", http, *extra, cwd=tmp_path), 1)
-        assert proc.stdout == ""
-        assert (
-            proc.stderr
-            == f"{PROG} {command}: error: cannot reach the LMCache server at {http}: connection refused\n"
-        )
+        got = run_main(capsys, command, "--url", url, "--http-url", http, *extra)
+        assert got == (1, "", f"{PROG} {command}: error: cannot reach the LMCache server at {http}: connection refused\n")
 
 
 def test_zmq_endpoint_not_answering_is_one_line(real_server_shm: RealLMCacheServer, tmp_path: Path) -> None:

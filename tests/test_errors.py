@@ -120,14 +120,14 @@ def test_check_timeout_accepts(value: object, expected: float | None) -> None:
 
 @pytest.mark.parametrize("value", [-1, -0.5, -math.inf, math.nan, True, False, "5", [1]])
 def test_check_timeout_refuses(value: object) -> None:
-    message = f"deadline must be a number of seconds >= 0 or None, got {value!r}"
+    message = f"deadline must be a non-negative number of seconds or None, got {value!r}"
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         check_timeout(value, "deadline")
 
 
 @pytest.mark.parametrize("value", [None, math.inf, -1, math.nan])
 def test_check_timeout_without_none(value: object) -> None:
-    message = f"cleanup_grace must be a finite number of seconds >= 0, got {value!r}"
+    message = f"cleanup_grace must be a finite non-negative number of seconds, got {value!r}"
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         check_timeout(value, "cleanup_grace", allow_none=False)
     assert check_timeout(4, "cleanup_grace", allow_none=False) == 4.0
@@ -143,7 +143,9 @@ def test_default_is_a_typed_singleton() -> None:
     assert resolve_timeout(timeout, 60.0) == 60.0
     assert resolve_timeout(None, 60.0) is None
     assert resolve_timeout(1, 60.0) == 1.0
-    with pytest.raises(ValueError, match=r"^timeout must be a number of seconds >= 0 or None, got nan$"):
+    with pytest.raises(
+        ValueError, match=r"^timeout must be a non-negative number of seconds or None, got nan$"
+    ):
         resolve_timeout(math.nan, 60.0)
 
 
@@ -152,11 +154,19 @@ def test_bulk_and_facade_refuse_a_bad_timeout_before_anything_is_sent() -> None:
     # differently (and the facade's constructor would try to connect).
     client = lmc.AsyncClient("tcp://127.0.0.1:9", "http://127.0.0.1:9", "m")  # not opened: no I/O
     for job in (bulk.remap_many, bulk.store_many, bulk.retrieve_many):
-        with pytest.raises(ValueError, match=r"^timeout must be a number of seconds >= 0 or None, got nan$"):
+        with pytest.raises(
+            ValueError, match=r"^timeout must be a non-negative number of seconds or None, got nan$"
+        ):
             asyncio.run(job(client, [], timeout=math.nan))
-    with pytest.raises(ValueError, match=r"^timeout must be a number of seconds >= 0 or None, got -1$"):
+    with pytest.raises(
+        ValueError, match=r"^timeout must be a non-negative number of seconds or None, got -1$"
+    ):
         lmc.Client("tcp://127.0.0.1:9", "http://127.0.0.1:9", "m", timeout=-1)
-    with pytest.raises(ValueError, match=r"^timeout must be a number of seconds >= 0 or None, got nan$"):
+    with pytest.raises(
+        ValueError, match=r"^timeout must be a non-negative number of seconds or None, got nan$"
+    ):
         lmc.Client("tcp://127.0.0.1:9", "http://127.0.0.1:9", "m", timeout=math.nan)
-    with pytest.raises(ValueError, match=r"^cleanup_grace must be a finite number of seconds >= 0, got -2$"):
+    with pytest.raises(
+        ValueError, match=r"^cleanup_grace must be a finite non-negative number of seconds, got -2$"
+    ):
         lmc.Client("tcp://127.0.0.1:9", "http://127.0.0.1:9", "m", cleanup_grace=-2)

@@ -33,6 +33,7 @@ import lmcache_async.sync_client as sync_client
 from lmcache_async import (
     AsyncClient,
     ClientClosedError,
+    DefaultType,
     KVGeometry,
     LMCacheError,
     LMCacheTimeoutError,
@@ -181,7 +182,7 @@ def test_the_parity_check_catches_a_new_unwrapped_method() -> None:
         async def compact(self, tokens: list[int]) -> int:  # a new method, not wrapped
             return 0
 
-        async def noop(self, *, timeout: float | None = 1.0) -> float:  # default differs
+        async def noop(self, *, timeout: float | DefaultType | None = 1.0) -> float:  # default differs
             return 0.0
 
     problems = _parity_problems(Grown, Client)
