@@ -5,14 +5,18 @@ BIN    := $(VENV)/bin
 # Pinned only here (the package itself asks for a range): on these machines
 # torch==2.13.0 resolves to the CPU build on local disk; a bare `torch` pulls CUDA.
 TORCH  := torch==2.13.0
+# The project's own tools (ruff, mypy, pytest, ...) at pinned versions.
+TOOLS  := constraints/tools.txt
 STAMP  := $(VENV)/.installed
+PIP    := $(BIN)/pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test venv lmcache-venv redis lint typecheck pytest smoke bench clean
+.PHONY: demo test check venv lmcache-venv redis lint typecheck pytest smoke bench clean
 
-$(STAMP): pyproject.toml
+# torch is named again in the second install so that pip can never move it.
+$(STAMP): pyproject.toml $(TOOLS)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(PIP) $(TORCH)
+	$(PIP) -c $(TOOLS) -e '.[test]' $(TORCH)
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -30,18 +34,27 @@ redis:
 demo: venv
 	$(BIN)/lmcache-async demo
 
-## Everything CI runs: lint, types, the whole test suite against the real server.
+## Everything CI runs: lint, types, the whole test suite against the real server, with
+## the branch coverage of the package.
 test: venv lmcache-venv lint typecheck pytest
+
+## Everything that needs no LMCache server (lint, types, the tests not marked
+## real_server), in under a minute: run it before every commit.
+check: venv lint typecheck
+	$(BIN)/python -m pytest -q -m "not real_server"
 
 lint: venv
 	$(BIN)/ruff check lmcache_async tests benchmarks
+	$(BIN)/ruff format --check lmcache_async tests benchmarks
 
+# mypy strict over lmcache_async and tests (pyproject.toml [tool.mypy]).
 typecheck: venv
 	$(BIN)/mypy
 
 # pytest exits 5 when it collected no tests: make treats any non-zero exit as failure.
 pytest: venv lmcache-venv redis
-	LMCACHE_ASYNC_REQUIRE_REAL_SERVER=1 $(BIN)/python -m pytest
+	LMCACHE_ASYNC_REQUIRE_REAL_SERVER=1 $(BIN)/python -m pytest \
+	  --cov=lmcache_async --cov-branch --cov-report=term
 
 ## The issue-2 smoke run: real LMCache server, our client, chunk size + noop RTT.
 smoke: venv lmcache-venv
@@ -52,4 +65,4 @@ bench: venv lmcache-venv
 	$(BIN)/python benchmarks/bench_client.py
 
 clean:
-	rm -rf $(VENV) .lmcache-venv .lmcache-venv-057 .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .lmcache-venv .lmcache-venv-057 .mypy_cache .ruff_cache .pytest_cache .coverage

@@ -7,6 +7,7 @@
 >>> kv = await client.retrieve(tokens)
 """
 
+from lmcache_async._defaults import DEFAULT, DefaultType
 from lmcache_async._version import __version__
 from lmcache_async.bulk import (
     BatchProgress,
@@ -21,21 +22,29 @@ from lmcache_async.client import AsyncClient, RemapResult, connect
 from lmcache_async.errors import (
     AuthenticationError,
     ClientClosedError,
+    ClientNotOpenError,
+    ClientStateError,
+    ForkedClientError,
+    ForkedSyncClientError,
     HTTPStatusError,
     LMCacheConnectionError,
     LMCacheError,
     LMCacheTimeoutError,
+    LoopThreadCallError,
     ModelNotRegisteredError,
     ProtocolError,
     ServerError,
+    SyncUsageError,
     TransferError,
     UnsafePayloadError,
     UnsupportedServerVersionError,
+    WrongEventLoopError,
 )
 from lmcache_async.geometry import KVGeometry
 from lmcache_async.sync_client import Client
 
 __all__ = [
+    "DEFAULT",
     "AsyncClient",
     "AuthenticationError",
     "BatchProgress",
@@ -43,12 +52,18 @@ __all__ = [
     "BatchSummary",
     "Client",
     "ClientClosedError",
+    "ClientNotOpenError",
+    "ClientStateError",
+    "DefaultType",
+    "ForkedClientError",
+    "ForkedSyncClientError",
     "HTTPStatusError",
     "ItemResult",
     "KVGeometry",
     "LMCacheConnectionError",
     "LMCacheError",
     "LMCacheTimeoutError",
+    "LoopThreadCallError",
     "ModelNotRegisteredError",
     "ProtocolError",
     "RemapPair",
@@ -56,9 +71,11 @@ __all__ = [
     "RetrieveItem",
     "ServerError",
     "StoreItem",
+    "SyncUsageError",
     "TransferError",
     "UnsafePayloadError",
     "UnsupportedServerVersionError",
+    "WrongEventLoopError",
     "__version__",
     "connect",
 ]

@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
+from lmcache_async._defaults import DEFAULT, DefaultType, resolve_timeout
 from lmcache_async.wire import validate_cache_salt, validate_tokens
 
 if TYPE_CHECKING:
@@ -90,8 +91,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Sentinel default of ``timeout``: use the client's default timeout.
-CLIENT_DEFAULT: Final[Any] = object()
+#: The default of ``timeout``: the client's timeout. An alias of
+#: :data:`lmcache_async.DEFAULT`, kept for code written before it existed.
+CLIENT_DEFAULT: Final = DEFAULT
 #: A pooled buffer is reused for an item of at least 1/_REUSE_SLACK of its length.
 _REUSE_SLACK: Final = 2
 
@@ -598,9 +600,7 @@ class _Tally:
 ItemBody = Callable[[int, object], Awaitable[ItemResult]]
 
 
-def _check_options(
-    concurrency: object, max_bytes_in_flight: object, progress: object, timeout: object
-) -> None:
+def _check_options(concurrency: object, max_bytes_in_flight: object, progress: object) -> None:
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
     budget = max_bytes_in_flight
@@ -608,12 +608,6 @@ def _check_options(
         raise ValueError(f"max_bytes_in_flight must be an int >= 1 (bytes), got {budget!r}")
     if progress is not None and not callable(progress):
         raise TypeError(f"progress must be callable or None, got {type(progress).__name__}")
-    if (
-        timeout is not None
-        and timeout is not CLIENT_DEFAULT
-        and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0)
-    ):
-        raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
 
 
 async def _run_batch(
@@ -683,10 +677,6 @@ async def _run_batch(
     return BatchResult(tuple(done), tally.summary(budget.peak))
 
 
-def _resolve_timeout(client: AsyncClient, timeout: float | None) -> float | None:
-    return client.timeout if timeout is CLIENT_DEFAULT else timeout
-
-
 def _left(start: float, timeout: float | None) -> float | None:
     return None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
 
@@ -702,7 +692,7 @@ async def remap_many(
     max_bytes_in_flight: int = 1 << 30,
     progress: ProgressHook | None = None,
     return_exceptions: bool = True,
-    timeout: float | None = CLIENT_DEFAULT,
+    timeout: float | DefaultType | None = DEFAULT,
 ) -> BatchResult:
     """Remap many pairs: retrieve each source's KV and store it under its target.
 
@@ -735,9 +725,9 @@ async def remap_many(
     locks and reservations in the background; items not started are never sent;
     ``CancelledError`` is re-raised. A timed-out item is cleaned up the same way.
     """
-    _check_options(concurrency, max_bytes_in_flight, progress, timeout)
+    _check_options(concurrency, max_bytes_in_flight, progress)
+    deadline = resolve_timeout(timeout, client.timeout)
     items = list(pairs)
-    deadline = _resolve_timeout(client, timeout)
     geom = client.geometry
     cs = client.chunk_size
     axis = geom.token_axis
@@ -801,7 +791,7 @@ async def store_many(
     max_bytes_in_flight: int = 1 << 30,
     progress: ProgressHook | None = None,
     return_exceptions: bool = True,
-    timeout: float | None = CLIENT_DEFAULT,
+    timeout: float | DefaultType | None = DEFAULT,
 ) -> BatchResult:
     """Store many KV tensors, concurrently.
 
@@ -823,9 +813,9 @@ async def store_many(
     reserved is completed in the background; sessions are always ended. Items not
     started are never sent; ``CancelledError`` is re-raised.
     """
-    _check_options(concurrency, max_bytes_in_flight, progress, timeout)
+    _check_options(concurrency, max_bytes_in_flight, progress)
+    deadline = resolve_timeout(timeout, client.timeout)
     materialized = list(items)
-    deadline = _resolve_timeout(client, timeout)
     geom = client.geometry
     cs = client.chunk_size
     budget = _ByteBudget(max_bytes_in_flight)
@@ -861,7 +851,7 @@ async def retrieve_many(
     max_bytes_in_flight: int = 1 << 30,
     progress: ProgressHook | None = None,
     return_exceptions: bool = True,
-    timeout: float | None = CLIENT_DEFAULT,
+    timeout: float | DefaultType | None = DEFAULT,
 ) -> BatchResult:
     """Retrieve the KV of many prompts, concurrently.
 
@@ -879,9 +869,9 @@ async def retrieve_many(
     Cancellation/timeout: as :meth:`AsyncClient.retrieve`: read locks, SHM reads and the
     session are released in the background. ``CancelledError`` is re-raised.
     """
-    _check_options(concurrency, max_bytes_in_flight, progress, timeout)
+    _check_options(concurrency, max_bytes_in_flight, progress)
+    deadline = resolve_timeout(timeout, client.timeout)
     materialized = list(token_lists)
-    deadline = _resolve_timeout(client, timeout)
     geom = client.geometry
     cs = client.chunk_size
     axis = geom.token_axis

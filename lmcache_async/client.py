@@ -26,18 +26,23 @@ import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
+from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
 from lmcache_async.connection import Connection
 from lmcache_async.errors import (
     ClientClosedError,
+    ClientNotOpenError,
+    ClientStateError,
+    ForkedClientError,
     LMCacheError,
     LMCacheTimeoutError,
     ProtocolError,
     ServerError,
     TransferError,
+    WrongEventLoopError,
 )
 from lmcache_async.geometry import KVGeometry, dtype_name
 from lmcache_async.metadata import Metadata
@@ -67,10 +72,9 @@ T = TypeVar("T")
 TransferMode = Literal["auto", "shm", "pickle"]
 Configs = dict[str, Any] | None
 
-_DEFAULT: Final[Any] = object()
 
 
-class _State(enum.Enum):
+class _Lifecycle(enum.Enum):
     NEW = "new"
     OPENING = "opening"
     OPEN = "open"
@@ -192,7 +196,7 @@ class AsyncClient:
         validate_model_name(model_name)
         if geometry is not None and not isinstance(geometry, KVGeometry):
             raise TypeError(f"geometry must be a KVGeometry, got {type(geometry).__name__}")
-        _check_timeout(timeout, "timeout")
+        timeout = check_timeout(timeout, "timeout")
         if transfer not in ("auto", "shm", "pickle"):
             raise ValueError(f"transfer must be 'auto', 'shm' or 'pickle', got {transfer!r}")
         if isinstance(num_kv_readers, bool) or not isinstance(num_kv_readers, int) or num_kv_readers < 1:
@@ -203,7 +207,7 @@ class AsyncClient:
         self.http_url = http_url
         self.model_name = model_name
         self.timeout = timeout
-        self.cleanup_grace = float(cleanup_grace)
+        self.cleanup_grace = check_timeout(cleanup_grace, "cleanup_grace", allow_none=False) or 0.0
         self.num_kv_readers = num_kv_readers
         self._want_transfer: TransferMode = transfer
         self._prefault_shm = bool(prefault_shm)
@@ -215,7 +219,7 @@ class AsyncClient:
         self._server_version: str | None = None
         self._conn = Connection(url)
         self._channel = _ConnectionChannel(self._conn)
-        self._state = _State.NEW
+        self._state = _Lifecycle.NEW
         self._pid = os.getpid()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._chunk_size = 0
@@ -276,7 +280,7 @@ class AsyncClient:
 
     @property
     def closed(self) -> bool:
-        return self._state is _State.CLOSED
+        return self._state is _Lifecycle.CLOSED
 
     def __repr__(self) -> str:
         return (
@@ -303,9 +307,9 @@ class AsyncClient:
 
         Cancellation or failure closes whatever was opened.
         """
-        if self._state is not _State.NEW:
-            raise LMCacheError(f"open() on a client that is {self._state.value}")
-        self._state = _State.OPENING
+        if self._state is not _Lifecycle.NEW:
+            raise ClientStateError(f"open() on a client that is {self._state.value}")
+        self._state = _Lifecycle.OPENING
         self._loop = asyncio.get_running_loop()
         self._reg_lock = asyncio.Lock()
         try:
@@ -326,9 +330,9 @@ class AsyncClient:
                 raise ProtocolError(f"noop answered {reply.value()!r}")
             await self._register(_remaining(deadline))
             self._keepalive = asyncio.create_task(self._keepalive_loop(), name="lmcache-keepalive")
-            self._state = _State.OPEN
+            self._state = _Lifecycle.OPEN
         except BaseException:
-            self._state = _State.CLOSING
+            self._state = _Lifecycle.CLOSING
             await self._shutdown(unregister=False)
             raise
 
@@ -338,10 +342,10 @@ class AsyncClient:
 
         Idempotent. Cancellation midway still closes the socket and session.
         """
-        if self._state in (_State.CLOSED, _State.CLOSING):
+        if self._state in (_Lifecycle.CLOSED, _Lifecycle.CLOSING):
             return
-        opened = self._state is _State.OPEN
-        self._state = _State.CLOSING
+        opened = self._state is _Lifecycle.OPEN
+        self._state = _Lifecycle.CLOSING
         if self._ops:
             _done, pending = await asyncio.wait(set(self._ops), timeout=self.cleanup_grace)
             for task in pending:
@@ -363,7 +367,7 @@ class AsyncClient:
                 self._pool = None
             await self._conn.close()
             await self._meta.close()
-            self._state = _State.CLOSED
+            self._state = _Lifecycle.CLOSED
 
     async def _detect_generation(self, timeout: float | None) -> None:
         """Ask ``/lmc_version`` which generation the server is and speak its wire.
@@ -484,12 +488,14 @@ class AsyncClient:
             await self._register(timeout)
 
     def _require_open(self) -> None:
-        if self._state is not _State.OPEN:
-            if self._state in (_State.CLOSING, _State.CLOSED):
+        if self._state is not _Lifecycle.OPEN:
+            if self._state in (_Lifecycle.CLOSING, _Lifecycle.CLOSED):
                 raise ClientClosedError("the client is closed")
-            raise LMCacheError(f"the client is {self._state.value}; use 'async with' or connect()")
+            raise ClientNotOpenError(f"the client is {self._state.value}; use 'async with' or connect()")
         if os.getpid() != self._pid:
-            raise LMCacheError("this client was created in another process (before fork); create a new one")
+            raise ForkedClientError(
+                "this client was created in another process (before fork); create a new one", self._pid
+            )
 
     # ------------------------------------------------------------------ op runner
 
@@ -500,7 +506,9 @@ class AsyncClient:
         :func:`~lmcache_async.operations.run_detached`), re-registering first if needed."""
         self._require_open()
         if asyncio.get_running_loop() is not self._loop:
-            raise LMCacheError("the client is used from an event loop other than the one that opened it")
+            raise WrongEventLoopError(
+                "the client is used from an event loop other than the one that opened it"
+            )
 
         async def run(op: OpState) -> T:
             await self._ensure_registered(op.remaining())
@@ -574,7 +582,7 @@ class AsyncClient:
         cache_salt: str = "",
         *,
         request_configs: Mapping[str, Any] | None = None,
-        timeout: float | None = _DEFAULT,
+        timeout: float | DefaultType | None = DEFAULT,
     ) -> int:
         """Length in tokens of the longest cached chunk-aligned prefix of ``tokens``.
 
@@ -606,7 +614,7 @@ class AsyncClient:
         out: torch.Tensor | None = None,
         *,
         request_configs: Mapping[str, Any] | None = None,
-        timeout: float | None = _DEFAULT,
+        timeout: float | DefaultType | None = DEFAULT,
     ) -> torch.Tensor | None:
         """The KV of the longest cached chunk-aligned prefix of ``tokens``, or ``None``.
 
@@ -671,7 +679,7 @@ class AsyncClient:
         cache_salt: str = "",
         *,
         request_configs: Mapping[str, Any] | None = None,
-        timeout: float | None = _DEFAULT,
+        timeout: float | DefaultType | None = DEFAULT,
     ) -> bool:
         """Store ``kv`` (``[2, L, T, D]``, or ``[L, T, D]`` for MLA) under ``tokens``.
 
@@ -713,7 +721,7 @@ class AsyncClient:
         cache_salt: str = "",
         target_cache_salt: str | None = None,
         *,
-        timeout: float | None = _DEFAULT,
+        timeout: float | DefaultType | None = DEFAULT,
     ) -> RemapResult:
         """Retrieve the KV of ``source_tokens`` and store it under ``target_tokens``.
 
@@ -749,7 +757,7 @@ class AsyncClient:
 
     # ------------------------------------------------------------------ misc
 
-    async def noop(self, *, timeout: float | None = _DEFAULT) -> float:
+    async def noop(self, *, timeout: float | DefaultType | None = DEFAULT) -> float:
         """Round-trip a ``noop``; returns the round-trip time in seconds."""
         self._require_open()
         t0 = time.perf_counter()
@@ -759,7 +767,7 @@ class AsyncClient:
         return time.perf_counter() - t0
 
     async def status(
-        self, *, max_age: float | None = None, timeout: float | None = _DEFAULT
+        self, *, max_age: float | None = None, timeout: float | DefaultType | None = DEFAULT
     ) -> dict[str, Any]:
         """The server's ``/status`` document (cached for ``metadata_ttl`` seconds).
 
@@ -769,7 +777,7 @@ class AsyncClient:
         return await self._meta.status(max_age=max_age, timeout=self._timeout(timeout))
 
     async def config(
-        self, *, max_age: float | None = None, timeout: float | None = _DEFAULT
+        self, *, max_age: float | None = None, timeout: float | DefaultType | None = DEFAULT
     ) -> dict[str, Any]:
         """The server's ``/config`` document (cached for ``metadata_ttl`` seconds).
 
@@ -778,7 +786,7 @@ class AsyncClient:
         self._require_open()
         return await self._meta.config(max_age=max_age, timeout=self._timeout(timeout))
 
-    async def drain(self, timeout: float | None = _DEFAULT) -> bool:
+    async def drain(self, timeout: float | DefaultType | None = DEFAULT) -> bool:
         """Wait until operations abandoned by a timeout or a cancellation have finished
         their server-side cleanup (sessions ended, locks released).
 
@@ -804,7 +812,7 @@ class AsyncClient:
         max_bytes_in_flight: int = 1 << 30,
         progress: Callable[[BatchProgress], object] | None = None,
         return_exceptions: bool = True,
-        timeout: float | None = _DEFAULT,
+        timeout: float | DefaultType | None = DEFAULT,
     ) -> BatchResult:
         """Remap many (source, target) pairs concurrently: see :func:`lmcache_async.bulk.remap_many`.
 
@@ -842,7 +850,7 @@ class AsyncClient:
         max_bytes_in_flight: int = 1 << 30,
         progress: Callable[[BatchProgress], object] | None = None,
         return_exceptions: bool = True,
-        timeout: float | None = _DEFAULT,
+        timeout: float | DefaultType | None = DEFAULT,
     ) -> BatchResult:
         """Store many ``(kv, tokens[, cache_salt])`` items concurrently: see
         :func:`lmcache_async.bulk.store_many`.
@@ -869,7 +877,7 @@ class AsyncClient:
         max_bytes_in_flight: int = 1 << 30,
         progress: Callable[[BatchProgress], object] | None = None,
         return_exceptions: bool = True,
-        timeout: float | None = _DEFAULT,
+        timeout: float | DefaultType | None = DEFAULT,
     ) -> BatchResult:
         """Retrieve many prompts concurrently (token lists or ``(tokens, cache_salt)``): see
         :func:`lmcache_async.bulk.retrieve_many`. Each result's ``kv`` holds the tensor.
@@ -891,18 +899,8 @@ class AsyncClient:
 
     # ---- end of bulk operations ----
 
-    def _timeout(self, timeout: float | None) -> float | None:
-        if timeout is _DEFAULT:
-            return self.timeout
-        return _check_timeout(timeout, "timeout")
-
-
-def _check_timeout(timeout: object, name: str) -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
-        raise ValueError(f"{name} must be a non-negative number of seconds or None, got {timeout!r}")
-    return float(timeout)
+    def _timeout(self, timeout: float | DefaultType | None) -> float | None:
+        return resolve_timeout(timeout, self.timeout)
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -4,40 +4,60 @@ Every error the library raises on purpose derives from :class:`LMCacheError`.
 Where callers already catch a builtin, the error also derives from it::
 
     LMCacheError
-     +-- LMCacheTimeoutError        (also TimeoutError)   no reply before the deadline
-     +-- LMCacheConnectionError     (also ConnectionError) socket/HTTP unreachable, lost
-     |    +-- ClientClosedError                          the client was closed
-     +-- ServerError                                      the server answered, but not as promised
-     |    +-- ModelNotRegisteredError (also LookupError)  /status has no such model
-     |    +-- ProtocolError                               a malformed or hostile reply
-     |    +-- UnsupportedServerVersionError              /lmc_version: a generation not spoken
-     |    +-- HTTPStatusError                             an HTTP route answered other than 200
-     |         +-- AuthenticationError (also PermissionError)  401: an API key is needed or wrong
-     +-- UnsafePayloadError                              a pickle reply that is not plain tensors
-     +-- TransferError                                    a store/retrieve could not move the data
+     +-- LMCacheTimeoutError         (also TimeoutError)     no reply before the deadline
+     +-- LMCacheConnectionError      (also ConnectionError)  socket/HTTP unreachable, lost
+     |    +-- ClientClosedError      (also ClientStateError) the client was closed
+     +-- ClientStateError            (also RuntimeError)     the client cannot take calls here, now
+     |    +-- ClientNotOpenError                             not opened yet (or still opening)
+     |    +-- WrongEventLoopError                            used from another event loop than its own
+     |    +-- ForkedClientError                              inherited across os.fork()
+     |    +-- SyncUsageError                                 a blocking Client call that cannot work
+     |    |    +-- LoopThreadCallError                       made from the Client's own loop thread
+     |    |    +-- ForkedSyncClientError (also ForkedClientError)
+     |    +-- ClientClosedError                              (see above)
+     +-- ServerError                                         the server answered, but not as promised
+     |    +-- ModelNotRegisteredError (also LookupError)     /status has no such model
+     |    +-- ProtocolError                                  a malformed or hostile reply
+     |    |    +-- UnsafePayloadError                        a pickle reply that is not plain tensors
+     |    +-- UnsupportedServerVersionError                  /lmc_version: a generation not spoken
+     |    +-- HTTPStatusError                                an HTTP route answered other than 200
+     |         +-- AuthenticationError (also PermissionError) 401: an API key is needed or wrong
+     +-- TransferError                                       a store/retrieve could not move the data
+
+``except ClientStateError`` catches every misuse of a client (used before ``open()``,
+after ``close()``, from the wrong event loop or thread, or after a fork); nothing was
+sent to the server in any of these cases.
 
 Argument errors are plain :class:`ValueError` / :class:`TypeError` raised before anything
-is sent. No raw zmq, aiohttp or msgpack exception escapes the public API: they are
-chained as ``__cause__``. All exceptions pickle (their ``__reduce__`` keeps the attributes).
+is sent (a bad ``timeout``: :func:`lmcache_async._defaults.check_timeout`). No raw zmq,
+aiohttp or msgpack exception escapes the public API: they are chained as ``__cause__``.
+All exceptions pickle (their ``__reduce__`` keeps the attributes).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "AuthenticationError",
     "ClientClosedError",
+    "ClientNotOpenError",
+    "ClientStateError",
+    "ForkedClientError",
+    "ForkedSyncClientError",
     "HTTPStatusError",
     "LMCacheConnectionError",
     "LMCacheError",
     "LMCacheTimeoutError",
+    "LoopThreadCallError",
     "ModelNotRegisteredError",
     "ProtocolError",
     "ServerError",
+    "SyncUsageError",
     "TransferError",
     "UnsafePayloadError",
     "UnsupportedServerVersionError",
+    "WrongEventLoopError",
 ]
 
 
@@ -79,8 +99,79 @@ class LMCacheConnectionError(LMCacheError, ConnectionError):
     """The server could not be reached, or the connection was lost mid-call."""
 
 
-class ClientClosedError(LMCacheConnectionError):
-    """The client was closed (or is closing); no new calls are accepted."""
+class ClientStateError(LMCacheError, RuntimeError):
+    """The client cannot take this call in its present state or from where it was made.
+
+    Raised before anything is sent. The subclasses say why; this class itself is raised
+    for a second ``open()`` of a client.
+    """
+
+
+class ClientClosedError(LMCacheConnectionError, ClientStateError):
+    """The client was closed (or is closing); no new calls are accepted.
+
+    Also a :class:`LMCacheConnectionError` (as it always was) and a
+    :class:`ClientStateError`.
+    """
+
+
+class ClientNotOpenError(ClientStateError):
+    """The client was not opened yet (or is still opening): use ``async with`` or
+    :func:`lmcache_async.connect`."""
+
+
+class WrongEventLoopError(ClientStateError):
+    """An :class:`~lmcache_async.AsyncClient` was used from an event loop other than the
+    one that opened it (its socket and HTTP session belong to that loop)."""
+
+
+class ForkedClientError(ClientStateError):
+    """The client was created in another process and inherited across ``os.fork()``;
+    its socket, session and loop thread belong to the parent. Create a new client.
+
+    Attributes:
+        owner_pid: the process that created the client.
+    """
+
+    def __init__(self, message: str, owner_pid: int) -> None:
+        super().__init__(message)
+        self.owner_pid = owner_pid
+
+
+class SyncUsageError(ClientStateError):
+    """A blocking :class:`~lmcache_async.Client` call was made where it cannot work.
+
+    Raised as one of its two subclasses; still a ``RuntimeError`` as before.
+
+    Attributes:
+        reason: ``"loop_thread"`` (:class:`LoopThreadCallError`: called from the client's
+            own event-loop thread, where waiting would deadlock) or ``"forked"``
+            (:class:`ForkedSyncClientError`: the client was created in the parent of a
+            fork; create a new one in this process).
+    """
+
+    def __init__(self, message: str, reason: Literal["loop_thread", "forked"]) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class LoopThreadCallError(SyncUsageError):
+    """A blocking call made from the ``lmcache-async-loop`` thread it would wait for
+    (e.g. from a ``progress`` callback): it raises at once instead of deadlocking.
+    ``reason`` is ``"loop_thread"``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "loop_thread")
+
+
+class ForkedSyncClientError(SyncUsageError, ForkedClientError):
+    """A :class:`~lmcache_async.Client` inherited across ``os.fork()`` was used in the
+    child. ``reason`` is ``"forked"``; ``owner_pid`` the process that created it."""
+
+    def __init__(self, message: str, owner_pid: int) -> None:
+        ClientStateError.__init__(self, message)
+        self.reason: Literal["loop_thread", "forked"] = "forked"
+        self.owner_pid = owner_pid
 
 
 class ServerError(LMCacheError):

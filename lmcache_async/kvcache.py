@@ -1,6 +1,27 @@
-"""A drop-in for the official SDK's module-level KV-cache functions.
+"""The official SDK's KV-cache API, on :class:`~lmcache_async.Client`.
 
-Code written against the official SDK keeps working with only the import changed::
+What this replaces, exactly:
+
+* lmcache 0.5.6's ``lmcache.sdk.kvcache`` has one function, ``connect(url, http_url,
+  model_name, timeout=60.0)``, returning an ``LMCacheSDKContext`` whose methods do the
+  work: ``ctx.retrieve(tokens, cache_salt="", request_configs=None)``, ``ctx.store(kv,
+  tokens, cache_salt="", request_configs=None)``, ``ctx.close()``, ``ctx.chunk_size``,
+  ``ctx.instance_id``. Here :func:`connect` has the same arguments (plus ``geometry=``
+  and ``api_key=``, default ``$LMCACHE_API_KEY``) and returns a :class:`KVCacheContext`,
+  a :class:`~lmcache_async.Client` whose ``retrieve``/``store`` take the official
+  context's positional arguments; ``request_configs`` travel in the cache key, on 0.5.6
+  and 0.5.7 servers alike, as the official SDK sends them.
+* The module-level functions :func:`retrieve`, :func:`store`, :func:`lookup` and
+  :func:`close` take that context first; each is a one-line call of its method. They are
+  not in lmcache's ``lmcache.sdk.kvcache`` (0.5.6 and 0.5.7rc3 have only ``connect``).
+  The newer SDK example script of the LMCache repository
+  (``examples/kvcache_sdk/store_retrieve.py``) calls URL-based functions of
+  ``lmcache.sdk`` instead (``lmc_sdk.retrieve(path, url, model_name=..., tokens=...)``),
+  which this module does not provide.
+
+Code written against the 0.5.6 SDK (``ctx = kvcache.connect(...)``, then
+``ctx.retrieve(...)``, ``ctx.store(...)``, ``ctx.close()``) keeps working with only the
+import changed. The function form::
 
     import lmcache_async.kvcache as lmc_sdk
 
@@ -44,7 +65,7 @@ from typing import Any
 
 import torch
 
-from lmcache_async.client import _DEFAULT
+from lmcache_async._defaults import DEFAULT, DefaultType
 from lmcache_async.geometry import KVGeometry
 from lmcache_async.sync_client import Client
 
@@ -63,7 +84,7 @@ class KVCacheContext(Client):
         request_configs: Mapping[str, Any] | None = None,
         *,
         out: torch.Tensor | None = None,
-        timeout: float | None = _DEFAULT,
+        timeout: float | DefaultType | None = DEFAULT,
     ) -> torch.Tensor | None:
         """As the official ``LMCacheSDKContext.retrieve``: the KV of the longest cached
         chunk-aligned prefix, or ``None``; see :meth:`Client.retrieve`."""
@@ -76,7 +97,7 @@ class KVCacheContext(Client):
         cache_salt: str = "",
         request_configs: Mapping[str, Any] | None = None,
         *,
-        timeout: float | None = _DEFAULT,
+        timeout: float | DefaultType | None = DEFAULT,
     ) -> bool:
         """As the official ``LMCacheSDKContext.store``; see :meth:`Client.store`.
 
@@ -92,7 +113,7 @@ def connect(
     url: str,
     http_url: str,
     model_name: str,
-    timeout: float = 60.0,
+    timeout: float | None = 60.0,
     *,
     geometry: KVGeometry | None = None,
     api_key: str | None = None,
@@ -103,7 +124,9 @@ def connect(
         url: ZMQ endpoint of the server, e.g. ``tcp://localhost:5555``.
         http_url: HTTP endpoint of the server, e.g. ``http://localhost:8080``.
         model_name: the model whose KV is stored.
-        timeout: deadline in seconds of every call made with this context.
+        timeout: deadline in seconds of every call made with this context (``None``:
+            none; checked as every ``timeout`` of the library, see
+            :func:`lmcache_async._defaults.check_timeout`).
         geometry: the KV layout; when omitted it is read from ``/status``, which
             requires an inference engine to have registered ``model_name``.
         api_key: HTTP API key (servers started with one answer 401 without it);

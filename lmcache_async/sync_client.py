@@ -14,7 +14,8 @@ by every :class:`Client` of the process::
   that loop, so it works the same in a script, in a Jupyter cell (whose own loop is
   already running), inside ``asyncio.run(...)`` and from any number of threads at once.
 * A blocking call made *from the loop thread itself* (e.g. from a callback or coroutine
-  running there) would wait for itself forever; it raises :class:`SyncUsageError` at once.
+  running there) would wait for itself forever; it raises
+  :class:`~lmcache_async.LoopThreadCallError` (a :class:`SyncUsageError`) at once.
 * The caller's wait is bounded by the operation's ``timeout`` plus the client's
   ``cleanup_grace``. The operation itself gives up after ``timeout`` and raises
   :class:`~lmcache_async.LMCacheTimeoutError`; the facade's bound only fires if the loop
@@ -26,8 +27,11 @@ by every :class:`Client` of the process::
   operation on its own (prefetch status consumed, locks freed, session ended, a reserved
   store completed). A second Ctrl-C stops that short wait.
 * After ``os.fork()`` the child has no loop thread: an inherited :class:`Client` raises
-  :class:`SyncUsageError` (its ``close()`` is a no-op there); a new :class:`Client` in the
-  child starts a loop thread of its own.
+  :class:`~lmcache_async.ForkedSyncClientError` (a :class:`SyncUsageError` and a
+  :class:`~lmcache_async.ForkedClientError`; its ``close()`` is a no-op there); a new
+  :class:`Client` in the child starts a loop thread of its own.
+* ``timeout`` arguments are checked by :func:`lmcache_async._defaults.check_timeout` in
+  the calling thread, before anything is submitted to the loop.
 * Closing is explicit (``close()`` or ``with``). A client that is garbage-collected
   unclosed, or still open at interpreter exit, is closed by a :func:`weakref.finalize`
   callback with a :class:`ResourceWarning`; there is no ``__del__``. A collected client
@@ -57,8 +61,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, TypeVa
 
 import torch
 
-from lmcache_async.client import _DEFAULT, AsyncClient, RemapResult, TransferMode, _check_timeout
-from lmcache_async.errors import ClientClosedError, LMCacheError, LMCacheTimeoutError
+from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
+from lmcache_async.client import AsyncClient, RemapResult, TransferMode
+from lmcache_async.errors import (
+    ClientClosedError,
+    ForkedSyncClientError,
+    LMCacheTimeoutError,
+    LoopThreadCallError,
+    SyncUsageError,
+)
 from lmcache_async.geometry import KVGeometry
 
 if TYPE_CHECKING:
@@ -82,20 +93,6 @@ _CLOSE_EXTRA: Final = 10.0
 _JOIN_TIMEOUT: Final = 10.0
 
 
-class SyncUsageError(LMCacheError, RuntimeError):
-    """A blocking call was made where it cannot work.
-
-    Attributes:
-        reason: ``"loop_thread"`` (called from the client's own event-loop thread, where
-            waiting would deadlock) or ``"forked"`` (the client was created in the parent
-            of a fork; create a new one in this process).
-    """
-
-    def __init__(self, message: str, reason: Literal["loop_thread", "forked"]) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
 _tls = threading.local()
 
 
@@ -105,15 +102,14 @@ def _on_loop_thread() -> bool:
 
 def _refuse_on_loop_thread(what: str) -> None:
     if _on_loop_thread():
-        raise SyncUsageError(
+        raise LoopThreadCallError(
             f"{what} blocks, and it was called from the lmcache-async event-loop thread it "
             "would wait for (a deadlock); from code running on an event loop use "
-            "AsyncClient and 'await' instead",
-            "loop_thread",
+            "AsyncClient and 'await' instead"
         )
 
 
-class _Call(Generic[T]):
+class _LoopCall(Generic[T]):
     """One coroutine run on the loop thread on behalf of a waiting (or absent) caller."""
 
     __slots__ = ("_callbacks", "_cancelled", "_exc", "_factory", "_result", "done", "loop", "task")
@@ -243,7 +239,7 @@ class _LoopThread:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.refs = 0
-        self.background: set[_Call[Any]] = set()
+        self.background: set[_LoopCall[Any]] = set()
         self._idle_gen = 0
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._main, name=LOOP_THREAD_NAME, daemon=True)
@@ -332,10 +328,10 @@ class _LoopThread:
         self,
         factory: Callable[[], Coroutine[Any, Any, T]],
         on_done: Callable[[], None] | None = None,
-    ) -> _Call[T]:
+    ) -> _LoopCall[T]:
         """Schedule ``factory()`` as a task on the loop (the coroutine is created there);
         ``on_done`` runs on the loop once it has finished (registered before it starts)."""
-        call = _Call(self.loop, factory)
+        call = _LoopCall(self.loop, factory)
         if on_done is not None:
             call._callbacks.append(on_done)
         if not self.alive():
@@ -346,13 +342,13 @@ class _LoopThread:
             raise ClientClosedError("the lmcache-async event-loop thread has stopped") from exc
         return call
 
-    def close_in_background(self, aclient: AsyncClient) -> _Call[None] | None:
+    def close_in_background(self, aclient: AsyncClient) -> _LoopCall[None] | None:
         """Schedule ``aclient.aclose()`` without waiting (holds a reference until done)."""
         with _LoopThread._lock:
             if not self.alive():
                 return None
             self.refs += 1
-        holder: list[_Call[None]] = []
+        holder: list[_LoopCall[None]] = []
 
         def finished() -> None:  # on the loop thread
             for call in holder:
@@ -382,19 +378,9 @@ class _LoopThread:
         self.thread.join(timeout)
 
 
-def _bound(timeout: object, grace: float) -> float | None:
-    """The facade's wait for an operation with deadline ``timeout``."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
-        return grace  # invalid: the async side raises ValueError at once
-    return float(timeout) + grace
-
-
-def _seconds(value: object, fallback: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        return fallback  # AsyncClient reports the bad value itself
-    return float(value)
+def _bound(timeout: float | None, grace: float) -> float | None:
+    """The facade's wait for an operation with the (checked) deadline ``timeout``."""
+    return None if timeout is None else timeout + grace
 
 
 # Open clients, for the exit hook (a WeakSet: it never keeps a dropped client alive).
@@ -467,14 +453,18 @@ class Client:
       past it :class:`~lmcache_async.LMCacheTimeoutError` (also a ``TimeoutError``) is
       raised and the operation cleans up on the server by itself. The caller never waits
       longer than ``timeout + cleanup_grace``; ``timeout=None`` waits as long as it takes.
+      An invalid ``timeout`` (negative, ``nan``, not a number) raises ``ValueError`` at
+      once, in the calling thread.
     * **KeyboardInterrupt** while waiting -- the operation is cancelled on the loop, which
       releases its server-side session, locks and reservations by itself (a store whose
       slots were reserved is completed); the facade waits at most ``cleanup_grace`` for
       the cancellation, then re-raises ``KeyboardInterrupt``.
     * **from the loop thread** (code running on the client's own event loop) -- raises
-      :class:`SyncUsageError` at once instead of deadlocking.
+      :class:`~lmcache_async.LoopThreadCallError` (a :class:`SyncUsageError`) at once
+      instead of deadlocking.
     * **after fork** -- a client inherited by a child process raises
-      :class:`SyncUsageError`; create a new one in the child.
+      :class:`~lmcache_async.ForkedSyncClientError` (a :class:`SyncUsageError`); create a
+      new one in the child.
     * **after close** -- raises :class:`~lmcache_async.ClientClosedError`.
 
     Raises (constructor): as :meth:`AsyncClient.open`; ``KeyboardInterrupt`` during the
@@ -499,7 +489,8 @@ class Client:
     ) -> None:
         self._pid = os.getpid()
         self._closed = True  # until opened
-        self._grace = _seconds(cleanup_grace, 10.0)
+        timeout = check_timeout(timeout)
+        self._grace = check_timeout(cleanup_grace, "cleanup_grace", allow_none=False) or 0.0
         _refuse_on_loop_thread("Client()")
 
         async def open_client() -> AsyncClient:
@@ -521,7 +512,7 @@ class Client:
             return client
 
         lt = _LoopThread.acquire()
-        call: _Call[AsyncClient] | None = None
+        call: _LoopCall[AsyncClient] | None = None
         try:
             call = lt.submit(open_client)
             aclient = call.wait("open", _bound(timeout, self._grace), self._grace)
@@ -575,11 +566,11 @@ class Client:
 
     def _check_process(self) -> None:
         if os.getpid() != self._pid:
-            raise SyncUsageError(
+            raise ForkedSyncClientError(
                 f"this Client was created in process {self._pid}, before a fork; it cannot "
                 "be used in the child (its event-loop thread did not survive the fork): "
                 "create a new Client in this process",
-                "forked",
+                self._pid,
             )
 
     def _run(self, name: str, bound: float | None, factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
@@ -589,8 +580,9 @@ class Client:
             raise ClientClosedError("the client is closed")
         return self._lt.submit(factory).wait(name, bound, self._grace)
 
-    def _op_bound(self, timeout: object) -> float | None:
-        return _bound(self._async.timeout if timeout is _DEFAULT else timeout, self._grace)
+    def _deadline(self, timeout: float | DefaultType | None) -> float | None:
+        """The call's deadline: the client's for DEFAULT; ValueError if invalid."""
+        return resolve_timeout(timeout, self._async.timeout)
 
     # ------------------------------------------------------------------ properties
 
@@ -653,7 +645,7 @@ class Client:
 
     @timeout.setter
     def timeout(self, value: float | None) -> None:
-        self._async.timeout = _check_timeout(value, "timeout")
+        self._async.timeout = check_timeout(value)
 
     @property
     def cleanup_grace(self) -> float:
@@ -687,7 +679,7 @@ class Client:
         most ``cleanup_grace + 10`` seconds (then logs a warning and returns).
         KeyboardInterrupt cancels the close, which still closes socket and session on
         the loop, and is re-raised. In a child process that inherited the client
-        (fork) it only marks the client closed. From the loop thread: SyncUsageError.
+        (fork) it only marks the client closed. From the loop thread: LoopThreadCallError.
         """
         if os.getpid() != self._pid:
             self._closed = True
@@ -715,17 +707,18 @@ class Client:
         cache_salt: str = "",
         *,
         request_configs: Mapping[str, Any] | None = None,
-        timeout: float | None = _DEFAULT,
+        timeout: float | DefaultType | None = DEFAULT,
     ) -> int:
         """Length in tokens of the longest cached chunk-aligned prefix of ``tokens``.
 
         Blocking :meth:`AsyncClient.lookup`; timeout, KeyboardInterrupt and loop-thread
         behaviour as described in the class docstring.
         """
+        deadline = self._deadline(timeout)
         return self._run(
             "lookup",
-            self._op_bound(timeout),
-            lambda: self._async.lookup(tokens, cache_salt, request_configs=request_configs, timeout=timeout),
+            _bound(deadline, self._grace),
+            lambda: self._async.lookup(tokens, cache_salt, request_configs=request_configs, timeout=deadline),
         )
 
     def retrieve(
@@ -735,7 +728,7 @@ class Client:
         out: torch.Tensor | None = None,
         *,
         request_configs: Mapping[str, Any] | None = None,
-        timeout: float | None = _DEFAULT,
+        timeout: float | DefaultType | None = DEFAULT,
     ) -> torch.Tensor | None:
         """The KV of the longest cached chunk-aligned prefix of ``tokens``, or ``None``.
 
@@ -744,11 +737,12 @@ class Client:
         once the call has returned, except a large copy already running in a worker
         thread, which finishes.
         """
+        deadline = self._deadline(timeout)
         return self._run(
             "retrieve",
-            self._op_bound(timeout),
+            _bound(deadline, self._grace),
             lambda: self._async.retrieve(
-                tokens, cache_salt, out, request_configs=request_configs, timeout=timeout
+                tokens, cache_salt, out, request_configs=request_configs, timeout=deadline
             ),
         )
 
@@ -759,7 +753,7 @@ class Client:
         cache_salt: str = "",
         *,
         request_configs: Mapping[str, Any] | None = None,
-        timeout: float | None = _DEFAULT,
+        timeout: float | DefaultType | None = DEFAULT,
     ) -> bool:
         """Store ``kv`` (``[2, L, T, D]``; ``[L, T, D]`` for MLA) under ``tokens``.
 
@@ -768,11 +762,12 @@ class Client:
         store whose slots were reserved is still completed on the loop (all chunks or
         none); ``kv`` must not be modified until then.
         """
+        deadline = self._deadline(timeout)
         return self._run(
             "store",
-            self._op_bound(timeout),
+            _bound(deadline, self._grace),
             lambda: self._async.store(
-                kv, tokens, cache_salt, request_configs=request_configs, timeout=timeout
+                kv, tokens, cache_salt, request_configs=request_configs, timeout=deadline
             ),
         )
 
@@ -783,47 +778,60 @@ class Client:
         cache_salt: str = "",
         target_cache_salt: str | None = None,
         *,
-        timeout: float | None = _DEFAULT,
+        timeout: float | DefaultType | None = DEFAULT,
     ) -> RemapResult:
         """Retrieve the KV of ``source_tokens`` and store it under ``target_tokens``.
 
         Blocking :meth:`AsyncClient.remap`; the deadline covers both halves.
         """
+        deadline = self._deadline(timeout)
         return self._run(
             "remap",
-            self._op_bound(timeout),
+            _bound(deadline, self._grace),
             lambda: self._async.remap(
-                source_tokens, target_tokens, cache_salt, target_cache_salt, timeout=timeout
+                source_tokens, target_tokens, cache_salt, target_cache_salt, timeout=deadline
             ),
         )
 
-    def noop(self, *, timeout: float | None = _DEFAULT) -> float:
+    def noop(self, *, timeout: float | DefaultType | None = DEFAULT) -> float:
         """Round-trip a ``noop``; returns the server round-trip time in seconds (as
         measured on the loop, without the facade's own hand-over)."""
-        return self._run("noop", self._op_bound(timeout), lambda: self._async.noop(timeout=timeout))
+        deadline = self._deadline(timeout)
+        return self._run("noop", _bound(deadline, self._grace), lambda: self._async.noop(timeout=deadline))
 
-    def status(self, *, max_age: float | None = None, timeout: float | None = _DEFAULT) -> dict[str, Any]:
+    def status(
+        self, *, max_age: float | None = None, timeout: float | DefaultType | None = DEFAULT
+    ) -> dict[str, Any]:
         """The server's ``/status`` document (cached for ``metadata_ttl`` seconds).
 
         The caller waits at most ``timeout`` (default: the client's) plus ``cleanup_grace``.
         """
+        deadline = self._deadline(timeout)
         return self._run(
-            "status", self._op_bound(timeout), lambda: self._async.status(max_age=max_age, timeout=timeout)
+            "status",
+            _bound(deadline, self._grace),
+            lambda: self._async.status(max_age=max_age, timeout=deadline),
         )
 
-    def config(self, *, max_age: float | None = None, timeout: float | None = _DEFAULT) -> dict[str, Any]:
+    def config(
+        self, *, max_age: float | None = None, timeout: float | DefaultType | None = DEFAULT
+    ) -> dict[str, Any]:
         """The server's ``/config`` document (cached for ``metadata_ttl`` seconds).
 
         The caller waits at most ``timeout`` (default: the client's) plus ``cleanup_grace``.
         """
+        deadline = self._deadline(timeout)
         return self._run(
-            "config", self._op_bound(timeout), lambda: self._async.config(max_age=max_age, timeout=timeout)
+            "config",
+            _bound(deadline, self._grace),
+            lambda: self._async.config(max_age=max_age, timeout=deadline),
         )
 
-    def drain(self, timeout: float | None = _DEFAULT) -> bool:
+    def drain(self, timeout: float | DefaultType | None = DEFAULT) -> bool:
         """Wait until operations abandoned by a timeout or an interrupt have finished their
         server-side cleanup; True when none is left, False if ``timeout`` passed first."""
-        return self._run("drain", self._op_bound(timeout), lambda: self._async.drain(timeout))
+        deadline = self._deadline(timeout)
+        return self._run("drain", _bound(deadline, self._grace), lambda: self._async.drain(deadline))
 
     # ---- bulk operations (lmcache_async.bulk): wrap each AsyncClient bulk method here ----
     # A batch has no overall deadline (``timeout`` is per item, and every item is bounded
@@ -839,7 +847,7 @@ class Client:
         max_bytes_in_flight: int = 1 << 30,
         progress: Callable[[BatchProgress], object] | None = None,
         return_exceptions: bool = True,
-        timeout: float | None = _DEFAULT,
+        timeout: float | DefaultType | None = DEFAULT,
     ) -> BatchResult:
         """Remap many (source, target) pairs concurrently: blocking
         :meth:`AsyncClient.remap_many` (see :func:`lmcache_async.bulk.remap_many`).
@@ -847,6 +855,7 @@ class Client:
         KeyboardInterrupt cancels the batch: every in-flight item releases its server
         session, locks and reservations on the loop; then it is re-raised.
         """
+        deadline = self._deadline(timeout)
         return self._run(
             "remap_many",
             None,
@@ -856,7 +865,7 @@ class Client:
                 max_bytes_in_flight=max_bytes_in_flight,
                 progress=progress,
                 return_exceptions=return_exceptions,
-                timeout=timeout,
+                timeout=deadline,
             ),
         )
 
@@ -868,10 +877,11 @@ class Client:
         max_bytes_in_flight: int = 1 << 30,
         progress: Callable[[BatchProgress], object] | None = None,
         return_exceptions: bool = True,
-        timeout: float | None = _DEFAULT,
+        timeout: float | DefaultType | None = DEFAULT,
     ) -> BatchResult:
         """Store many ``(kv, tokens[, cache_salt])`` items concurrently: blocking
         :meth:`AsyncClient.store_many`. KeyboardInterrupt: as for :meth:`remap_many`."""
+        deadline = self._deadline(timeout)
         return self._run(
             "store_many",
             None,
@@ -881,7 +891,7 @@ class Client:
                 max_bytes_in_flight=max_bytes_in_flight,
                 progress=progress,
                 return_exceptions=return_exceptions,
-                timeout=timeout,
+                timeout=deadline,
             ),
         )
 
@@ -893,10 +903,11 @@ class Client:
         max_bytes_in_flight: int = 1 << 30,
         progress: Callable[[BatchProgress], object] | None = None,
         return_exceptions: bool = True,
-        timeout: float | None = _DEFAULT,
+        timeout: float | DefaultType | None = DEFAULT,
     ) -> BatchResult:
         """Retrieve many prompts concurrently: blocking :meth:`AsyncClient.retrieve_many`.
         KeyboardInterrupt: as for :meth:`remap_many`."""
+        deadline = self._deadline(timeout)
         return self._run(
             "retrieve_many",
             None,
@@ -906,7 +917,7 @@ class Client:
                 max_bytes_in_flight=max_bytes_in_flight,
                 progress=progress,
                 return_exceptions=return_exceptions,
-                timeout=timeout,
+                timeout=deadline,
             ),
         )
 

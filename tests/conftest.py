@@ -47,18 +47,13 @@ process started here is alive and no shm segment it created remains.
 from __future__ import annotations
 
 import os
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(_REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(_REPO_ROOT))
-
-from tests.support.real_server import (  # noqa: E402
+from tests.support.real_server import (
     Generation,
     LMCacheServerError,
     RealLMCacheServer,
@@ -167,7 +162,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report: pytest.TestReport = yield
     item.stash.setdefault(_report_key, {})[report.when] = report
     return report
@@ -363,7 +360,10 @@ SERVER_CONFIGS = [
 def _embedded(mode: str, **kw: Any) -> Any:
     from lmcache_async.testing import EmbeddedServer
 
-    return EmbeddedServer.start_in_thread(chunk_size=SESSION_CHUNK_SIZE, mode=mode, **kw)
+    assert mode in ("shm", "pickle"), mode
+    return EmbeddedServer.start_in_thread(
+        chunk_size=SESSION_CHUNK_SIZE, mode="shm" if mode == "shm" else "pickle", **kw
+    )
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,9 @@
-"""The KV-cache subcommands of ``lmcache-async`` (lmcache_async/cli/commands.py).
+"""The KV-cache subcommands of ``lmcache-async`` (lmcache_async/cli/: status.py,
+operations.py, package_file.py, batch.py, on arguments.py and runner.py).
 
 Every command runs as a subprocess (``python -m lmcache_async ...``) against the real
-LMCache 0.5.6 server, and its output is checked exactly (timings excepted). KV package
+LMCache 0.5.6 server, and its output is checked exactly (timings excepted); what is refused
+before any server is contacted runs in this process through ``main``. KV package
 files written by the official example's ``make-package`` are read by our ``store``: the
 official script when ``LMCACHE_SDK_EXAMPLE`` names it (it is not part of the lmcache
 0.5.6 distribution: ``examples/kvcache_sdk/store_retrieve.py`` of the LMCache
@@ -16,6 +18,7 @@ import asyncio
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -29,7 +32,7 @@ import pytest
 import torch
 
 from lmcache_async import AsyncClient
-from lmcache_async.cli import build_parser
+from lmcache_async.cli import build_parser, main
 from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 from tests.support.real_server import RealLMCacheServer, child_env
 from tests.support.workers import EngineWorker
@@ -55,7 +58,8 @@ print(f"wrote {out} with shape {tuple(kv.shape)} and dtype {kv.dtype}")
 
 def cli(*args: str, cwd: Path, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
     """Run ``python -m lmcache_async ARGS``; output decoded without newline translation
-    (so a progress bar's ``\\r`` stays visible)."""
+    (so a progress bar's ``\\r`` stays visible). Without ``COLUMNS``/``LINES`` (readline,
+    once imported by the test process, exports them): the progress line is not cut."""
     proc = subprocess.run(
         [sys.executable, "-m", "lmcache_async", *args],
         capture_output=True,
@@ -63,6 +67,7 @@ def cli(*args: str, cwd: Path, timeout: float = 120.0) -> subprocess.CompletedPr
         timeout=timeout,
         stdin=subprocess.DEVNULL,
         check=False,
+        env={k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
     )
     return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(), proc.stderr.decode())
 
@@ -255,7 +260,9 @@ def test_official_package_is_stored_looked_up_and_retrieved(
     assert not nothing.exists()
 
 
-def test_make_package_json_and_refusal_of_unsafe_files(tmp_path: Path) -> None:
+def test_make_package_json_and_refusal_of_unsafe_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "p.pt"
     made = ok(cli("make-package", "--output", str(out), "--model-name", "m", "--chunk-size", "16",
                   "--num-chunks", "2", "--num-layers", "3", "--hidden-dim", "8", "--dtype", "float16",
@@ -278,10 +285,10 @@ def test_make_package_json_and_refusal_of_unsafe_files(tmp_path: Path) -> None:
     torch.save(
         {"kv": torch.zeros(1), "model_name": "m", "tokens": [1], "cache_salt": "", "x": Path("/")}, evil
     )
-    refused = ok(cli("store", "--http-url", "http://127.0.0.1:9", "--input", str(evil), cwd=tmp_path), 1)
-    assert refused.stdout == ""
-    assert refused.stderr.startswith(f"{PROG} store: error: {evil}: not a loadable KV package (")
-    assert refused.stderr.count("\n") == 1
+    code, stdout, err = run_main(capsys, "store", "--http-url", "http://127.0.0.1:9", "--input", str(evil))
+    assert (code, stdout) == (1, "")
+    assert err.startswith(f"{PROG} store: error: {evil}: not a KV package: it holds objects other than tensors, ")
+    assert err.count("\n") == 1
 
 
 # --------------------------------------------------------------------------- remap
@@ -644,7 +651,7 @@ def test_status_of_a_pickle_server(real_server_pickle: RealLMCacheServer, tmp_pa
 # --------------------------------------------------------------------------- errors
 
 
-def test_unreachable_server_is_one_line_and_exit_1(tmp_path: Path) -> None:
+def test_unreachable_server_is_one_line_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     port = free_port()
     http = f"http://127.0.0.1:{port}"
     url = f"tcp://127.0.0.1:{free_port()}"
@@ -654,12 +661,8 @@ def test_unreachable_server_is_one_line_and_exit_1(tmp_path: Path) -> None:
         ("remap-batch", [str(tmp_path / "pairs.jsonl"), "--model-name", "m", *GEOMETRY_FLAGS]),
     ):
         (tmp_path / "pairs.jsonl").write_text('{"source": "0:16", "target": "16:32"}\n')
-        proc = ok(cli(command, "--url", url, "--http-url", http, *extra, cwd=tmp_path), 1)
-        assert proc.stdout == ""
-        assert (
-            proc.stderr
-            == f"{PROG} {command}: error: cannot reach the LMCache server at {http}: connection refused\n"
-        )
+        got = run_main(capsys, command, "--url", url, "--http-url", http, *extra)
+        assert got == (1, "", f"{PROG} {command}: error: cannot reach the LMCache server at {http}: connection refused\n")
 
 
 def test_zmq_endpoint_not_answering_is_one_line(real_server_shm: RealLMCacheServer, tmp_path: Path) -> None:
@@ -707,3 +710,178 @@ def test_usage_errors_exit_2(real_server_shm: RealLMCacheServer, tmp_path: Path)
     assert unregistered.stderr.endswith(
         "pass --num-layers, --num-kv-heads and --head-dim (and --block-size, --dtype)\n"
     )
+
+
+# --------------------------------------------------------------------------- found before any server
+
+#: Nothing listens here: a command that got as far as the network would report that
+#: instead, so these tests also show that nothing was sent.
+NOWHERE = ["--url", "tcp://127.0.0.1:9", "--http-url", "http://127.0.0.1:9"]
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``lmcache-async ARGV`` in this process (fast: no interpreter start); (code, stdout, stderr)."""
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _package(path: Path, *, tokens: list[int], salt: str = "", model: str = "m") -> Path:
+    kv = torch.zeros((2, 2, len(tokens), 16), dtype=torch.bfloat16)
+    torch.save({"kv": kv, "model_name": model, "tokens": tokens, "cache_salt": salt}, path)
+    return path
+
+
+def test_bad_salt_model_or_tokens_are_one_line_before_any_server(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = _package(tmp_path / "good.pt", tokens=list(range(16)))
+    negative = _package(tmp_path / "negative.pt", tokens=[5, -1, *range(14)])
+    salted = _package(tmp_path / "salted.pt", tokens=list(range(16)), salt="a@b")
+    named = _package(tmp_path / "named.pt", tokens=list(range(16)), model="m@x")
+    out = str(tmp_path / "out.pt")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"source": "0:16", "target": "16:32"}\n')
+    salt_msg = "--cache-salt must not contain '@': 'a@b'"
+    model_msg = "--model-name: model_name must not contain '@': 'm@x'"
+    cases: list[tuple[list[str], int, str]] = [
+        (["lookup", "--model-name", "m", "--cache-salt", "a@b", "--num-tokens", "16"], 2, salt_msg),
+        (["retrieve", "--model-name", "m", "--cache-salt", "a@b", "--num-tokens", "16", "--output", out], 2, salt_msg),
+        (["store", "--input", str(good), "--cache-salt", "a@b"], 2, salt_msg),
+        (["remap", "--model-name", "m", "--source-tokens", "0:16", "--target-tokens", "16:32", "--cache-salt", "a@b"], 2, salt_msg),
+        (["remap", "--model-name", "m", "--source-tokens", "0:16", "--target-tokens", "16:32",
+          "--target-cache-salt", "x/y"], 2, "--target-cache-salt must not contain '/': 'x/y'"),
+        (["make-package", "--output", out, "--model-name", "m", "--cache-salt", "a@b", "--chunk-size", "16",
+          "--num-chunks", "1", "--num-layers", "2", "--hidden-dim", "16"], 2, salt_msg),
+        (["lookup", "--model-name", "m@x", "--num-tokens", "16"], 2, model_msg),
+        (["retrieve", "--model-name", "", "--num-tokens", "16", "--output", out], 2,
+         "--model-name: model_name must not be empty"),
+        (["store", "--input", str(good), "--model-name", "m@x"], 2, model_msg),
+        (["remap", "--model-name", "m@x", "--source-tokens", "0:16", "--target-tokens", "16:32"], 2, model_msg),
+        (["remap-batch", str(pairs), "--model-name", "m@x"], 2, model_msg),
+        (["lookup", "--model-name", "m", "--token-start", "4294967290", "--num-tokens", "16"], 2,
+         "--token-start/--num-tokens: token id 4294967296 is outside [0, 2**32)"),
+        (["retrieve", "--model-name", "m", "--tokens", "4294967295:4294967297", "--output", out], 2,
+         "--tokens: token id 4294967296 is outside [0, 2**32)"),
+        (["store", "--input", str(negative)], 1, f"{negative}: 'tokens': token id -1 is outside [0, 2**32)"),
+        (["remap", "--model-name", "m", "--source-package", str(negative), "--target-tokens", "0:16"], 1,
+         f"{negative}: 'tokens': token id -1 is outside [0, 2**32)"),
+        (["store", "--input", str(salted)], 1, f"{salted}: 'cache_salt' must not contain '@': 'a@b'"),
+        (["store", "--input", str(named)], 1, f"{named}: model_name must not contain '@': 'm@x'"),
+    ]  # fmt: skip
+    for argv, code, message in cases:
+        extra = NOWHERE if argv[0] != "make-package" else []
+        assert run_main(capsys, *argv, *extra) == (code, "", f"{PROG} {argv[0]}: error: {message}\n"), argv
+    assert not Path(out).exists()
+
+
+def test_a_file_that_is_not_a_package_is_told_what_a_package_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lmcache_async.cli.package_file import PACKAGE_FORMAT
+
+    module = tmp_path / "model.pt"
+    torch.save(torch.nn.Linear(2, 2), module)  # a pickled class: weights_only refuses it
+    text = tmp_path / "notes.pt"
+    text.write_text("hello, not a torch file\n")
+    listed = tmp_path / "list.pt"
+    torch.save([torch.zeros(1)], listed)
+    partial = tmp_path / "partial.pt"
+    torch.save({"kv": torch.zeros(1), "cache_salt": ""}, partial)
+    holds = "it holds objects other than tensors, strings, numbers, lists and dicts, so it was not loaded"
+    cases = [
+        (module, f"{module}: not a KV package: {holds} ({PACKAGE_FORMAT})"),
+        (text, f"{text}: not a KV package: not a file written by torch.save ({PACKAGE_FORMAT})"),
+        (listed, f"{listed}: not a KV package: it holds a list, not a dict ({PACKAGE_FORMAT})"),
+        (partial, f"{partial}: not a KV package: no model_name, tokens ({PACKAGE_FORMAT})"),
+        (tmp_path / "absent.pt", f"{tmp_path / 'absent.pt'}: no such file"),
+    ]
+    for path, message in cases:
+        for argv in (
+            ["store", *NOWHERE, "--input", str(path)],
+            ["remap", *NOWHERE, "--model-name", "m", "--source-package", str(path), "--target-tokens", "0:16"],
+        ):
+            code, out, err = run_main(capsys, *argv)
+            assert (code, out, err) == (1, "", f"{PROG} {argv[0]}: error: {message}\n")
+            assert "weights_only" not in err
+
+
+def test_progress_line_fits_the_terminal_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from lmcache_async.bulk import BatchProgress, ItemResult
+    from lmcache_async.cli.batch import render_progress, terminal_columns
+
+    p = BatchProgress(120, 200, 100, 10, 10, 0, 0, 1_234_000_000, 0.5, ItemResult(0))
+    full = "[##############..........] 120/200  60%  hits 100  misses 10  failed 10  1.23 GB  2.47 GB/s"
+    assert render_progress(p) == full  # no terminal: never cut
+    assert render_progress(p, columns=200) == full
+    assert render_progress(p, columns=len(full) + 1) == full
+    # One column short: the bar gives one character (23 wide, 13 filled).
+    assert render_progress(p, columns=len(full)) == "[#############..........]" + full[26:]
+    # The bar narrows first (12 wide), then the throughput goes, the bar widens again (13).
+    assert render_progress(p, columns=80) == "[#######.....]" + full[26:]
+    assert render_progress(p, columns=70) == "[#######......]" + full[26:-11]
+    # At the narrowest bar without the optional fields, the line is cut.
+    assert render_progress(p, columns=40) == "[####....] 120/200  60%  hits 100  miss"
+    skipped = render_progress(p, 7, columns=90)
+    assert skipped == "[######.....] 120/200  60%  hits 100  misses 10  failed 10  skipped 7  1.23 GB  2.47 GB/s"
+    for columns in range(1, 120):
+        assert len(render_progress(p, 3, columns=columns)) <= max(columns - 1, 1)
+
+    monkeypatch.setenv("COLUMNS", "57")
+    assert terminal_columns(io.StringIO()) == 57
+    monkeypatch.delenv("COLUMNS")
+    assert terminal_columns(io.StringIO()) is None  # pytest captures: no terminal anywhere
+
+
+# --------------------------------------------------------------------------- the docs, as written
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "bulk-and-cli.md"
+
+
+def _doc_examples(*commands: str) -> list[tuple[list[str], str]]:
+    """The ``$ lmcache-async COMMAND ...`` examples of docs/bulk-and-cli.md, in page order:
+    (argv after the program name, the output shown under it)."""
+    examples: list[tuple[list[str], str]] = []
+    for block in re.findall(r"^```\n(\$ lmcache-async .*?)^```$", DOCS.read_text(), flags=re.S | re.M):
+        command_text, _, output = block.partition("\n")
+        while command_text.endswith("\\"):
+            more, _, output = output.partition("\n")
+            command_text = command_text[:-1] + " " + more.strip()
+        argv = shlex.split(command_text)[2:]
+        if argv[0] in commands:
+            examples.append((argv, output))
+    return examples
+
+
+def test_the_package_and_remap_examples_of_the_docs_run_as_written(
+    real_server_shm: RealLMCacheServer, tmp_path: Path
+) -> None:
+    """make-package, store, lookup, remap as docs/bulk-and-cli.md shows them (only the
+    model name is made unique and the server's address added): the same output, and the
+    remap finds the source under the package's salt."""
+    srv = real_server_shm
+    model = unique_model("cli-docs")
+    examples = _doc_examples("make-package", "store", "lookup", "remap")
+    assert [argv[0] for argv, _ in examples] == ["store", "make-package", "store", "lookup", "remap"]
+    torch.save(torch.nn.Linear(2, 2), tmp_path / "model.pt")  # the refused file of the page
+    for argv, shown in examples:
+        argv = [model if i and argv[i - 1] == "--model-name" else a for i, a in enumerate(argv)]
+        if argv[0] != "make-package":
+            argv += server_args(srv)
+        proc = cli(*argv, cwd=tmp_path)
+        expected = re.sub(r"^model( +)m$", rf"model\g<1>{model}", shown, flags=re.M)
+        if expected.startswith(f"{PROG} {argv[0]}: error: "):
+            assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected), argv
+        else:
+            assert (proc.returncode, proc.stdout, proc.stderr) == (0, expected, ""), argv
+
+    async def check() -> None:
+        pkg = torch.load(tmp_path / "p.pt", weights_only=True)
+        async with AsyncClient(srv.url, srv.http_url, model, geometry=SMALL_GEOMETRY, timeout=30) as c:
+            got = await c.retrieve(list(range(5000, 5040)), "t")
+            assert got is not None and torch.equal(got, pkg["kv"][:, :, :32])
+
+    asyncio.run(check())

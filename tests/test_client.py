@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -231,7 +232,7 @@ async def test_timeouts_and_cancellations_leave_no_sessions_or_locks(own_server:
         baseline = await counts(c)
         # Deadlines that expire at once or mid-flight: the operations are abandoned.
         for t, timeout in zip(tokens, [0.0, 0.0005, 0.001, 0.002, 0.0, 0.0005, 0.001, 0.002], strict=True):
-            calls = [
+            calls: list[Callable[[], Awaitable[object]]] = [
                 lambda: c.retrieve(t, timeout=timeout),
                 lambda: c.lookup(t, timeout=timeout),
                 lambda: c.store(kv, t, timeout=timeout),
@@ -244,7 +245,7 @@ async def test_timeouts_and_cancellations_leave_no_sessions_or_locks(own_server:
                     assert exc.operation in ("retrieve", "lookup", "store", "remap")
         # Cancellations at every await point: cancel after k event-loop iterations.
         for k in range(12):
-            tasks = [asyncio.create_task(c.retrieve(t)) for t in tokens]
+            tasks: list[asyncio.Task[Any]] = [asyncio.create_task(c.retrieve(t)) for t in tokens]
             tasks += [asyncio.create_task(c.store(kv, t)) for t in tokens[4:]]
             for _ in range(k):
                 await asyncio.sleep(0)

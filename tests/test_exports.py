@@ -14,3 +14,12 @@ def test_all_matches_the_namespace() -> None:
     assert set(lmcache_async.__all__) - {"__version__"} == public
     assert all(hasattr(lmcache_async, name) for name in lmcache_async.__all__)
     assert lmcache_async.__version__ == "0.1.0"
+
+
+def test_every_error_and_the_default_sentinel_are_exported() -> None:
+    from lmcache_async import _defaults, errors
+
+    assert set(errors.__all__) <= set(lmcache_async.__all__)
+    assert all(getattr(lmcache_async, name) is getattr(errors, name) for name in errors.__all__)
+    assert lmcache_async.DEFAULT is _defaults.DEFAULT
+    assert lmcache_async.DefaultType is _defaults.DefaultType

@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def _tokens(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
 
-def _register(eng: EngineWorker, model: str) -> dict[str, object]:
+def _register(eng: EngineWorker, model: str) -> dict[str, Any]:
     return eng.register(
         model, num_layers=L, num_kv_heads=NH, head_dim=HS, block_size=BS, num_blocks=NB,
         dtype=torch.bfloat16,

@@ -33,12 +33,14 @@ import lmcache_async.sync_client as sync_client
 from lmcache_async import (
     AsyncClient,
     ClientClosedError,
+    DefaultType,
     KVGeometry,
     LMCacheError,
     LMCacheTimeoutError,
     RemapResult,
     connect,
 )
+from lmcache_async.errors import LoopThreadCallError
 from lmcache_async.sync_client import LOOP_THREAD_NAME, Client, SyncUsageError
 from tests.support.real_server import REPO_ROOT, RealLMCacheServer
 
@@ -180,7 +182,7 @@ def test_the_parity_check_catches_a_new_unwrapped_method() -> None:
         async def compact(self, tokens: list[int]) -> int:  # a new method, not wrapped
             return 0
 
-        async def noop(self, *, timeout: float | None = 1.0) -> float:  # default differs
+        async def noop(self, *, timeout: float | DefaultType | None = 1.0) -> float:  # default differs
             return 0.0
 
     problems = _parity_problems(Grown, Client)
@@ -402,7 +404,7 @@ def test_a_blocking_call_from_the_loop_thread_raises_at_once(real_server_shm: Re
 
         fut = asyncio.run_coroutine_threadsafe(on_the_loop(), client._lt.loop)
         fut.result(timeout=30)
-        assert [type(e) for e in seen] == [SyncUsageError] * 4
+        assert [type(e) for e in seen] == [LoopThreadCallError] * 4
         assert all(isinstance(e, SyncUsageError) and e.reason == "loop_thread" for e in seen)
         assert not client.closed
         assert client.lookup(toks) == 0  # unaffected

@@ -4,8 +4,13 @@ Each group of subcommands lives in its own module with a ``register(subparsers)`
 function that adds its parsers and sets ``func`` (``(args) -> int``, the exit code):
 
 * :mod:`lmcache_async.cli.demo` -- ``demo`` (the KV remap demo) and ``serve`` (the embedded server);
-* :mod:`lmcache_async.cli.commands` -- ``status``, ``make-package``, ``store``, ``lookup``,
-  ``retrieve``, ``remap``, ``remap-batch``.
+* :mod:`lmcache_async.cli.status` -- ``status``;
+* :mod:`lmcache_async.cli.operations` -- ``make-package``, ``store``, ``lookup``,
+  ``retrieve``, ``remap`` (KV package files: :mod:`lmcache_async.cli.package_file`);
+* :mod:`lmcache_async.cli.batch` -- ``remap-batch``, with its report, resume and progress line.
+
+They share :mod:`lmcache_async.cli.arguments` (argument types and the common flags) and
+:mod:`lmcache_async.cli.runner` (one-line errors, exit codes, output, connecting).
 
 Exit codes: 0 success, 1 operation failed (e.g. server unreachable), 2 usage error,
 130 interrupted.
@@ -22,7 +27,12 @@ from lmcache_async._version import __version__
 
 __all__ = ["build_parser", "main"]
 
-_MODULES = ("lmcache_async.cli.demo", "lmcache_async.cli.commands")
+_MODULES = (
+    "lmcache_async.cli.demo",
+    "lmcache_async.cli.status",
+    "lmcache_async.cli.operations",
+    "lmcache_async.cli.batch",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,7 @@
 """JSON-lines request loop shared by ``engine_worker.py`` and ``sdk_worker.py``.
 
-Stdlib only. Runs inside the lmcache venv (the worker scripts put this
-directory first on ``sys.path`` because they are run as scripts).
+Stdlib only. Runs inside the lmcache venv; the worker scripts import it by its bare
+name (they are run as scripts, so this directory is first on ``sys.path``).
 
 Wire format (one JSON object per line, UTF-8):
 

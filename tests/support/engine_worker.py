@@ -63,10 +63,9 @@ Commands (request -> reply, besides ``ok``/``id``):
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+# Run as a script (``python path/to/this.py``), so its own directory is sys.path[0]:
+# the sibling _worker_loop imports by its bare name, with no sys.path edit.
 from _worker_loop import WorkerExit, error_reply, installed_lmcache, send, serve, take_protocol_stdout
 
 PROTO = take_protocol_stdout()
