@@ -470,3 +470,184 @@ def test_lmcache_counterparts_against_the_embedded_server(
         assert handle.server.leftovers().is_clean()
     finally:
         handle.stop()
+
+
+# --------------------------------------------------------------------------- side by side with the real 0.5.7 server
+
+
+class _Raw:
+    """A bare DEALER speaking the wire by hand; ``call`` -> (answered, decoded payload)."""
+
+    def __init__(self, url: str) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(url)
+        self.uid = 0
+
+    def call(self, op: int | str, *args: Any, timeout: float = 10.0) -> tuple[bool, Any]:
+        self.uid += 1
+        frames = [msgpack.packb(self.uid), msgpack.packb(op)]
+        frames += [msgpack.packb(a, use_bin_type=True) for a in args]
+        self.sock.send_multipart(frames)
+        if not self.sock.poll(int(timeout * 1000)):
+            return False, None
+        reply = self.sock.recv_multipart()
+        assert reply[:2] == frames[:2]
+        return True, (msgpack.unpackb(reply[2], raw=False) if len(reply) == 3 else None)
+
+    def ok(self, op: int | str, *args: Any) -> Any:
+        answered, value = self.call(op, *args)
+        assert answered, f"no reply to {op!r}"
+        return value
+
+    def hits(self, k: dict[str, Any]) -> int:
+        """lookup (ack) then poll the prefetch status until it is final."""
+        assert self.ok(Op.LOOKUP, k, 1) is None
+        for _ in range(500):
+            n = self.ok(Op.QUERY_PREFETCH_STATUS, k["request_id"])
+            if n is not None:
+                return int(n)
+            import time
+
+            time.sleep(0.01)
+        raise AssertionError("prefetch never finished")
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def _scripted_session(url: str, http_url: str, mode: str) -> list[Any]:
+    """One request sequence; what a client observes (no offsets or names)."""
+    import mmap
+    import os
+
+    model = "side-by-side"
+    seen: list[Any] = []
+    raw = _Raw(url)
+    try:
+        reply = raw.ok(Op.REGISTER_ENGINE_DRIVEN, {**register_payload(model), "group_layouts": []})
+        seen.append(("register", sorted(reply), reply["null_block_id"], reply["pool_size"] > 0))
+
+        def k(tokens: list[int], end: int, rid: str, **kw: Any) -> dict[str, Any]:
+            return {**key("0.5.7", tokens, end, rid, **kw), "model_name": model}
+
+        def store(tokens: list[int], seeds: list[int], rid: str) -> Any:
+            sk = k(tokens, len(seeds) * CS, rid, worker=0)
+            if mode == "shm":
+                ctx = raw.ok(Op.PREPARE_STORE, sk, IID, [])["context"]
+                seen.append(("prepare_store", ctx["chunk_indices"]))
+                with open(os.path.join("/dev/shm", reply["shm_name"].lstrip("/")), "r+b") as f:
+                    with mmap.mmap(f.fileno(), 0) as mm:
+                        for slot, j in zip(ctx["slots"], ctx["chunk_indices"], strict=True):
+                            assert slot["length"] == NBYTES and slot["dtype"] == "float32"
+                            data = chunk(seeds[j]).view(torch.uint8).numpy().tobytes()
+                            mm[slot["offset"] : slot["offset"] + NBYTES] = data
+                result = raw.ok(Op.COMMIT_STORE, sk, IID, b"") if ctx["slots"] else "skipped"
+            else:
+                result = raw.ok(Op.COMMIT_STORE, sk, IID, envelope([chunk(s) for s in seeds]))
+            raw.ok(Op.END_SESSION, rid)
+            return result
+
+        tokens = list(range(5000, 5000 + 3 * CS))
+        seen.append(("store", store(tokens, [1, 2, 3], "s1")))
+        seen.append(("store again", store(tokens, [1, 2, 3], "s2")))
+
+        # lookup from start=CS: 3 hits, only chunks 1-2 locked; a free from 0 releases them.
+        seen.append(("hits from start", raw.hits(k(tokens, 3 * CS, "a", start=CS))))
+        raw.ok(Op.FREE_LOOKUP_LOCKS, k(tokens, 3 * CS, "a"), 1, [])
+        raw.ok(Op.END_SESSION, "a")
+        seen.append(("skip_load", raw.hits(k(tokens, 3 * CS, "b", configs={"lmcache.skip_load": True}))))
+        raw.ok(Op.END_SESSION, "b")
+
+        # The retrieve, bitwise.
+        rk = k(tokens, 3 * CS, "r")
+        seen.append(("hits", raw.hits(rk)))
+        got = raw.ok(Op.PREPARE_RETRIEVE, {**rk, "worker_id": 0}, IID)
+        if mode == "shm":
+            with open(os.path.join("/dev/shm", reply["shm_name"].lstrip("/")), "r+b") as f:
+                with mmap.mmap(f.fileno(), 0) as mm:
+                    tensors = [
+                        torch.frombuffer(
+                            bytearray(mm[s["offset"] : s["offset"] + NBYTES]), dtype=torch.float32
+                        ).view(SHAPE)
+                        for s in got["context"]["slots"]
+                    ]
+        else:
+            tensors = from_envelope(got["data"])
+        seen.append(
+            (
+                "retrieved",
+                got["success"],
+                [torch.equal(t, chunk(s)) for t, s in zip(tensors, [1, 2, 3], strict=True)],
+            )
+        )
+        seen.append(("commit_retrieve", raw.ok(Op.COMMIT_RETRIEVE, {**rk, "worker_id": 0}, IID)))
+        raw.ok(Op.END_SESSION, "r")
+
+        # No read lock is left: a non-forced clear evicts everything.
+        raw.ok(Op.CLEAR, False)
+        seen.append(("after clear", raw.hits(k(tokens, 3 * CS, "c"))))
+        raw.ok(Op.END_SESSION, "c")
+
+        # Silence, each as on the real server.
+        bad_key = {**key("0.5.6", tokens, 3 * CS, "x"), "model_name": model}
+        seen.append(("0.5.6 key", raw.call(Op.LOOKUP, bad_key, 1, timeout=1.0)[0]))
+        seen.append(
+            ("2-frame prepare", raw.call(Op.PREPARE_STORE, k(tokens, CS, "x", worker=0), IID, timeout=1.0)[0])
+        )
+        bad = envelope([chunk(1)])  # one tensor for a two-chunk key
+        seen.append(
+            (
+                "short envelope",
+                raw.call(Op.COMMIT_STORE, k(tokens, 2 * CS, "x", worker=0), IID, bad, timeout=1.0)[0],
+            )
+        )
+        raw.ok(Op.END_SESSION, "x")
+        seen.append(("status", raw.ok(Op.GET_CHUNK_SIZE)))
+    finally:
+        raw.close()
+    with urllib.request.urlopen(f"{http_url}/status", timeout=10) as resp:
+        status = json.loads(resp.read())
+    seen.append(
+        ("sessions/jobs", status["active_sessions"], status["active_prefetch_jobs"], status["chunk_size"])
+    )
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["shm", "pickle"])
+def test_the_057_dialect_side_by_side_with_the_real_057_server(mode: str, fresh_real_server: Any) -> None:
+    """The same hand-made request sequence, observed on the real 0.5.7rc3 server and on
+    EmbeddedServer(protocol="0.5.7"): identical observations."""
+    real = fresh_real_server(mode, generation="0.5.7")
+    expected = _scripted_session(real.url, real.http_url, mode)
+    handle = EmbeddedServer.start_in_thread(chunk_size=CS, mode=mode, protocol="0.5.7", size_bytes=64 << 20)  # type: ignore[arg-type]
+    try:
+        assert _scripted_session(handle.url, handle.http_url, mode) == expected
+    finally:
+        handle.stop()
+    shm = mode == "shm"
+    stores = (
+        [("prepare_store", [0, 1, 2]), ("store", True), ("prepare_store", []), ("store again", "skipped")]
+        if shm
+        else [("store", True), ("store again", True)]
+    )
+    assert expected == [
+        ("register", ["null_block_id", "pool_size", "shm_name"], 0, shm),
+        *stores,
+        ("hits from start", 3),
+        ("skip_load", 0),
+        ("hits", 3),
+        ("retrieved", True, [True, True, True]),
+        ("commit_retrieve", True),
+        ("after clear", 0),
+        ("0.5.6 key", False),
+        ("2-frame prepare", False),
+        ("short envelope", False),
+        ("status", CS),
+        ("sessions/jobs", 0, 0, CS),
+    ]
