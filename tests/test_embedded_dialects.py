@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import mmap
+import os
 import struct
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -24,6 +27,8 @@ from typing import Any
 import msgpack
 import pytest
 import torch
+import zmq
+import zmq.asyncio
 
 from lmcache_async.pickle_codec import encode_tensor_list
 from lmcache_async.testing import EmbeddedServer, InProcessServer, ModelSpec, NoReply
@@ -356,9 +361,6 @@ async def test_in_process_handle_leftovers_and_silence() -> None:
 
 
 async def test_the_socket_path_goes_through_the_same_core() -> None:
-    import zmq
-    import zmq.asyncio
-
     async with EmbeddedServer(chunk_size=CS, mode="pickle", size_bytes=1 << 20, protocol="0.5.7") as srv:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)
@@ -479,9 +481,6 @@ class _Raw:
     """A bare DEALER speaking the wire by hand; ``call`` -> (answered, decoded payload)."""
 
     def __init__(self, url: str) -> None:
-        import zmq
-
-        self._zmq = zmq
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -511,8 +510,6 @@ class _Raw:
             n = self.ok(Op.QUERY_PREFETCH_STATUS, k["request_id"])
             if n is not None:
                 return int(n)
-            import time
-
             time.sleep(0.01)
         raise AssertionError("prefetch never finished")
 
@@ -523,9 +520,6 @@ class _Raw:
 
 def _scripted_session(url: str, http_url: str, mode: str) -> list[Any]:
     """One request sequence; what a client observes (no offsets or names)."""
-    import mmap
-    import os
-
     model = "side-by-side"
     seen: list[Any] = []
     raw = _Raw(url)
@@ -620,7 +614,9 @@ def _scripted_session(url: str, http_url: str, mode: str) -> list[Any]:
 
 
 @pytest.mark.parametrize("mode", ["shm", "pickle"])
-def test_the_057_dialect_side_by_side_with_the_real_057_server(mode: str, fresh_real_server: Any) -> None:
+def test_the_057_dialect_side_by_side_with_the_real_057_server(
+    mode: str, fresh_real_server: Any, lmcache057_python: Path
+) -> None:
     """The same hand-made request sequence, observed on the real 0.5.7rc3 server and on
     EmbeddedServer(protocol="0.5.7"): identical observations."""
     real = fresh_real_server(mode, generation="0.5.7")
