@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from lmcache_async.pickle_codec import encode_tensor_list
-from lmcache_async.testing import EmbeddedServer, InProcessServer, ModelSpec, NoReply
+from lmcache_async.testing import EmbeddedServer, InProcessServer, ModelSpec, NoReply, Protocol
 from lmcache_async.wire import Op
 from tests.support.workers import EngineWorker, SDKWorker
 
@@ -41,7 +41,7 @@ CS = 16
 SHAPE = (2, 2, CS, 8)
 NBYTES = 2 * 2 * CS * 8 * 4
 IID = 77
-PROTOCOLS = ["0.5.6", "0.5.7"]
+PROTOCOLS: list[Protocol] = ["0.5.6", "0.5.7"]
 
 
 def register_payload(model: str = "m") -> dict[str, Any]:
@@ -126,7 +126,7 @@ async def hits(srv: InProcessServer, protocol: str, tokens: list[int], rid: str,
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-async def test_lmc_version_and_register_reply(protocol: str) -> None:
+async def test_lmc_version_and_register_reply(protocol: Protocol) -> None:
     async with EmbeddedServer(chunk_size=CS, mode="shm", size_bytes=1 << 20, protocol=protocol) as srv:
         status, body, _ = await asyncio.to_thread(_get, f"{srv.http_url}/lmc_version")
         assert (status, body) == (200, {"0.5.6": "0.5.6", "0.5.7": "0.5.7rc3.dev0"}[protocol])
@@ -141,7 +141,8 @@ async def test_lmc_version_and_register_reply(protocol: str) -> None:
 
 async def test_keys_must_be_in_the_protocols_form() -> None:
     tokens = list(range(100, 100 + 2 * CS))
-    for protocol, other in (("0.5.6", "0.5.7"), ("0.5.7", "0.5.6")):
+    pairs: list[tuple[Protocol, Protocol]] = [("0.5.6", "0.5.7"), ("0.5.7", "0.5.6")]
+    for protocol, other in pairs:
         with InProcessServer(chunk_size=CS, mode="pickle", size_bytes=1 << 20, protocol=protocol) as srv:
             await srv.handle(Op.REGISTER_ENGINE_DRIVEN, [register_payload()])
             field = "token_ids" if protocol == "0.5.6" else "token_bytes"
