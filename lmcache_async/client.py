@@ -32,6 +32,7 @@ import torch
 
 from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
 from lmcache_async.connection import Connection
+from lmcache_async.cuda_hooks import caller_order, check_device, kv_mark, target_mark
 from lmcache_async.errors import (
     ClientClosedError,
     ClientNotOpenError,
@@ -572,6 +573,7 @@ class AsyncClient:
             raise ValueError(f"kv has shape {list(kv.shape)}, expected {list(want)} for {num_tokens} tokens")
         if kv.dtype != geom.dtype:
             raise TypeError(f"kv has dtype {kv.dtype}, the geometry says {geom.dtype}")
+        check_device(kv, "kv")
         return kv
 
     # ------------------------------------------------------------------ operations
@@ -613,6 +615,7 @@ class AsyncClient:
         cache_salt: str = "",
         out: torch.Tensor | None = None,
         *,
+        device: torch.device | str | None = None,
         request_configs: Mapping[str, Any] | None = None,
         timeout: float | DefaultType | None = DEFAULT,
     ) -> torch.Tensor | None:
@@ -625,6 +628,11 @@ class AsyncClient:
                 ``[2, L, T, D]`` (``[L, T, D]`` for MLA) with ``T >=`` the chunk-aligned
                 token count; it is filled without any other allocation of that size and
                 a view of its first ``T_hit`` tokens is returned.
+            device: where a tensor allocated without ``out`` lives (default: the CPU);
+                a CUDA device allocates on the GPU. With ``out``, it must name its device.
+                A CUDA ``out``/``device`` is written on side streams ordered after the
+                caller's current stream, and complete when the call returns
+                (``docs/design.md``, "CUDA tensors").
             request_configs: LMCache request configs carried in the keys of the lookup
                 and the retrieve (str keys, msgpack-encodable values), as the official
                 SDK sends them; e.g. ``{"lmcache.skip_load": True}`` makes a 0.5.7
@@ -632,7 +640,7 @@ class AsyncClient:
             timeout: deadline in seconds (default: the client's).
 
         Returns:
-            ``[2, L, T_hit, D]`` (CPU unless ``out`` says otherwise), or ``None`` on a miss.
+            ``[2, L, T_hit, D]`` (on ``device``, or ``out``'s), or ``None`` on a miss.
 
         Raises:
             ValueError/TypeError: bad arguments (nothing is sent).
@@ -652,11 +660,14 @@ class AsyncClient:
         end = self._aligned(len(toks))
         if out is not None:
             self._check_out(out, end)
+        mark = target_mark(out, device)  # None unless the KV goes to a GPU
 
         if self._cannot_retrieve is not None:  # before anything is sent: never a silent miss
             raise TransferError(self._cannot_retrieve)
         return await self._run(
-            "retrieve", timeout, lambda ops, op: ops.retrieve(op, toks, end, cache_salt, configs, out)
+            "retrieve",
+            timeout,
+            lambda ops, op: ops.retrieve(op, toks, end, cache_salt, configs, out, mark=mark),
         )
 
     def _check_out(self, out: object, end: int) -> None:
@@ -671,6 +682,7 @@ class AsyncClient:
             raise ValueError(f"out has shape {got}, expected {want} (token axis may be longer)")
         if out.dtype != geom.dtype:
             raise TypeError(f"out has dtype {out.dtype}, the geometry says {geom.dtype}")
+        check_device(out, "out")
 
     async def store(
         self,
@@ -709,9 +721,11 @@ class AsyncClient:
         self._require_open()
         kv = self._check_kv(kv, len(toks))
         end = self._aligned(len(toks))
+        # A CUDA kv: the bytes stored are kv as seen from the caller's current stream, now.
+        mark = kv_mark(kv)
 
         return await self._run(
-            "store", timeout, lambda ops, op: ops.store(op, kv, toks, end, cache_salt, configs)
+            "store", timeout, lambda ops, op: ops.store(op, kv, toks, end, cache_salt, configs, mark=mark)
         )
 
     async def remap(
@@ -859,15 +873,16 @@ class AsyncClient:
         """
         from lmcache_async import bulk
 
-        return await bulk.store_many(
-            self,
-            items,
-            concurrency=concurrency,
-            max_bytes_in_flight=max_bytes_in_flight,
-            progress=progress,
-            return_exceptions=return_exceptions,
-            timeout=self._timeout(timeout),
-        )
+        with caller_order():  # GPU tensors: ordered after the caller's streams, now
+            return await bulk.store_many(
+                self,
+                items,
+                concurrency=concurrency,
+                max_bytes_in_flight=max_bytes_in_flight,
+                progress=progress,
+                return_exceptions=return_exceptions,
+                timeout=self._timeout(timeout),
+            )
 
     async def retrieve_many(
         self,
@@ -887,15 +902,16 @@ class AsyncClient:
         """
         from lmcache_async import bulk
 
-        return await bulk.retrieve_many(
-            self,
-            token_lists,
-            concurrency=concurrency,
-            max_bytes_in_flight=max_bytes_in_flight,
-            progress=progress,
-            return_exceptions=return_exceptions,
-            timeout=self._timeout(timeout),
-        )
+        with caller_order():  # GPU tensors: ordered after the caller's streams, now
+            return await bulk.retrieve_many(
+                self,
+                token_lists,
+                concurrency=concurrency,
+                max_bytes_in_flight=max_bytes_in_flight,
+                progress=progress,
+                return_exceptions=return_exceptions,
+                timeout=self._timeout(timeout),
+            )
 
     # ---- end of bulk operations ----
 

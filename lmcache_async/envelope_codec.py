@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import struct
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import torch
@@ -116,13 +116,21 @@ def _copy_into_frame(buf: bytearray, offset: int, tensor: torch.Tensor) -> None:
     dst.view(tensor.shape).copy_(tensor)
 
 
-def encode_tensor_envelope(tensors: Sequence[torch.Tensor], *, msgpack_bin: bool = True) -> bytearray:
+def encode_tensor_envelope(
+    tensors: Sequence[torch.Tensor],
+    *,
+    msgpack_bin: bool = True,
+    copy: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+) -> bytearray:
     """Encode ``tensors`` as the server's ``TensorEnvelope``, copying each tensor once.
 
     Args:
         tensors: tensors of any device and strides; each is written contiguous.
         msgpack_bin: prefix the msgpack bin header so the result is a ready ZMQ frame
             (the ``bytes`` argument of ``commit_store``).
+        copy: ``copy(i, dst, src)`` writes tensor ``i`` into ``dst`` (a flat CPU view of
+            the frame) instead of ``dst.view(src.shape).copy_(src)`` (the CUDA path
+            stages through pinned memory, :mod:`lmcache_async.cuda`).
 
     Raises:
         ValueError: more than 65536 tensors, a rank above 16, a tensor above 2 GiB, more
@@ -163,11 +171,16 @@ def encode_tensor_envelope(tensors: Sequence[torch.Tensor], *, msgpack_bin: bool
     for part in (_ENVELOPE_HEAD, _array_header(len(tensors))):
         buf[pos : pos + len(part)] = part
         pos += len(part)
-    for t, head in zip(tensors, heads, strict=True):
+    for i, (t, head) in enumerate(zip(tensors, heads, strict=True)):
         buf[pos : pos + len(head)] = head
         pos += len(head)
         if t.numel():
-            _copy_into_frame(buf, pos, t)
+            if copy is None:
+                _copy_into_frame(buf, pos, t)
+            else:
+                dst = torch.frombuffer(buf, dtype=t.dtype, count=t.numel(), offset=pos)
+                copy(i, dst, t)
+                del dst
         pos += t.numel() * t.element_size()
     assert pos == len(buf)
     return buf

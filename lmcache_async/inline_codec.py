@@ -18,14 +18,16 @@ from lmcache_async.envelope_codec import decode_tensor_envelope, encode_tensor_e
 from lmcache_async.pickle_codec import decode_tensor_list, encode_tensor_list
 from lmcache_async.wire import WireGeneration
 
-__all__ = ["decode_inline", "encode_inline"]
+__all__ = ["CopyHook", "decode_inline", "encode_inline"]
 
-_Encoder = Callable[[Sequence[torch.Tensor]], bytearray]
+#: ``copy(i, dst, src)``: how tensor ``i`` is written into its flat CPU place in the frame.
+CopyHook = Callable[[int, torch.Tensor, torch.Tensor], None]
+_Encoder = Callable[[Sequence[torch.Tensor], CopyHook | None], bytearray]
 _Decoder = Callable[[bytes, int, tuple[int, ...], torch.dtype], list[torch.Tensor]]
 
 _ENCODERS: Final[dict[str, _Encoder]] = {
-    "pickle": lambda tensors: encode_tensor_list(tensors),
-    "tensor_envelope": lambda tensors: encode_tensor_envelope(tensors),
+    "pickle": lambda tensors, copy: encode_tensor_list(tensors, copy=copy),
+    "tensor_envelope": lambda tensors, copy: encode_tensor_envelope(tensors, copy=copy),
 }
 _DECODERS: Final[dict[str, _Decoder]] = {
     "pickle": lambda data, n, shape, dtype: decode_tensor_list(data, count=n, shape=shape, dtype=dtype),
@@ -35,14 +37,17 @@ _DECODERS: Final[dict[str, _Decoder]] = {
 }
 
 
-def encode_inline(wire: WireGeneration, tensors: Sequence[torch.Tensor]) -> bytearray:
+def encode_inline(
+    wire: WireGeneration, tensors: Sequence[torch.Tensor], *, copy: CopyHook | None = None
+) -> bytearray:
     """``commit_store``'s data frame (msgpack bin header included) for ``tensors``,
-    each copied once.
+    each copied once (by ``copy(i, dst, src)`` when given: the CUDA path stages
+    through pinned memory, :func:`lmcache_async.cuda.encode_inline`).
 
     Raises:
         ValueError: a dtype the payload cannot carry, or a size limit exceeded.
     """
-    return _ENCODERS[wire.inline_payload](tensors)
+    return _ENCODERS[wire.inline_payload](tensors, copy)
 
 
 def decode_inline(

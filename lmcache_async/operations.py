@@ -19,7 +19,9 @@ on the generation.
 The tensor copies are small named functions (:func:`fill_slots`, :func:`copy_chunks_out`,
 :func:`~lmcache_async.inline_codec.encode_inline`,
 :func:`~lmcache_async.inline_codec.decode_inline`), so they can be replaced or hooked in
-one place.
+one place. A CUDA tensor's copies go through :mod:`lmcache_async.cuda` instead (side
+streams ordered after the caller's ``Mark``, the pinned SHM pool, pinned staging for the
+inline payload); that module is imported only when a call carries a mark.
 
 Cancellation: a sequence is normally run by :func:`run_detached`, in a task of its own
 that the caller awaits under its deadline; a caller that times out or is cancelled marks
@@ -38,10 +40,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 import torch
 
+from lmcache_async.cuda_hooks import new_target
 from lmcache_async.errors import LMCacheError, LMCacheTimeoutError, ProtocolError, TransferError
 from lmcache_async.geometry import KVGeometry
 from lmcache_async.inline_codec import decode_inline, encode_inline
@@ -54,6 +57,9 @@ from lmcache_async.wire import (
     parse_prepare_retrieve,
     parse_prepare_store,
 )
+
+if TYPE_CHECKING:
+    from lmcache_async.cuda import Mark
 
 __all__ = [
     "Channel",
@@ -298,9 +304,12 @@ class Operations:
         salt: str,
         configs: Configs = None,
         out: torch.Tensor | None = None,
+        *,
+        mark: Mark | None = None,
     ) -> torch.Tensor | None:
         """The KV of the longest cached prefix of ``toks[:end]``, or ``None``; copied into
-        ``out`` when given (a view of it is returned)."""
+        ``out`` when given (a view of it is returned). ``mark``: the KV goes to a GPU
+        (``out``'s, or a new tensor on the mark's device), ordered after the mark."""
         if end == 0:
             return None
         geom = self.reg.geometry
@@ -315,28 +324,37 @@ class Operations:
             rkey = self._key(toks, hit, rid, salt, worker=True, configs=configs)
             target = out.narrow(geom.token_axis, 0, hit) if out is not None else None
             if self.reg.pool is None:
-                return await self._retrieve_pickle(op, rkey, hit, target, state)
+                return await self._retrieve_pickle(op, rkey, hit, target, state, mark)
             # The server keys pending SHM reads by (instance, key) without the request
             # id: concurrent retrieves of one prefix must not overlap their pairs.
             async with self._gate(("retrieve", salt, tuple(toks[:hit]))):
-                return await self._retrieve_shm(op, rkey, hit, target, state)
+                return await self._retrieve_shm(op, rkey, hit, target, state, mark)
         finally:
             if hit and not state.prepared:
                 await self._free_locks(key, hit // self.reg.chunk_size)
             await self.cleanup_call(Op.END_SESSION, rid)
 
     async def store(
-        self, op: OpState, kv: torch.Tensor, toks: list[int], end: int, salt: str, configs: Configs = None
+        self,
+        op: OpState,
+        kv: torch.Tensor,
+        toks: list[int],
+        end: int,
+        salt: str,
+        configs: Configs = None,
+        *,
+        mark: Mark | None = None,
     ) -> bool:
-        """Store ``kv`` (already validated) under ``toks[:end]``; False when all was cached."""
+        """Store ``kv`` (already validated) under ``toks[:end]``; False when all was cached.
+        ``mark``: ``kv`` is on a GPU and is read as seen after the mark."""
         if end == 0:
             return False
         # One store per key at a time from this client: a concurrent twin would see
         # the chunks "being written" and could not tell that from out-of-memory.
         async with self._gate(("store", salt, tuple(toks[:end]))):
             if self.reg.pool is not None:
-                return await self._store_shm(op, kv, toks, end, salt, configs)
-            return await self._store_pickle(op, kv, toks, end, salt, configs)
+                return await self._store_shm(op, kv, toks, end, salt, configs, mark)
+            return await self._store_pickle(op, kv, toks, end, salt, configs, mark)
 
     async def remap(
         self, op: OpState, src: list[int], dst: list[int], n: int, salt: str, tsalt: str
@@ -461,7 +479,13 @@ class Operations:
             await self.cleanup_call(Op.FREE_LOOKUP_LOCKS, free_key, key["world_size"])
 
     async def _retrieve_shm(
-        self, op: OpState, rkey: dict[str, Any], hit: int, target: torch.Tensor | None, state: _RetrieveState
+        self,
+        op: OpState,
+        rkey: dict[str, Any],
+        hit: int,
+        target: torch.Tensor | None,
+        state: _RetrieveState,
+        mark: Mark | None = None,
     ) -> torch.Tensor | None:
         geom = self.reg.geometry
         assert self.reg.pool is not None
@@ -481,8 +505,8 @@ class Operations:
             if op.abandoned:
                 return None
             if target is None:
-                target = torch.empty(geom.kv_shape(hit), dtype=geom.dtype)
-            await self._copy_chunks(target, views)
+                target, mark = new_target(geom.kv_shape(hit), geom.dtype, mark)
+            await self._copy_chunks(target, views, mark)
             committed = True
             await self.call(op, Op.COMMIT_RETRIEVE, rkey, self.reg.instance_id)
             return target
@@ -491,7 +515,13 @@ class Operations:
                 await self.cleanup_call(Op.COMMIT_RETRIEVE, rkey, self.reg.instance_id)
 
     async def _retrieve_pickle(
-        self, op: OpState, rkey: dict[str, Any], hit: int, target: torch.Tensor | None, state: _RetrieveState
+        self,
+        op: OpState,
+        rkey: dict[str, Any],
+        hit: int,
+        target: torch.Tensor | None,
+        state: _RetrieveState,
+        mark: Mark | None = None,
     ) -> torch.Tensor | None:
         geom = self.reg.geometry
         if self.reg.server_has_shm:
@@ -507,8 +537,8 @@ class Operations:
         if op.abandoned:
             return None
         if target is None:
-            target = torch.empty(geom.kv_shape(hit), dtype=geom.dtype)
-        await self._copy_chunks(target, tensors)
+            target, mark = new_target(geom.kv_shape(hit), geom.dtype, mark)
+        await self._copy_chunks(target, tensors, mark)
         return target
 
     @contextlib.asynccontextmanager
@@ -526,13 +556,28 @@ class Operations:
             if entry[1] == 0:
                 del self._gates[identity]
 
-    async def _copy_chunks(self, target: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
+    async def _copy_chunks(
+        self, target: torch.Tensor, chunks: Sequence[torch.Tensor], mark: Mark | None = None
+    ) -> None:
+        if mark is not None:  # CUDA target: side streams ordered after the caller's
+            from lmcache_async import cuda
+
+            pairs = [(self._chunk(target, i), c) for i, c in enumerate(chunks)]
+            await cuda.to_device(pairs, mark, self.reg.pool, staged=self.reg.pool is None)
+            return
         total = sum(c.numel() for c in chunks) * target.element_size()
         axis = self.reg.geometry.token_axis
         await _maybe_in_thread(total, lambda: copy_chunks_out(target, chunks, self.reg.chunk_size, axis))
 
     async def _store_shm(
-        self, op: OpState, kv: torch.Tensor, toks: list[int], end: int, salt: str, configs: Configs
+        self,
+        op: OpState,
+        kv: torch.Tensor,
+        toks: list[int],
+        end: int,
+        salt: str,
+        configs: Configs,
+        mark: Mark | None = None,
     ) -> bool:
         geom = self.reg.geometry
         assert self.reg.pool is not None
@@ -554,7 +599,12 @@ class Operations:
             views = [self.reg.pool.view(s, shape, geom.dtype) for s in slots]
             pairs = [(v, self._chunk(kv, j)) for v, j in zip(views, indices, strict=True)]
             nbytes = sum(v.numel() for v in views) * kv.element_size()
-            await _maybe_in_thread(nbytes, lambda: fill_slots(pairs))
+            if mark is not None:  # CUDA kv: side streams ordered after the caller's
+                from lmcache_async import cuda
+
+                await cuda.to_host(pairs, mark, self.reg.pool)
+            else:
+                await _maybe_in_thread(nbytes, lambda: fill_slots(pairs))
             ok = await self.call(op, Op.COMMIT_STORE, key, self.reg.instance_id, b"")
             if ok is not True:
                 raise TransferError("the server refused the SHM commit (registration lost?)")
@@ -563,7 +613,14 @@ class Operations:
             await self.cleanup_call(Op.END_SESSION, rid)
 
     async def _store_pickle(
-        self, op: OpState, kv: torch.Tensor, toks: list[int], end: int, salt: str, configs: Configs
+        self,
+        op: OpState,
+        kv: torch.Tensor,
+        toks: list[int],
+        end: int,
+        salt: str,
+        configs: Configs,
+        mark: Mark | None = None,
     ) -> bool:
         rid = request_id("store")
         lookup_key = self._key(toks, end, rid, salt, worker=False)
@@ -576,7 +633,11 @@ class Operations:
             first = hit // self.reg.chunk_size
             chunks = [self._chunk(kv, j) for j in range(first, end // self.reg.chunk_size)]
             nbytes = sum(c.numel() for c in chunks) * kv.element_size()
-            if nbytes >= THREAD_COPY_BYTES:
+            if mark is not None:  # CUDA kv: staged through pinned memory
+                from lmcache_async import cuda
+
+                frame = await cuda.encode_inline(self.reg.wire, chunks, mark)
+            elif nbytes >= THREAD_COPY_BYTES:
                 frame = await asyncio.to_thread(encode_inline, self.reg.wire, chunks)
             else:
                 frame = encode_inline(self.reg.wire, chunks)

@@ -29,7 +29,7 @@ import math
 import pickle
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import torch
@@ -113,13 +113,21 @@ _TENSOR_HEAD: Final = b"ctorch._utils\n_rebuild_tensor_v2\n(ctorch.storage\n_loa
 _HOOKS: Final = b"ccollections\nOrderedDict\n)R"  # OrderedDict()
 
 
-def encode_tensor_list(tensors: Sequence[torch.Tensor], *, msgpack_bin: bool = True) -> bytearray:
+def encode_tensor_list(
+    tensors: Sequence[torch.Tensor],
+    *,
+    msgpack_bin: bool = True,
+    copy: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+) -> bytearray:
     """Encode ``tensors`` as ``pickle.dumps(list_of_tensors)`` would, copying each once.
 
     Args:
         tensors: tensors of a dtype with a legacy storage class (fp16/bf16/fp32/... );
             any device and strides. Each is written as a contiguous CPU tensor.
         msgpack_bin: prefix the msgpack bin header so the result is a ready ZMQ frame.
+        copy: ``copy(i, dst, src)`` writes tensor ``i`` into ``dst`` (a flat CPU view of
+            the frame) instead of ``dst.view(src.shape).copy_(src)`` (the CUDA path
+            stages through pinned memory, :mod:`lmcache_async.cuda`).
 
     Raises:
         ValueError: an unsupported dtype, or more than 4 GiB in one frame.
@@ -152,7 +160,7 @@ def encode_tensor_list(tensors: Sequence[torch.Tensor], *, msgpack_bin: bool = T
     pos = prefix
     buf[pos : pos + 4] = b"\x80\x04]("
     pos += 4
-    for t, (rest, tail, nbytes) in zip(tensors, metas, strict=True):
+    for i, (t, (rest, tail, nbytes)) in enumerate(zip(tensors, metas, strict=True)):
         buf[pos : pos + len(_TENSOR_HEAD)] = _TENSOR_HEAD
         pos += len(_TENSOR_HEAD)
         # MEMOIZE opcodes are harmless: they pad so the raw data lands 64-byte aligned.
@@ -163,7 +171,10 @@ def encode_tensor_list(tensors: Sequence[torch.Tensor], *, msgpack_bin: bool = T
         pos += len(rest)
         if nbytes:
             dst = torch.frombuffer(buf, dtype=t.dtype, count=t.numel(), offset=pos)
-            dst.view(t.shape).copy_(t)
+            if copy is None:
+                dst.view(t.shape).copy_(t)
+            else:
+                copy(i, dst, t)
             del dst
         pos += nbytes
         buf[pos : pos + len(tail)] = tail

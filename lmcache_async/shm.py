@@ -62,6 +62,17 @@ class ShmPool:
         self._base: torch.Tensor | None = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self._stop = threading.Event()
         self._prefaulter: threading.Thread | None = None
+        #: Whether the mapping is registered as pinned CUDA memory: None until the first
+        #: CUDA copy asks (:func:`lmcache_async.cuda.pin_pool`), then True or False.
+        self.cuda_pinned: bool | None = None
+        self.cuda_lock = threading.Lock()
+
+    def address_range(self) -> tuple[int, int]:
+        """(start address, length) of the mapping in this process."""
+        base = self._base
+        if base is None:
+            raise TransferError("the SHM pool is closed")
+        return base.data_ptr(), self.pool_size
 
     def start_prefault(self) -> None:
         """Map the whole pool into this process in the background.
@@ -109,12 +120,22 @@ class ShmPool:
         return base[slot.offset : slot.offset + slot.length].view(dtype).view(shape)
 
     def close(self) -> None:
-        """Unmap the pool (views made by :meth:`view` must be gone). Idempotent."""
+        """Unmap the pool (views made by :meth:`view` must be gone). Idempotent.
+
+        A pool pinned for CUDA copies is unregistered first (after the copy streams are
+        idle), never after it is unmapped.
+        """
         if self._base is None:
             return
         self._stop.set()
         if self._prefaulter is not None:
             self._prefaulter.join(timeout=5.0)  # at most one 16 MiB madvise to finish
+        with self.cuda_lock:
+            if self.cuda_pinned:
+                from lmcache_async import cuda  # only ever loaded when a CUDA copy pinned it
+
+                cuda.unpin_pool(self)
+                self.cuda_pinned = False
         self._base = None
         # A view still alive somewhere keeps the mapping until it is collected.
         with contextlib.suppress(BufferError):

@@ -63,6 +63,7 @@ import torch
 
 from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
 from lmcache_async.client import AsyncClient, RemapResult, TransferMode
+from lmcache_async.cuda_hooks import caller_device, on_caller_streams
 from lmcache_async.errors import (
     ClientClosedError,
     ForkedSyncClientError,
@@ -727,22 +728,29 @@ class Client:
         cache_salt: str = "",
         out: torch.Tensor | None = None,
         *,
+        device: torch.device | str | None = None,
         request_configs: Mapping[str, Any] | None = None,
         timeout: float | DefaultType | None = DEFAULT,
     ) -> torch.Tensor | None:
         """The KV of the longest cached chunk-aligned prefix of ``tokens``, or ``None``.
 
         Blocking :meth:`AsyncClient.retrieve` (``[2, L, T_hit, D]``, a view of ``out``
-        when given). On timeout or KeyboardInterrupt nothing more is copied into ``out``
-        once the call has returned, except a large copy already running in a worker
-        thread, which finishes.
+        when given, else on ``device``). On timeout or KeyboardInterrupt nothing more is
+        copied into ``out`` once the call has returned, except a large copy already
+        running in a worker thread, which finishes. A CUDA ``out``/``device`` is ordered
+        after this thread's current stream, captured before the call is handed over
+        (``device="cuda"`` is this thread's current GPU).
         """
         deadline = self._deadline(timeout)
+        device = caller_device(device)
         return self._run(
             "retrieve",
             _bound(deadline, self._grace),
-            lambda: self._async.retrieve(
-                tokens, cache_salt, out, request_configs=request_configs, timeout=deadline
+            on_caller_streams(
+                lambda: self._async.retrieve(
+                    tokens, cache_salt, out, device=device, request_configs=request_configs, timeout=deadline
+                ),
+                [out, device],
             ),
         )
 
@@ -760,14 +768,18 @@ class Client:
         Blocking :meth:`AsyncClient.store`: True if at least one chunk was added, False
         exactly when every chunk was already cached. On timeout or KeyboardInterrupt a
         store whose slots were reserved is still completed on the loop (all chunks or
-        none); ``kv`` must not be modified until then.
+        none); ``kv`` must not be modified until then. A CUDA ``kv`` is read as seen
+        from this thread's current stream when the call is made.
         """
         deadline = self._deadline(timeout)
         return self._run(
             "store",
             _bound(deadline, self._grace),
-            lambda: self._async.store(
-                kv, tokens, cache_salt, request_configs=request_configs, timeout=deadline
+            on_caller_streams(
+                lambda: self._async.store(
+                    kv, tokens, cache_salt, request_configs=request_configs, timeout=deadline
+                ),
+                [kv],
             ),
         )
 
@@ -885,13 +897,16 @@ class Client:
         return self._run(
             "store_many",
             None,
-            lambda: self._async.store_many(
-                items,
-                concurrency=concurrency,
-                max_bytes_in_flight=max_bytes_in_flight,
-                progress=progress,
-                return_exceptions=return_exceptions,
-                timeout=deadline,
+            on_caller_streams(
+                lambda: self._async.store_many(
+                    items,
+                    concurrency=concurrency,
+                    max_bytes_in_flight=max_bytes_in_flight,
+                    progress=progress,
+                    return_exceptions=return_exceptions,
+                    timeout=deadline,
+                ),
+                None,
             ),
         )
 
@@ -911,13 +926,16 @@ class Client:
         return self._run(
             "retrieve_many",
             None,
-            lambda: self._async.retrieve_many(
-                token_lists,
-                concurrency=concurrency,
-                max_bytes_in_flight=max_bytes_in_flight,
-                progress=progress,
-                return_exceptions=return_exceptions,
-                timeout=deadline,
+            on_caller_streams(
+                lambda: self._async.retrieve_many(
+                    token_lists,
+                    concurrency=concurrency,
+                    max_bytes_in_flight=max_bytes_in_flight,
+                    progress=progress,
+                    return_exceptions=return_exceptions,
+                    timeout=deadline,
+                ),
+                None,
             ),
         )
 
