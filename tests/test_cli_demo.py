@@ -142,3 +142,40 @@ def test_serve_starts_answers_and_stops_on_a_signal_leaving_no_segment(sig: sign
                 stream.close()
         if segment is not None and os.path.exists(segment):
             os.unlink(segment)
+
+
+def test_serve_protocol_057() -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "lmcache_async", "serve", "--port", "0", "--http-port", "0",
+            "--chunk-size", "16", "--size", "8MB", "--mode", "pickle", "--protocol", "0.5.7", "--json",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else ""
+        info = json.loads(line)
+        assert (info["protocol"], info["mode"], info["shm_segment"]) == ("0.5.7", "pickle", None)
+        with urllib.request.urlopen(info["http_url"] + "/lmc_version", timeout=10) as resp:
+            assert json.loads(resp.read()) == "0.5.7rc3.dev0"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def test_serve_refuses_an_unknown_protocol(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--protocol", "0.5.8"])
+    assert exc.value.code == 2
+    assert "invalid choice: '0.5.8' (choose from '0.5.6', '0.5.7')" in capsys.readouterr().err

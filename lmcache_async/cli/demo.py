@@ -31,6 +31,7 @@ import torch
 from lmcache_async.client import AsyncClient
 from lmcache_async.errors import LMCacheError
 from lmcache_async.geometry import KVGeometry, dtype_from_name
+from lmcache_async.testing.dialect import PROTOCOLS
 from lmcache_async.testing.server import EmbeddedServer, ModelSpec, parse_size
 
 __all__ = ["register"]
@@ -48,8 +49,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="run the embedded LMCache-compatible server in the foreground",
         description=(
             "Run the embedded LMCache-compatible MP server (ZMQ + HTTP) until SIGINT/SIGTERM. "
-            "It serves the engine-driven protocol of the LMCache 0.5.6 MP server; "
-            "see docs/embedded-server.md for the differences."
+            "It serves the engine-driven protocol of the LMCache 0.5.6 MP server, or of the "
+            "0.5.7 generation with --protocol 0.5.7; see docs/embedded-server.md for the differences."
         ),
     )
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
@@ -57,6 +58,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--http-port", type=int, default=8080, help="HTTP port (0: a free one; default 8080)")
     serve.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (default 256)")
     serve.add_argument("--mode", choices=("shm", "pickle"), default="shm", help="transfer mode (default shm)")
+    serve.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default="0.5.6",
+        help="LMCache server generation whose wire to speak (default 0.5.6)",
+    )
     serve.add_argument(
         "--size", default="1GB", help="L1 byte budget, e.g. 1073741824, 512MB, 2GB (default 1GB)"
     )
@@ -157,6 +164,7 @@ def _serve(args: argparse.Namespace) -> int:
             models=models,
             instance_id=args.instance_id,
             prefault=args.prefault,
+            protocol=args.protocol,
         )
     except ValueError as exc:
         return _usage(str(exc))
@@ -196,6 +204,7 @@ def _print_endpoints(server: EmbeddedServer, args: argparse.Namespace) -> None:
         "url": server.url,
         "http_url": server.http_url,
         "mode": server.mode,
+        "protocol": server.protocol,
         "chunk_size": server.chunk_size,
         "size_bytes": server.size_bytes,
         "shm_segment": server.shm_segment,
@@ -205,8 +214,8 @@ def _print_endpoints(server: EmbeddedServer, args: argparse.Namespace) -> None:
         print(json.dumps(info), flush=True)
         return
     lines = [
-        f"lmcache-async embedded server: mode {server.mode}, chunk size {server.chunk_size}, "
-        f"L1 {_mib(server.size_bytes)}",
+        f"lmcache-async embedded server: protocol {server.protocol}, mode {server.mode}, "
+        f"chunk size {server.chunk_size}, L1 {_mib(server.size_bytes)}",
         f"  url:       {server.url}",
         f"  http_url:  {server.http_url}",
     ]

@@ -1,7 +1,9 @@
 """The embedded server's cache engine: the state machine behind every operation, no I/O.
 
-It models the parts of the LMCache 0.5.6 MP server an engine-driven client can observe
-(docs/embedded-server.md lists what differs):
+It models the parts of the LMCache MP server an engine-driven client can observe, for
+either generation (:class:`Semantics`: what 0.5.7 changed; no wire format in here -- the
+dialects decode requests into :class:`ServerKey` and registration Structs, and hand the
+inline payload codec in as a function). docs/embedded-server.md lists what differs:
 
 * **Object identity** ``(chunk_hash, model_name, kv_rank, object_group 0, cache_salt)``,
   ``kv_rank = world_size<<24 | worker<<16 | world_size<<8 | worker``. Chunk hashes chain
@@ -18,6 +20,8 @@ It models the parts of the LMCache 0.5.6 MP server an engine-driven client can o
   resident prefix (every kv rank when ``worker_id`` is nil) and records the hit length in
   chunks, which ``query_prefetch_status`` hands out exactly once.
 * **Pending SHM transfers** keyed by ``(instance_id, key identity)``.
+* **Tokens** are kept packed (big-endian uint32, 0.5.7's ``token_bytes``) and hashed
+  per chunk slice: no per-token Python work.
 
 Every public method takes the engine lock; methods that copy tensor data do the copy
 outside it. A method raises (any exception) exactly where the real server's handler
