@@ -43,6 +43,7 @@ from lmcache_async.geometry import KVGeometry, dtype_name
 from lmcache_async.metadata import Metadata
 from lmcache_async.operations import Operations, OpState, Registration, RemapResult, run_detached
 from lmcache_async.shm import ShmPool
+from lmcache_async.tensor_checks import check_tensor_storage
 from lmcache_async.wire import (
     GEN_0_5_6,
     Op,
@@ -92,7 +93,7 @@ class _ConnectionChannel:
 
     @property
     def usable(self) -> bool:
-        return self._conn.connected and not self._conn.closed
+        return self._conn.usable
 
     async def call(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> Any:
         reply = await self._conn.call(opcode, args, timeout=timeout)
@@ -158,7 +159,8 @@ class AsyncClient:
         transfer: ``"auto"`` (SHM when the server offers it and the segment maps),
             ``"shm"`` or ``"pickle"`` to insist.
         num_kv_readers: read locks a lookup reserves per object (>= 1).
-        ping_interval: seconds between keep-alive pings of the registration (<= 30).
+        ping_interval: seconds between keep-alive refreshes of the registration (<= 30);
+            a refresh is also made at once when the connection comes back after a loss.
         cleanup_grace: extra seconds an abandoned operation may spend cleaning up.
         metadata_ttl: seconds ``/config`` and ``/status`` stay cached.
         prefault_shm: map the whole SHM pool into this process in a background thread
@@ -220,7 +222,11 @@ class AsyncClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._chunk_size = 0
         self._fifo_cpu = False
+        self._write_ttl: float | None = None
         self._instance_id = secrets.randbits(63)
+        self._registered_id: int | None = None  # the id the server knows this client by
+        self._pool_identity: tuple[str, int] = ("", 0)  # (shm name, pool size) registered with
+        self._retired_ids: list[int] = []
         self._server_instance: object = None
         self._pool: ShmPool | None = None
         self._transfer: Literal["shm", "pickle"] | None = None
@@ -319,7 +325,7 @@ class AsyncClient:
                     f"chunk size {self._chunk_size} is not a multiple of the block size "
                     f"{self._geometry.block_size}"
                 )
-            await self._conn.open()
+            await self._conn.open(_remaining(deadline))
             reply = await self._conn.call(Op.NOOP, (), timeout=_remaining(deadline))
             if reply.value() != "OK":
                 raise ProtocolError(f"noop answered {reply.value()!r}")
@@ -353,7 +359,8 @@ class AsyncClient:
                 self._keepalive.cancel()
                 with contextlib.suppress(BaseException):
                     await self._keepalive
-            if unregister and self._conn.connected and os.getpid() == self._pid:
+            registered = self._registered_id is not None and self._registered_id == self._instance_id
+            if unregister and registered and self._conn.usable and os.getpid() == self._pid:
                 with contextlib.suppress(LMCacheError):
                     await self._conn.call(Op.UNREGISTER_ENGINE_DRIVEN, (self._instance_id,), timeout=5.0)
         finally:
@@ -407,11 +414,22 @@ class AsyncClient:
         self._chunk_size = chunk_size
         self._server_instance = mp.get("instance_id")
         self._fifo_cpu = mp.get("max_cpu_workers") == 1
+        ttl = _find_number(config, "write_ttl_seconds")
+        grace = mp.get("worker_registration_grace_seconds")
+        self._write_ttl = ttl
+        if ttl is not None and isinstance(grace, int | float) and not isinstance(grace, bool) and grace <= ttl:
+            log.warning(
+                "the server reaps silent registrations after %gs, before write reservations expire "
+                "(%gs): a reservation this client cannot fill could be admitted when its "
+                "retired registration is reaped (see docs/design.md)",
+                grace,
+                ttl,
+            )
 
-    async def _register(self, timeout: float | None) -> None:
+    def _register_payload(self) -> RegisterPayload:
         geom = self._geometry
         assert geom is not None
-        payload = RegisterPayload(
+        return RegisterPayload(
             instance_id=self._instance_id,
             model_name=self.model_name,
             world_size=geom.world_size,
@@ -422,9 +440,14 @@ class AsyncClient:
             use_mla=geom.use_mla,
             num_physical_slots=self._chunk_size,
         )
+
+    async def _register(self, timeout: float | None) -> None:
+        payload = self._register_payload()
         generation = self._conn.generation
         reply = await self._conn.call(Op.REGISTER_ENGINE_DRIVEN, (payload.to_wire(),), timeout=timeout)
         shm_name, pool_size = parse_register_response(reply.value())
+        self._registered_id = payload.instance_id
+        self._pool_identity = (shm_name, pool_size)
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -445,17 +468,47 @@ class AsyncClient:
         self._stale = False
 
     async def _keepalive_loop(self) -> None:
+        """Every ``ping_interval`` seconds, and at once when the connection comes back
+        after a loss: check that the server is the one registered with (``/config``
+        instance id) and refresh the registration, or register again (and re-map SHM)
+        with the new server.
+
+        The refresh is a re-registration of the same id, which the server answers as a
+        liveness refresh. It is deliberately not a ``ping``: a pinged instance is reaped
+        120 s after its last message and reaping admits its pending write reservations,
+        while a never-pinged one is reaped only after ``--worker-registration-grace-seconds``
+        (3600 s), by which time such reservations expired and are dropped, never admitted
+        (see :meth:`_retire_registration`).
+        """
+        reconnected = self._conn.reconnected
+        assert reconnected is not None
         while True:
-            await asyncio.sleep(self._ping_interval)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._ping_interval):
+                    await reconnected.wait()
+            if reconnected.is_set():
+                reconnected.clear()
+                log.info("reconnected to %s; registering again", self.url)
             try:
-                await self._conn.call(Op.PING, (self._instance_id,), timeout=min(10.0, self._ping_interval))
-                config = await self._meta.config(max_age=0, timeout=10.0)
-                if Metadata.mp_section(config).get("instance_id") != self._server_instance:
-                    log.info("server restarted (instance id changed); re-registering")
-                    self._stale = True
-                    await self._ensure_registered(30.0)
+                await self._refresh_registration()
             except LMCacheError as exc:
                 log.debug("keep-alive failed: %s", exc)
+
+    async def _refresh_registration(self) -> None:
+        config = await self._meta.config(max_age=0, timeout=10.0)
+        if Metadata.mp_section(config).get("instance_id") != self._server_instance:
+            log.info("server restarted (instance id changed); re-registering")
+            self._stale = True
+        if self._stale or self._reg_generation != self._conn.generation:
+            await self._ensure_registered(30.0)
+            return
+        reply = await self._conn.call(
+            Op.REGISTER_ENGINE_DRIVEN, (self._register_payload().to_wire(),), timeout=10.0
+        )
+        if parse_register_response(reply.value()) != self._pool_identity:
+            log.info("the server's SHM pool changed; re-registering")
+            self._stale = True
+            await self._ensure_registered(30.0)
 
     async def _ensure_registered(self, timeout: float | None) -> None:
         """Re-register (and re-map SHM) after a reconnect or a server restart."""
@@ -527,8 +580,39 @@ class AsyncClient:
             pool=self._pool,
             server_has_shm=self._server_has_shm,
             fifo_cpu=self._fifo_cpu,
+            write_ttl=self._write_ttl,
         )
-        return Operations(self._channel, reg, cleanup_grace=self.cleanup_grace, gates=self._gates)
+        return Operations(
+            self._channel,
+            reg,
+            cleanup_grace=self.cleanup_grace,
+            gates=self._gates,
+            on_unfilled=self._retire_registration,
+        )
+
+    def _retire_registration(self, instance_id: int) -> None:
+        """Stop using ``instance_id``: a reservation of it may hold anything but KV.
+
+        The LMCache server has no operation that drops a write reservation: committing
+        it, unregistering its instance, or the server reaping a silent instance that has
+        *pinged* (120 s) all admit the reserved slots as valid KV, whatever they hold.
+        Only a reservation whose write lock expired (``--l1-write-ttl-seconds``, 600 s)
+        is never admitted. So the retired id is never unregistered and never refreshed
+        again; as it never pinged (this client keeps alive by re-registering, see
+        :meth:`_keepalive_loop`), the server reaps it only after
+        ``--worker-registration-grace-seconds`` (3600 s) of silence, after its write
+        locks expired. This client registers a fresh id before its next operation.
+        """
+        if instance_id != self._instance_id:
+            return  # already retired
+        log.warning(
+            "retiring registration %d: a store's reserved slots could not be filled; they stay "
+            "invisible and expire on the server (registering a new id)",
+            instance_id,
+        )
+        self._retired_ids.append(instance_id)
+        self._instance_id = secrets.randbits(63)
+        self._stale = True
 
     # ------------------------------------------------------------------ helpers
 
@@ -550,6 +634,7 @@ class AsyncClient:
             raise ValueError(f"kv has shape {list(kv.shape)}, expected {list(want)} for {num_tokens} tokens")
         if kv.dtype != geom.dtype:
             raise TypeError(f"kv has dtype {kv.dtype}, the geometry says {geom.dtype}")
+        check_tensor_storage(kv, "kv")
         return kv
 
     # ------------------------------------------------------------------ operations
@@ -579,10 +664,14 @@ class AsyncClient:
         validate_cache_salt(cache_salt)
         configs = validate_request_configs(request_configs)
         timeout = self._timeout(timeout)
-        end = self._aligned(len(toks))
+        self._require_open()
 
+        # Aligned with the chunk size of the registration the operation runs under (a
+        # server restarted with another chunk size is registered with first).
         return await self._run(
-            "lookup", timeout, lambda ops, op: ops.lookup(op, toks, end, cache_salt, configs)
+            "lookup",
+            timeout,
+            lambda ops, op: ops.lookup(op, toks, _align(len(toks), ops.reg.chunk_size), cache_salt, configs),
         )
 
     async def retrieve(
@@ -629,10 +718,15 @@ class AsyncClient:
         end = self._aligned(len(toks))
         if out is not None:
             self._check_out(out, end)
+        axis = self.geometry.token_axis
 
-        return await self._run(
-            "retrieve", timeout, lambda ops, op: ops.retrieve(op, toks, end, cache_salt, configs, out)
-        )
+        def body(ops: Operations, op: OpState) -> Awaitable[torch.Tensor | None]:
+            n = _align(len(toks), ops.reg.chunk_size)
+            if out is not None:  # a new chunk size may align further than ``out`` reaches
+                n = min(n, _align(out.shape[axis], ops.reg.chunk_size))
+            return ops.retrieve(op, toks, n, cache_salt, configs, out)
+
+        return await self._run("retrieve", timeout, body)
 
     def _check_out(self, out: object, end: int) -> None:
         geom = self._geometry
@@ -646,6 +740,7 @@ class AsyncClient:
             raise ValueError(f"out has shape {got}, expected {want} (token axis may be longer)")
         if out.dtype != geom.dtype:
             raise TypeError(f"out has dtype {out.dtype}, the geometry says {geom.dtype}")
+        check_tensor_storage(out, "out", writable=True)
 
     async def store(
         self,
@@ -683,10 +778,11 @@ class AsyncClient:
         timeout = self._timeout(timeout)
         self._require_open()
         kv = self._check_kv(kv, len(toks))
-        end = self._aligned(len(toks))
 
         return await self._run(
-            "store", timeout, lambda ops, op: ops.store(op, kv, toks, end, cache_salt, configs)
+            "store",
+            timeout,
+            lambda ops, op: ops.store(op, kv, toks, _align(len(toks), ops.reg.chunk_size), cache_salt, configs),
         )
 
     async def remap(
@@ -716,11 +812,17 @@ class AsyncClient:
             else validate_cache_salt(target_cache_salt, "target_cache_salt")
         )
         timeout = self._timeout(timeout)
-        n = self._aligned(min(len(src), len(dst)))  # the target takes no more than this
+        self._require_open()
         if self._pool is not None:
+            # The target takes no more than its whole chunks (of the live chunk size).
             return await self._run(
-                "remap", timeout, lambda ops, op: ops.remap(op, src, dst, n, cache_salt, tsalt)
+                "remap",
+                timeout,
+                lambda ops, op: ops.remap(
+                    op, src, dst, _align(min(len(src), len(dst)), ops.reg.chunk_size), cache_salt, tsalt
+                ),
             )
+        n = self._aligned(min(len(src), len(dst)))
         start = time.monotonic()
         kv = await self.retrieve(src[:n], cache_salt, timeout=timeout)
         if kv is None:
@@ -886,6 +988,29 @@ def _check_timeout(timeout: object, name: str) -> float | None:
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
         raise ValueError(f"{name} must be a non-negative number of seconds or None, got {timeout!r}")
     return float(timeout)
+
+
+def _find_number(doc: object, name: str) -> float | None:
+    """The first number under key ``name`` anywhere in a JSON document (depth first)."""
+    if isinstance(doc, dict):
+        value = doc.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        for v in doc.values():
+            found = _find_number(v, name)
+            if found is not None:
+                return found
+    elif isinstance(doc, list):
+        for v in doc:
+            found = _find_number(v, name)
+            if found is not None:
+                return found
+    return None
+
+
+def _align(n: int, chunk_size: int) -> int:
+    """``n`` rounded down to whole chunks."""
+    return n // chunk_size * chunk_size
 
 
 def _remaining(deadline: float | None) -> float | None:
