@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 import os
 import secrets
 import time
@@ -43,6 +44,7 @@ from lmcache_async.geometry import KVGeometry, dtype_name
 from lmcache_async.metadata import Metadata
 from lmcache_async.operations import Operations, OpState, Registration, RemapResult, run_detached
 from lmcache_async.shm import ShmPool
+from lmcache_async.task_cancel import cancel_and_wait
 from lmcache_async.tensor_checks import check_tensor_storage
 from lmcache_async.wire import (
     GEN_0_5_6,
@@ -69,6 +71,8 @@ TransferMode = Literal["auto", "shm", "pickle"]
 Configs = dict[str, Any] | None
 
 _DEFAULT: Final[Any] = object()
+#: Longest wait for the ``unregister`` reply when closing.
+UNREGISTER_TIMEOUT: Final = 2.0
 
 
 class _State(enum.Enum):
@@ -205,7 +209,10 @@ class AsyncClient:
         self.http_url = http_url
         self.model_name = model_name
         self.timeout = timeout
-        self.cleanup_grace = float(cleanup_grace)
+        grace = _check_timeout(cleanup_grace, "cleanup_grace")
+        if grace is None or math.isinf(grace):
+            raise ValueError(f"cleanup_grace must be a finite number of seconds >= 0, got {cleanup_grace!r}")
+        self.cleanup_grace = grace
         self.num_kv_readers = num_kv_readers
         self._want_transfer: TransferMode = transfer
         self._prefault_shm = bool(prefault_shm)
@@ -237,6 +244,7 @@ class AsyncClient:
         self._ops: set[asyncio.Task[Any]] = set()
         self._gates: dict[tuple[Any, ...], list[Any]] = {}
         self._keepalive: asyncio.Task[None] | None = None
+        self._closed_event: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ properties
 
@@ -338,38 +346,94 @@ class AsyncClient:
             raise
 
     async def aclose(self) -> None:
-        """Close the client: refuse new calls, let abandoned operations finish their
-        cleanup (bounded by ``cleanup_grace``), unregister, close socket and session.
+        """Close the client: refuse new calls, let running operations (abandoned ones
+        finishing their server-side cleanup) end, unregister, close socket and session.
 
-        Idempotent. Cancellation midway still closes the socket and session.
+        What it waits for, in order: the operations still running, at most
+        ``cleanup_grace`` seconds (those left are cancelled, and the registration is then
+        retired rather than unregistered: a cancelled store may hold reserved slots that
+        unregistering would admit); the keep-alive task's end; the ``unregister`` reply,
+        at most :data:`UNREGISTER_TIMEOUT` seconds (skipped while disconnected).
+
+        Idempotent; a call while another ``aclose()`` runs waits for that one. In a
+        process forked from the one that opened the client it only drops the inherited
+        socket, context and session, without touching them (they are the parent's).
+
+        Cancellation: ``CancelledError`` propagates, and the client still ends CLOSED:
+        operations cancelled, keep-alive stopped, socket and session closed (the
+        unregister is skipped).
         """
-        if self._state in (_State.CLOSED, _State.CLOSING):
+        if os.getpid() != self._pid:
+            self._drop_inherited()
+            return
+        self._check_loop()
+        if self._state is _State.CLOSED:
+            return
+        if self._state is _State.CLOSING:
+            assert self._closed_event is not None
+            await self._closed_event.wait()
             return
         opened = self._state is _State.OPEN
         self._state = _State.CLOSING
-        if self._ops:
-            _done, pending = await asyncio.wait(set(self._ops), timeout=self.cleanup_grace)
-            for task in pending:
-                task.cancel()
-        await self._shutdown(unregister=opened)
+        self._closed_event = asyncio.Event()
+        unregister = opened
+        try:
+            if self._ops:
+                await asyncio.wait(set(self._ops), timeout=self.cleanup_grace)
+        except asyncio.CancelledError:
+            unregister = False
+            raise
+        finally:
+            left = [t for t in self._ops if not t.done()]
+            if left:
+                self._retire_registration(
+                    self._instance_id, f"{len(left)} operations were still running at close"
+                )
+                for task in left:
+                    task.cancel()
+            await self._shutdown(unregister=unregister)
 
     async def _shutdown(self, *, unregister: bool) -> None:
         try:
             if self._keepalive is not None:
-                self._keepalive.cancel()
-                with contextlib.suppress(BaseException):
-                    await self._keepalive
+                await cancel_and_wait(self._keepalive, "the keep-alive")
             registered = self._registered_id is not None and self._registered_id == self._instance_id
-            if unregister and registered and self._conn.usable and os.getpid() == self._pid:
+            if unregister and registered and self._conn.usable:
                 with contextlib.suppress(LMCacheError):
-                    await self._conn.call(Op.UNREGISTER_ENGINE_DRIVEN, (self._instance_id,), timeout=5.0)
+                    await self._conn.call(
+                        Op.UNREGISTER_ENGINE_DRIVEN, (self._instance_id,), timeout=UNREGISTER_TIMEOUT
+                    )
         finally:
-            if self._pool is not None:
-                self._pool.close()
-                self._pool = None
-            await self._conn.close()
-            await self._meta.close()
-            self._state = _State.CLOSED
+            try:
+                if self._pool is not None:
+                    self._pool.close()
+                    self._pool = None
+                await self._conn.close()
+            finally:
+                try:
+                    await self._meta.close()
+                finally:
+                    self._state = _State.CLOSED
+                    if self._closed_event is not None:
+                        self._closed_event.set()
+
+    def _drop_inherited(self) -> None:
+        """In a forked child: forget the parent's socket, context, session and pool
+        without closing them (closing would unregister the parent's file descriptors
+        from the event-loop selector both processes share)."""
+        if self._state is _State.CLOSED:
+            return
+        self._state = _State.CLOSED
+        self._conn.drop_inherited()
+        self._meta.drop_inherited()
+        self._pool = None
+        self._keepalive = None
+        self._ops = set()
+
+    def _check_loop(self) -> None:
+        """Refuse a call from an event loop other than the one that opened the client."""
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            raise LMCacheError("the client is used from an event loop other than the one that opened it")
 
     async def _detect_generation(self, timeout: float | None) -> None:
         """Ask ``/lmc_version`` which generation the server is and speak its wire.
@@ -417,7 +481,12 @@ class AsyncClient:
         ttl = _find_number(config, "write_ttl_seconds")
         grace = mp.get("worker_registration_grace_seconds")
         self._write_ttl = ttl
-        if ttl is not None and isinstance(grace, int | float) and not isinstance(grace, bool) and grace <= ttl:
+        if (
+            ttl is not None
+            and isinstance(grace, int | float)
+            and not isinstance(grace, bool)
+            and grace <= ttl
+        ):
             log.warning(
                 "the server reaps silent registrations after %gs, before write reservations expire "
                 "(%gs): a reservation this client cannot fill could be admitted when its "
@@ -519,7 +588,16 @@ class AsyncClient:
             if self._reg_generation == self._conn.generation and not self._stale:
                 return
             log.info("re-registering %s with %s", self.model_name, self.url)
+            before = self._chunk_size
             await self._load_config(timeout)
+            assert self._geometry is not None
+            if self._chunk_size % self._geometry.block_size:
+                raise ServerError(
+                    f"the server now has chunk size {self._chunk_size}, not a multiple of the block "
+                    f"size {self._geometry.block_size}"
+                )
+            if self._chunk_size != before:
+                log.warning("the server's chunk size changed from %d to %d", before, self._chunk_size)
             await self._register(timeout)
 
     def _require_open(self) -> None:
@@ -538,10 +616,12 @@ class AsyncClient:
         """Run ``body`` over this client's operations in a task of its own (see
         :func:`~lmcache_async.operations.run_detached`), re-registering first if needed."""
         self._require_open()
-        if asyncio.get_running_loop() is not self._loop:
-            raise LMCacheError("the client is used from an event loop other than the one that opened it")
+        self._check_loop()
 
         async def run(op: OpState) -> T:
+            # Started while the server is away: wait briefly for the reconnection (then the
+            # new server is registered with first), or fail fast with a connection error.
+            await self._conn.wait_usable(op.remaining())
             await self._ensure_registered(op.remaining())
             if op.abandoned:  # the caller left before anything was sent
                 raise _Abandoned
@@ -590,7 +670,9 @@ class AsyncClient:
             on_unfilled=self._retire_registration,
         )
 
-    def _retire_registration(self, instance_id: int) -> None:
+    def _retire_registration(
+        self, instance_id: int, reason: str = "a store's reserved slots could not be filled"
+    ) -> None:
         """Stop using ``instance_id``: a reservation of it may hold anything but KV.
 
         The LMCache server has no operation that drops a write reservation: committing
@@ -606,9 +688,10 @@ class AsyncClient:
         if instance_id != self._instance_id:
             return  # already retired
         log.warning(
-            "retiring registration %d: a store's reserved slots could not be filled; they stay "
-            "invisible and expire on the server (registering a new id)",
+            "retiring registration %d (%s): reservations it may hold stay invisible and expire "
+            "on the server; registering a new id",
             instance_id,
+            reason,
         )
         self._retired_ids.append(instance_id)
         self._instance_id = secrets.randbits(63)
@@ -782,7 +865,9 @@ class AsyncClient:
         return await self._run(
             "store",
             timeout,
-            lambda ops, op: ops.store(op, kv, toks, _align(len(toks), ops.reg.chunk_size), cache_salt, configs),
+            lambda ops, op: ops.store(
+                op, kv, toks, _align(len(toks), ops.reg.chunk_size), cache_salt, configs
+            ),
         )
 
     async def remap(
@@ -837,6 +922,7 @@ class AsyncClient:
     async def noop(self, *, timeout: float | None = _DEFAULT) -> float:
         """Round-trip a ``noop``; returns the round-trip time in seconds."""
         self._require_open()
+        self._check_loop()
         t0 = time.perf_counter()
         reply = await self._conn.call(Op.NOOP, (), timeout=self._timeout(timeout))
         if reply.value() != "OK":
@@ -851,6 +937,7 @@ class AsyncClient:
         Cancellation: a fetch shared with other callers keeps running for them.
         """
         self._require_open()
+        self._check_loop()
         return await self._meta.status(max_age=max_age, timeout=self._timeout(timeout))
 
     async def config(
@@ -861,6 +948,7 @@ class AsyncClient:
         Cancellation: a fetch shared with other callers keeps running for them.
         """
         self._require_open()
+        self._check_loop()
         return await self._meta.config(max_age=max_age, timeout=self._timeout(timeout))
 
     async def drain(self, timeout: float | None = _DEFAULT) -> bool:
@@ -871,6 +959,7 @@ class AsyncClient:
         the wait does not cancel the cleanups.
         """
         timeout = self._timeout(timeout)
+        self._check_loop()
         pending = set(self._ops)
         if not pending:
             return True
@@ -909,6 +998,9 @@ class AsyncClient:
         """
         from lmcache_async import bulk
 
+        _check_iterable(pairs, "pairs")
+        self._require_open()
+        self._check_loop()
         return await bulk.remap_many(
             self,
             pairs,
@@ -936,6 +1028,9 @@ class AsyncClient:
         """
         from lmcache_async import bulk
 
+        _check_iterable(items, "items")
+        self._require_open()
+        self._check_loop()
         return await bulk.store_many(
             self,
             items,
@@ -964,6 +1059,9 @@ class AsyncClient:
         """
         from lmcache_async import bulk
 
+        _check_iterable(token_lists, "token_lists")
+        self._require_open()
+        self._check_loop()
         return await bulk.retrieve_many(
             self,
             token_lists,
@@ -985,9 +1083,19 @@ class AsyncClient:
 def _check_timeout(timeout: object, name: str) -> float | None:
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or math.isnan(timeout)
+        or timeout < 0
+    ):
         raise ValueError(f"{name} must be a non-negative number of seconds or None, got {timeout!r}")
     return float(timeout)
+
+
+def _check_iterable(value: object, name: str) -> None:
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be an iterable of items, got {type(value).__name__}")
 
 
 def _find_number(doc: object, name: str) -> float | None:

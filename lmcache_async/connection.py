@@ -47,6 +47,7 @@ from lmcache_async.errors import (
     LMCacheTimeoutError,
     ProtocolError,
 )
+from lmcache_async.task_cancel import cancel_and_wait
 from lmcache_async.wire import GEN_0_5_6, Op, Reply, WireGeneration, decode_reply, encode_request, op_name
 
 __all__ = ["Connection", "PendingTable"]
@@ -58,6 +59,9 @@ CONNECT_TIMEOUT_MS = 5000
 CONNECT_WAIT_S = 10.0
 #: Once connection attempts were refused, how long open() keeps trying before it says so.
 REFUSED_WAIT_S = 1.5
+#: How long an operation started while disconnected waits for the reconnection (a server
+#: that is healthy again is reconnected to within RECONNECT_IVL_MAX_MS).
+RECONNECT_WAIT_S = 1.5
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 1000
 
@@ -202,10 +206,37 @@ class Connection:
                     f"{waited:.1f}s; is the server's ZMQ port right?)"
                 )
             if waited >= limit:
-                raise LMCacheConnectionError(f"cannot connect to {self.url}: no connection after {waited:.1f}s")
+                raise LMCacheConnectionError(
+                    f"cannot connect to {self.url}: no connection after {waited:.1f}s"
+                )
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(0.05):
                     await self._first_connect.wait()
+
+    async def wait_usable(self, timeout: float | None) -> None:
+        """Return at once when connected; otherwise wait for the reconnection at most
+        ``min(timeout, RECONNECT_WAIT_S)`` seconds.
+
+        Raises:
+            ClientClosedError: the connection is closed.
+            LMCacheConnectionError: still not connected (the server is down), or the
+                reader stopped.
+        """
+        limit = RECONNECT_WAIT_S if timeout is None else min(timeout, RECONNECT_WAIT_S)
+        end = time.monotonic() + limit
+        while True:
+            if self._closed:
+                raise ClientClosedError("the connection is closed")
+            if not self._reader_alive:
+                raise LMCacheConnectionError("the connection's reader stopped (event loop closing?)")
+            if self.connected:
+                return
+            if time.monotonic() >= end:
+                raise LMCacheConnectionError(
+                    f"not connected to {self.url} (the server is down or restarting; "
+                    f"no reconnection within {limit:.1f}s)"
+                )
+            await asyncio.sleep(0.01)
 
     def _reader_stopped(self, task: asyncio.Task[None]) -> None:
         """The reader ended (cancelled at loop shutdown, or a bug): nobody will read
@@ -224,21 +255,35 @@ class Connection:
             return
         self._closed = True
         self._table.fail_all(lambda op: ClientClosedError(f"{op_name(op)}: the connection was closed"))
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks = []
-        if self._sock is not None:
-            with contextlib.suppress(Exception):
-                self._sock.disable_monitor()
-            self._sock.close(linger=0)
-        if self._monitor is not None:
-            self._monitor.close(linger=0)
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)  # never blocks: every socket is closed first
+        tasks, self._tasks = self._tasks, []
+        try:
+            await cancel_and_wait(tasks, "a connection task")
+        finally:  # also when the closer is cancelled: the socket is closed all the same
+            if self._sock is not None:
+                with contextlib.suppress(Exception):
+                    self._sock.disable_monitor()
+                self._sock.close(linger=0)
+            if self._monitor is not None:
+                self._monitor.close(linger=0)
+            if self._ctx is not None:
+                self._ctx.destroy(linger=0)  # never blocks: every socket is closed first
+            self._sock = self._monitor = self._ctx = None
+
+    def drop_inherited(self) -> None:
+        """In a forked child: forget the parent's socket, monitor and context without
+        closing them (pyzmq's asyncio close unregisters the descriptor from the event
+        loop's selector, which the child shares with the parent; libzmq's own close is
+        already a no-op in another pid). They are marked as shadows, so garbage
+        collection does not close them either."""
+        self._closed = True
+        self._reader_alive = False
+        for obj in (self._sock, self._monitor, self._ctx):
+            if obj is not None:
+                with contextlib.suppress(AttributeError, TypeError):
+                    obj._shadow = True
         self._sock = self._monitor = self._ctx = None
+        self._tasks = []
+        self._table = PendingTable()
 
     @property
     def closed(self) -> bool:
@@ -279,7 +324,9 @@ class Connection:
         if self._closed or self._sock is None or self._loop is None:
             raise ClientClosedError(f"{op_name(op)}: the connection is closed")
         if not self._reader_alive:
-            raise LMCacheConnectionError(f"{op_name(op)}: the connection's reader stopped (event loop closing?)")
+            raise LMCacheConnectionError(
+                f"{op_name(op)}: the connection's reader stopped (event loop closing?)"
+            )
         if not self.connected:
             raise LMCacheConnectionError(
                 f"{op_name(op)}: not connected to {self.url} (the server is down or restarting)"

@@ -648,11 +648,11 @@ class Operations:
         try:
             await _copy_to_the_end(nbytes, lambda: fill_slots(pairs))
             return
-        except Exception as exc:  # noqa: BLE001 - any failure mid-copy is repaired or reported
+        except Exception as exc:
             log.warning("copy into reserved SHM slots failed (%r); filling them again from CPU copies", exc)
         try:
             await _copy_to_the_end(nbytes, lambda: refill_slots(pairs))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise UnfilledReservation(
                 f"could not write {len(pairs)} reserved chunks ({exc!r}); nothing was committed "
                 "and the slots stay invisible to readers (this client's registration that holds "

@@ -32,7 +32,11 @@ def check_tensor_storage(t: torch.Tensor, name: str, *, writable: bool = False) 
     if t.device.type not in COPYABLE_DEVICES:
         raise ValueError(f"{name} is on device {t.device}; only CPU and CUDA tensors are supported")
     if writable:
-        overlapping = [d for d, (size, stride) in enumerate(zip(t.shape, t.stride(), strict=True)) if size > 1 and stride == 0]
+        overlapping = [
+            d
+            for d, (size, stride) in enumerate(zip(t.shape, t.stride(), strict=True))
+            if size > 1 and stride == 0
+        ]
         if overlapping:
             raise ValueError(
                 f"{name} has stride 0 on dimension {overlapping[0]} (an expanded view): its "
