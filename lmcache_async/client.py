@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
 import torch
 
-from lmcache_async.connection import Connection
+from lmcache_async.connection import DEFAULT_MAX_IN_FLIGHT, Connection
 from lmcache_async.errors import (
     ClientClosedError,
     LMCacheError,
@@ -118,6 +118,7 @@ async def connect(
     metadata_ttl: float = 5.0,
     prefault_shm: bool = True,
     api_key: str | None = None,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
 ) -> AsyncClient:
     """Create an :class:`AsyncClient` and open it (see there for the arguments).
 
@@ -141,6 +142,7 @@ async def connect(
         metadata_ttl=metadata_ttl,
         prefault_shm=prefault_shm,
         api_key=api_key,
+        max_in_flight=max_in_flight,
     )
     await client.open()
     return client
@@ -173,6 +175,9 @@ class AsyncClient:
         api_key: sent as ``Authorization: Bearer KEY`` on every HTTP call (servers
             started with an API key answer 401 without it); default: the
             ``LMCACHE_API_KEY`` environment variable. The ZMQ side has no keys.
+        max_in_flight: most requests on the wire at once (default 1024); a request
+            beyond that waits for a free place under its operation's deadline, so an
+            unanswering server makes calls time out instead of growing the pending table.
     """
 
     def __init__(
@@ -190,6 +195,7 @@ class AsyncClient:
         metadata_ttl: float = 5.0,
         prefault_shm: bool = True,
         api_key: str | None = None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ) -> None:
         if not isinstance(url, str) or "://" not in url:
             raise ValueError(f"url must look like tcp://host:port, got {url!r}")
@@ -222,7 +228,7 @@ class AsyncClient:
         self._meta = Metadata(http_url, ttl=metadata_ttl, api_key=api_key)
         self._wire: WireGeneration = GEN_0_5_6
         self._server_version: str | None = None
-        self._conn = Connection(url)
+        self._conn = Connection(url, max_in_flight=max_in_flight)
         self._channel = _ConnectionChannel(self._conn)
         self._state = _State.NEW
         self._pid = os.getpid()

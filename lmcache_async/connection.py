@@ -59,6 +59,8 @@ CONNECT_TIMEOUT_MS = 5000
 CONNECT_WAIT_S = 10.0
 #: Once connection attempts were refused, how long open() keeps trying before it says so.
 REFUSED_WAIT_S = 1.5
+#: Default bound on requests in flight per connection (a call beyond it waits).
+DEFAULT_MAX_IN_FLIGHT = 1024
 #: How long an operation started while disconnected waits for the reconnection (a server
 #: that is healthy again is reconnected to within RECONNECT_IVL_MAX_MS).
 RECONNECT_WAIT_S = 1.5
@@ -129,8 +131,15 @@ class Connection:
     that loop.
     """
 
-    def __init__(self, url: str, wire: WireGeneration = GEN_0_5_6) -> None:
+    def __init__(
+        self, url: str, wire: WireGeneration = GEN_0_5_6, *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    ) -> None:
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
         self.url = url
+        #: Most requests in flight at once; further calls wait (under their deadlines).
+        self.max_in_flight = max_in_flight
+        self._slots = asyncio.Semaphore(max_in_flight)
         #: The server generation's wire: which trailing argument frames requests get.
         self.wire = wire
         self.generation = 0  # increases each time the peer (re)connects after a loss
@@ -319,8 +328,32 @@ class Connection:
             LMCacheConnectionError: the connection was lost while waiting.
             ClientClosedError: the connection is closed.
 
+        Backpressure: at most ``max_in_flight`` requests are in flight; a call beyond that
+        waits for a free place, under its deadline (a timeout then names no request id:
+        nothing was sent).
+
         Cancellation: the entry is removed; a later reply is dropped.
         """
+        self._check_sendable(op)
+        start = time.monotonic()
+        uid: int | None = None
+        fut: asyncio.Future[Reply] | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                async with self._slots:
+                    self._check_sendable(op)  # the connection may have changed meanwhile
+                    assert self._loop is not None
+                    uid, fut = self._table.register(op, self._loop)
+                    frames = encode_request(uid, op, args, self.wire)
+                    await self._send(frames, op)
+                    return await fut
+        except TimeoutError:
+            raise LMCacheTimeoutError(op_name(op), time.monotonic() - start, uid) from None
+        finally:
+            if fut is not None and not fut.done():
+                fut.cancel()
+
+    def _check_sendable(self, op: Op) -> None:
         if self._closed or self._sock is None or self._loop is None:
             raise ClientClosedError(f"{op_name(op)}: the connection is closed")
         if not self._reader_alive:
@@ -331,18 +364,6 @@ class Connection:
             raise LMCacheConnectionError(
                 f"{op_name(op)}: not connected to {self.url} (the server is down or restarting)"
             )
-        uid, fut = self._table.register(op, self._loop)
-        start = time.monotonic()
-        try:
-            frames = encode_request(uid, op, args, self.wire)
-            async with asyncio.timeout(timeout):
-                await self._send(frames, op)
-                return await fut
-        except TimeoutError:
-            raise LMCacheTimeoutError(op_name(op), time.monotonic() - start, uid) from None
-        finally:
-            if not fut.done():
-                fut.cancel()
 
     async def _send(self, frames: list[Any], op: Op) -> None:
         assert self._sock is not None
