@@ -24,10 +24,10 @@ transport without shared memory uses, and where the live chunk size is published
 from __future__ import annotations
 
 import array
-import operator
 import enum
 import logging
 import math
+import operator
 import re
 import struct
 import sys
