@@ -126,3 +126,32 @@ async def test_an_unfillable_reservation_is_never_admitted(
                 await asyncio.sleep(0.5)
         got = await other.retrieve(tokens)
         assert got is not None and torch.equal(got, kv)
+
+
+async def test_a_second_writer_of_the_same_prompt_waits_for_the_first(
+    real_server_shm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defect 6: while one client copies into its reservation, another client storing the
+    same prompt gets nothing reserved; it waits for the first writer (within its deadline)
+    and answers False, instead of "L1 full"."""
+    model = unique_model("twins")
+    tokens = fresh_tokens(4 * CS)
+    kv = random_kv(SMALL_GEOMETRY, len(tokens))
+    real_fill = operations.fill_slots
+    slow = [True]
+
+    def slow_first_fill(pairs: Pairs) -> None:
+        if slow.pop() if slow else False:
+            time.sleep(1.0)  # in a worker thread: the first writer is still copying
+        real_fill(pairs)
+
+    monkeypatch.setattr(operations, "THREAD_COPY_BYTES", 0)
+    monkeypatch.setattr(operations, "fill_slots", slow_first_fill)
+    async with _open(real_server_shm, model) as a, _open(real_server_shm, model) as b:
+        first = asyncio.create_task(a.store(kv, tokens))
+        await asyncio.sleep(0.3)
+        assert not first.done()
+        assert await b.store(kv, tokens, timeout=20) is False  # someone else stored it
+        assert await first is True
+        got = await b.retrieve(tokens)
+        assert got is not None and torch.equal(got, kv)
