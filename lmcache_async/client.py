@@ -236,6 +236,7 @@ class AsyncClient:
         self._chunk_size = 0
         self._fifo_cpu = False
         self._write_ttl: float | None = None
+        self._expected_pool: tuple[str, int] | None = None  # from /config, when it says
         self._instance_id = secrets.randbits(63)
         self._registered_id: int | None = None  # the id the server knows this client by
         self._pool_identity: tuple[str, int] = ("", 0)  # (shm name, pool size) registered with
@@ -343,6 +344,7 @@ class AsyncClient:
             reply = await self._conn.call(Op.NOOP, (), timeout=_remaining(deadline))
             if reply.value() != "OK":
                 raise ProtocolError(f"noop answered {reply.value()!r}")
+            await self._check_chunk_size_over_zmq(_remaining(deadline))
             await self._register(_remaining(deadline))
             self._keepalive = asyncio.create_task(self._keepalive_loop(), name="lmcache-keepalive")
             self._state = _State.OPEN
@@ -482,6 +484,7 @@ class AsyncClient:
                 "go unanswered (start it with --supported-transfer-mode auto or engine_driven)"
             )
         self._chunk_size = chunk_size
+        self._expected_pool = _expected_pool(config)
         self._server_instance = mp.get("instance_id")
         self._fifo_cpu = mp.get("max_cpu_workers") == 1
         ttl = _find_number(config, "write_ttl_seconds")
@@ -516,6 +519,23 @@ class AsyncClient:
             num_physical_slots=self._chunk_size,
         )
 
+    async def _check_chunk_size_over_zmq(self, timeout: float | None) -> None:
+        """On 0.5.6 (where ``get_chunk_size`` is a pure query; on 0.5.7 it would freeze
+        the chunk size) check that the ZMQ endpoint has the chunk size ``/config`` gave.
+
+        Raises:
+            ServerError: the two endpoints are not the same server.
+        """
+        if self._wire.chunk_size_from != "config":
+            return
+        reply = await self._conn.call(Op.GET_CHUNK_SIZE, (), timeout=timeout)
+        zmq_chunk = reply.value()
+        if zmq_chunk != self._chunk_size:
+            raise ServerError(
+                f"{self.url} and {self.http_url} are not the same LMCache server: the ZMQ endpoint "
+                f"has chunk size {zmq_chunk!r}, the HTTP endpoint's /config {self._chunk_size}"
+            )
+
     async def _register(self, timeout: float | None) -> None:
         payload = self._register_payload()
         generation = self._conn.generation
@@ -523,6 +543,16 @@ class AsyncClient:
         shm_name, pool_size = parse_register_response(reply.value())
         self._registered_id = payload.instance_id
         self._pool_identity = (shm_name, pool_size)
+        if self._expected_pool is not None and self._expected_pool != (shm_name, pool_size):
+            # Another server than the one whose /config was read: undo the registration.
+            with contextlib.suppress(LMCacheError):
+                await self._conn.call(Op.UNREGISTER_ENGINE_DRIVEN, (payload.instance_id,), timeout=timeout)
+            self._registered_id = None
+            raise ServerError(
+                f"{self.url} and {self.http_url} are not the same LMCache server: the ZMQ endpoint "
+                f"serves the SHM pool {shm_name!r} ({pool_size} bytes), the HTTP endpoint's /config "
+                f"describes {self._expected_pool[0]!r} ({self._expected_pool[1]} bytes)"
+            )
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -1102,6 +1132,38 @@ def _check_timeout(timeout: object, name: str) -> float | None:
 def _check_iterable(value: object, name: str) -> None:
     if isinstance(value, str | bytes) or not isinstance(value, Iterable):
         raise TypeError(f"{name} must be an iterable of items, got {type(value).__name__}")
+
+
+#: The prefix the server gives its SHM pool's name (``engine_context._compute_shm_pool_info``).
+_POOL_PREFIX: Final = "lmcache_l1_pool_"
+
+
+def _expected_pool(config: object) -> tuple[str, int] | None:
+    """The ``(shm_name, pool_size)`` a registration with the server whose ``/config`` this
+    is answers, or ``None`` when ``/config`` does not say (then nothing is checked)."""
+    if not isinstance(config, dict):
+        return None
+    sm = config.get("storage_manager")
+    if not isinstance(sm, dict):
+        return None
+    configs = sm.get("l1_manager_configs")
+    if isinstance(configs, list) and len(configs) != 1:
+        return ("", 0)
+    l1 = sm.get("l1_manager_config")
+    mem = l1.get("memory_config") if isinstance(l1, dict) else None
+    if not isinstance(mem, dict):
+        return None
+    name = mem.get("shm_name") or ""
+    if not isinstance(name, str):
+        return None
+    if not name or mem.get("use_lazy") or mem.get("devdax_path"):
+        return ("", 0)
+    size = mem.get("size_in_bytes")
+    if isinstance(size, bool) or not isinstance(size, int):
+        return None
+    if not name.lstrip("/").startswith(_POOL_PREFIX):
+        name = _POOL_PREFIX + name.lstrip("/")
+    return (name, size)
 
 
 def _find_number(doc: object, name: str) -> float | None:

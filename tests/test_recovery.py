@@ -94,3 +94,36 @@ async def test_a_refused_zmq_endpoint_says_so(real_server_shm: Any) -> None:
             timeout=60,
         )
     print(f"\n[refused] reported after {time.monotonic() - start:.3f}s")
+
+
+async def test_http_and_zmq_endpoints_of_different_servers_are_refused(
+    real_server_shm: Any, real_server_pickle: Any, fresh_real_server: Any
+) -> None:
+    """Defect 2: the HTTP endpoint of one server and the ZMQ endpoint of another."""
+    other_chunk = fresh_real_server("pickle", chunk_size=2 * CS)
+    cases = [
+        (
+            real_server_shm.url,
+            real_server_pickle.http_url,
+            "the ZMQ endpoint serves the SHM pool 'lmcache_l1_pool_",
+        ),
+        (
+            real_server_pickle.url,
+            real_server_shm.http_url,
+            "the ZMQ endpoint serves the SHM pool '' \\(0 bytes\\)",
+        ),
+        (
+            other_chunk.url,
+            real_server_pickle.http_url,
+            "the ZMQ endpoint has chunk size 32, the HTTP endpoint's /config 16",
+        ),
+    ]
+    for url, http_url, message in cases:
+        with pytest.raises(lmc.ServerError, match="are not the same LMCache server: " + message):
+            await lmc.connect(url, http_url, unique_model("mixed"), geometry=SMALL_GEOMETRY, timeout=30)
+    # Correctly configured clients are unaffected.
+    for srv in (real_server_shm, real_server_pickle, other_chunk):
+        async with lmc.AsyncClient(
+            srv.url, srv.http_url, unique_model(), geometry=SMALL_GEOMETRY, timeout=30
+        ) as c:
+            assert await c.lookup(fresh_tokens(2 * CS)) == 0
