@@ -76,10 +76,12 @@ LOOP_THREAD_NAME: Final = "lmcache-async-loop"
 _WAIT_SLICE: Final = 0.1
 #: Seconds the loop thread stays alive with no open client (read at each release).
 _IDLE_LINGER = 30.0
-#: ``aclose()`` beyond ``cleanup_grace``: unregister (5 s) and closing socket/session.
+#: ``aclose()`` beyond ``cleanup_grace``: unregister (2 s) and closing socket/session.
 _CLOSE_EXTRA: Final = 10.0
-#: Longest wait for a retiring loop thread to finish, and for the loop at exit.
+#: Longest wait for a retiring loop thread to finish.
 _JOIN_TIMEOUT: Final = 10.0
+#: Longest wait at interpreter exit for clients left open to close (issue 12, defect 10).
+_EXIT_WAIT: Final = 3.0
 
 
 class SyncUsageError(LMCacheError, RuntimeError):
@@ -423,10 +425,18 @@ def _at_exit() -> None:
     lt = _LoopThread._current
     if lt is None or not lt.alive():
         return
-    deadline = time.monotonic() + _JOIN_TIMEOUT + max(
-        (c._grace for c in list(_live)), default=0.0
-    )
-    for call in list(lt.background):
+    # Bounded (a hung server must not hold the exit for cleanup_grace + unregister): what
+    # is not done by then expires on the server (sessions, locks, the registration).
+    deadline = time.monotonic() + _EXIT_WAIT
+    pending = [call for call in list(lt.background) if not call.done.is_set()]
+    if pending:
+        log.warning(
+            "lmcache-async: at exit, waiting up to %.0f s for %d client close(s) "
+            "(operation cleanups, unregister)",
+            _EXIT_WAIT,
+            len(pending),
+        )
+    for call in pending:
         call.done.wait(max(deadline - time.monotonic(), 0.0))
     lt.shutdown(max(deadline - time.monotonic(), 0.1))
 
