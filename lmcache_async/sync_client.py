@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, TypeVa
 import torch
 
 from lmcache_async.client import _DEFAULT, AsyncClient, RemapResult, TransferMode, _check_timeout
+from lmcache_async.connection import DEFAULT_MAX_IN_FLIGHT
 from lmcache_async.errors import ClientClosedError, LMCacheError, LMCacheTimeoutError
 from lmcache_async.geometry import KVGeometry
 
@@ -506,6 +507,7 @@ class Client:
         metadata_ttl: float = 5.0,
         prefault_shm: bool = True,
         api_key: str | None = None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ) -> None:
         self._pid = os.getpid()
         self._closed = True  # until opened
@@ -526,6 +528,7 @@ class Client:
                 metadata_ttl=metadata_ttl,
                 prefault_shm=prefault_shm,
                 api_key=api_key,
+                max_in_flight=max_in_flight,
             )
             await client.open()
             return client
@@ -564,6 +567,7 @@ class Client:
         metadata_ttl: float = 5.0,
         prefault_shm: bool = True,
         api_key: str | None = None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ) -> Client:
         """Create and open a :class:`Client` (the same as calling the class)."""
         return cls(
@@ -579,6 +583,7 @@ class Client:
             metadata_ttl=metadata_ttl,
             prefault_shm=prefault_shm,
             api_key=api_key,
+            max_in_flight=max_in_flight,
         )
 
     # ------------------------------------------------------------------ plumbing
