@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
-from _worker_loop import WorkerExit, error_reply, send, serve, take_protocol_stdout
+from _worker_loop import WorkerExit, error_reply, installed_lmcache, send, serve, take_protocol_stdout
 
 PROTO = take_protocol_stdout()
 
@@ -78,5 +78,9 @@ def quit_(req: dict[str, Any]) -> dict[str, Any]:
     raise WorkerExit({})
 
 
-send(PROTO, {"ok": True, "ready": True, "worker": "sdk-bench"})
+_version, _generation = installed_lmcache()  # the ready line says which lmcache this is
+send(
+    PROTO,
+    {"ok": True, "ready": True, "worker": "sdk-bench", "lmcache_version": _version, "generation": _generation},
+)
 sys.exit(serve(PROTO, {"connect": connect, "bench": bench, "quit": quit_}))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
-from _worker_loop import WorkerExit, error_reply, send, serve, take_protocol_stdout
+from _worker_loop import WorkerExit, error_reply, installed_lmcache, send, serve, take_protocol_stdout
 
 PROTO = take_protocol_stdout()
 
@@ -61,7 +61,11 @@ def quit_(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> int:
-    send(PROTO, {"ok": True, "ready": True, "worker": "sdk-remap"})
+    _version, _generation = installed_lmcache()  # the ready line says which lmcache this is
+    send(
+        PROTO,
+        {"ok": True, "ready": True, "worker": "sdk-remap", "lmcache_version": _version, "generation": _generation},
+    )
     return serve(PROTO, {"connect": connect, "remap": remap, "quit": quit_})
 
 

@@ -3,8 +3,11 @@ every malformed or hostile input refused with ProtocolError before any allocatio
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
 import tracemalloc
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -19,6 +22,7 @@ from lmcache_async.envelope_codec import (
     encode_tensor_envelope,
 )
 from lmcache_async.errors import ProtocolError
+from tests.support.real_server import LMCACHE_QUIET_ENV
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.uint8, torch.float8_e4m3fn]
 SHAPE = (2, 2, 4, 3)
@@ -206,3 +210,36 @@ def test_mutated_valid_envelopes_decode_or_raise_protocol_error(data: st.DataObj
     except ProtocolError:
         return
     assert len(got) == 2 and all(t.dtype == torch.bfloat16 and tuple(t.shape) == SHAPE for t in got)
+
+
+_LMCACHE_CODEC = """
+import sys, torch
+from lmcache.v1.multiprocess.transfer_context.tensor_wire import decode_tensors, encode_tensors
+ours = open(sys.argv[1], "rb").read()
+got = decode_tensors(ours, expected_shape=torch.Size([2, 2, 4, 3]), expected_dtype=torch.bfloat16,
+                     expected_count=3)
+want = torch.arange(3 * 48, dtype=torch.float32).view(3, 2, 2, 4, 3).to(torch.bfloat16)
+assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), "decoded tensors differ"
+sys.stdout.buffer.write(encode_tensors(list(want)))
+"""
+
+
+@pytest.mark.real_server
+def test_lmcache_0_5_7_reads_ours_and_writes_the_same_bytes(lmcache057_python: Path, tmp_path: Path) -> None:
+    """lmcache's own codec decodes our envelope to the same tensors, and encodes the same
+    tensors to exactly our bytes."""
+    want = torch.arange(3 * 48, dtype=torch.float32).view(3, 2, 2, 4, 3).to(torch.bfloat16)
+    ours = _payload(list(want))
+    path = tmp_path / "envelope.bin"
+    path.write_bytes(ours)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(LMCACHE_QUIET_ENV)
+    done = subprocess.run(
+        [str(lmcache057_python), "-c", _LMCACHE_CODEC, str(path)],
+        capture_output=True,
+        timeout=100,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert done.stdout == ours
