@@ -71,6 +71,8 @@ def scripted(register: dict[str, Any], on: dict[Op, Any]) -> Callable[[wire.Requ
     def handler(req: wire.Request) -> list[tuple[Any, ...]]:
         if req.op is Op.NOOP:
             return [("reply", "OK")]
+        if req.op is Op.GET_CHUNK_SIZE:  # asked of a 0.5.6 server at connect
+            return [("reply", CS)]
         if req.op is Op.REGISTER_ENGINE_DRIVEN:
             return [("reply", register)]
         if req.op in on:
@@ -192,7 +194,8 @@ async def test_a_silent_server_times_out_naming_the_operation(http_stub: str) ->
 
 
 async def test_registration_refused_is_a_timeout_on_connect(http_stub: str) -> None:
-    async with FakeRouter(lambda req: [("reply", "OK")] if req.op is Op.NOOP else []) as router:
+    probes = {Op.NOOP: "OK", Op.GET_CHUNK_SIZE: CS}
+    async with FakeRouter(lambda req: [("reply", probes[req.op])] if req.op in probes else []) as router:
         with pytest.raises(lmc.LMCacheTimeoutError, match="register_kv_cache_engine_driven_context"):
             await lmc.connect(router.url, http_stub, "m", geometry=SMALL_GEOMETRY, timeout=0.5)
 

@@ -65,6 +65,8 @@ class Switch:
     def __call__(self, req: wire.Request) -> list[tuple[Any, ...]]:
         if req.op is Op.NOOP and not self.silent:
             return [("reply", "OK")]
+        if req.op is Op.GET_CHUNK_SIZE and not self.silent:  # asked of a 0.5.6 server at connect
+            return [("reply", CS)]
         if req.op is Op.REGISTER_ENGINE_DRIVEN and not self.silent:
             return [("reply", {"shm_name": "", "pool_size": 0})]
         if req.op in (Op.UNREGISTER_ENGINE_DRIVEN,) and not self.silent:

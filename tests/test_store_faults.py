@@ -1,5 +1,6 @@
 """A store that fails after ``prepare_store`` never lets an unwritten reservation become
-visible KV (issue 12, defect 1), against the real LMCache 0.5.6 server.
+visible KV (issue 12, defects 1 and 6), against the real LMCache 0.5.6 and 0.5.7 servers
+(and the embedded one where it needs no server-side expiry).
 
 The LMCache server has no operation that drops a write reservation: committing it,
 unregistering the instance or the server reaping a pinged instance all admit the slots
@@ -29,6 +30,18 @@ pytestmark = pytest.mark.anyio
 CS = 16
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
+#: The SHM servers these tests run on (a reservation exists only on SHM).
+SHM_SERVERS = [
+    pytest.param("real_server_shm", marks=pytest.mark.real_server),
+    pytest.param("real_server_057_shm", marks=pytest.mark.real_server),
+    "embedded_server_shm",
+]
+
+
+@pytest.fixture(params=SHM_SERVERS)
+def shm_server(request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue(request.param)
+
 
 def _open(srv: Any, model: str, **kw: Any) -> AsyncClient:
     return AsyncClient(srv.url, srv.http_url, model, geometry=SMALL_GEOMETRY, timeout=30, **kw)
@@ -39,11 +52,11 @@ def _sent(client: AsyncClient) -> int:
     return next(client._conn._table._uids)
 
 
-async def test_uncopyable_kv_is_refused_before_anything_is_sent(real_server_shm: Any) -> None:
+async def test_uncopyable_kv_is_refused_before_anything_is_sent(shm_server: Any) -> None:
     model = unique_model("layout")
     tokens = fresh_tokens(2 * CS)
     kv = random_kv(SMALL_GEOMETRY, len(tokens))
-    async with _open(real_server_shm, model) as c:
+    async with _open(shm_server, model) as c:
         before = _sent(c)
         cases: list[tuple[torch.Tensor, str]] = [
             (kv.to("meta"), "kv is a meta tensor"),
@@ -55,13 +68,13 @@ async def test_uncopyable_kv_is_refused_before_anything_is_sent(real_server_shm:
         assert _sent(c) == before + 1  # nothing was sent in between
         # Nothing was reserved either: the same key stores at once and reads back exactly.
         assert await c.store(kv, tokens) is True
-    async with _open(real_server_shm, model) as other:
+    async with _open(shm_server, model) as other:
         got = await other.retrieve(tokens)
         assert got is not None and torch.equal(got, kv)
 
 
 async def test_a_copy_failing_midway_is_repaired_from_a_cpu_copy(
-    real_server_shm: Any, monkeypatch: pytest.MonkeyPatch
+    shm_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = unique_model("repair")
     tokens = fresh_tokens(3 * CS)
@@ -75,18 +88,21 @@ async def test_a_copy_failing_midway_is_repaired_from_a_cpu_copy(
         raise RuntimeError("simulated device error mid-copy")
 
     monkeypatch.setattr(operations, "fill_slots", failing_fill)
-    async with _open(real_server_shm, model) as c:
+    async with _open(shm_server, model) as c:
         assert await c.store(kv, tokens) is True
         assert calls == [3]
-    async with _open(real_server_shm, model) as other:
+    async with _open(shm_server, model) as other:
         got = await other.retrieve(tokens)
         assert got is not None and torch.equal(got, kv)
 
 
+@pytest.mark.parametrize("generation", ["0.5.6", "0.5.7"])
 async def test_an_unfillable_reservation_is_never_admitted(
-    fresh_real_server: Any, monkeypatch: pytest.MonkeyPatch
+    fresh_real_server: Any, monkeypatch: pytest.MonkeyPatch, generation: str
 ) -> None:
-    srv = fresh_real_server("shm", chunk_size=CS, extra_args=["--l1-write-ttl-seconds", "3"])
+    srv = fresh_real_server(
+        "shm", generation=generation, chunk_size=CS, extra_args=["--l1-write-ttl-seconds", "3"]
+    )
     model = unique_model("poison")
     tokens = fresh_tokens(2 * CS)
     kv = random_kv(SMALL_GEOMETRY, len(tokens))
@@ -129,7 +145,7 @@ async def test_an_unfillable_reservation_is_never_admitted(
 
 
 async def test_a_second_writer_of_the_same_prompt_waits_for_the_first(
-    real_server_shm: Any, monkeypatch: pytest.MonkeyPatch
+    shm_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Defect 6: while one client copies into its reservation, another client storing the
     same prompt gets nothing reserved; it waits for the first writer (within its deadline)
@@ -147,7 +163,7 @@ async def test_a_second_writer_of_the_same_prompt_waits_for_the_first(
 
     monkeypatch.setattr(operations, "THREAD_COPY_BYTES", 0)
     monkeypatch.setattr(operations, "fill_slots", slow_first_fill)
-    async with _open(real_server_shm, model) as a, _open(real_server_shm, model) as b:
+    async with _open(shm_server, model) as a, _open(shm_server, model) as b:
         first = asyncio.create_task(a.store(kv, tokens))
         await asyncio.sleep(0.3)
         assert not first.done()
