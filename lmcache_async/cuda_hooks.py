@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 __all__ = [
     "caller_device",
     "caller_order",
-    "check_device",
     "kv_mark",
     "new_target",
     "on_caller_streams",
@@ -36,12 +35,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-
-def check_device(t: torch.Tensor, name: str) -> None:
-    """Raise ``ValueError`` unless ``t`` is on the CPU or a CUDA device."""
-    if t.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{name} must be on the CPU or a CUDA device, got {t.device}")
 
 
 def kv_mark(t: torch.Tensor) -> Mark | None:
