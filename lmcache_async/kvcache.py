@@ -26,6 +26,9 @@ Differences from the official SDK (all deliberate):
 * ``connect`` also takes ``geometry=`` (a :class:`~lmcache_async.KVGeometry`), so no
   inference engine has to have registered the model; without it the geometry comes from
   ``/status`` as in the official SDK.
+* ``store`` accepts ``tokens`` longer than the KV (it stores under ``tokens[:T]``), so
+  ``store(retrieve(source), target)`` works when the prompt is not a whole number of
+  chunks; the official SDK raises on the shape mismatch.
 * ``lookup`` is an addition: the cached prefix length without transferring anything.
 * ``close`` also unregisters the client from the server.
 """
@@ -74,10 +77,14 @@ def retrieve(ctx: Client, tokens: Sequence[int], cache_salt: str = "") -> torch.
 
 
 def store(ctx: Client, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> bool:
-    """Store ``kv`` (``[2, L, T, D]``, ``T == len(tokens)``) under ``tokens``.
+    """Store ``kv`` (``[2, L, T, D]``) under ``tokens``.
 
-    Tokens beyond the last whole chunk are ignored. Returns True if at least one chunk
-    was added, False exactly when all were cached already.
+    ``tokens`` may be longer than ``T``: the KV is stored under ``tokens[:T]``, so the
+    official snippet ``store(ctx, kv=retrieve(ctx, tokens=source), tokens=target)`` works
+    for prompts of any length (a retrieve returns whole chunks only; the official SDK
+    raises there). Fewer tokens than ``T`` raise ``ValueError``. Tokens beyond the last
+    whole chunk are ignored. Returns True if at least one chunk was added, False exactly
+    when all were cached already.
     """
     if isinstance(kv, torch.Tensor):  # anything else: the client raises TypeError
         kv = kv.detach() if kv.device.type == "cpu" else kv.detach().cpu()  # as the SDK does
