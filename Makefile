@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test venv lmcache-venv lint typecheck pytest smoke bench clean
+.PHONY: demo test venv lmcache-venv lint typecheck pytest smoke bench experiment clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ pytest: venv lmcache-venv
 ## The issue-2 smoke run: real LMCache server, our client, chunk size + noop RTT.
 smoke: venv lmcache-venv
 	$(BIN)/python benchmarks/smoke_real_server.py
+
+## The KV-edit experiment with a real transformers model (docs/hf.md), on an embedded
+## server; pass ARGS="--url tcp://host:5555 --http-url http://host:8080" for a running one.
+experiment: venv
+	$(BIN)/python examples/kv_edit_experiment.py $(ARGS)
 
 ## Benchmarks against the official SDK (see docs/benchmarks.md).
 bench: venv lmcache-venv
