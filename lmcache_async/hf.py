@@ -406,10 +406,13 @@ def _greedy(
     return new
 
 
-def _prompt(tokens: Sequence[int]) -> list[int]:
+def _prompt(tokens: Sequence[int], model: Any) -> list[int]:
     toks = validate_tokens(tokens)
     if not toks:
         raise ValueError("tokens must not be empty")
+    vocab = getattr(_text_config(model.config), "vocab_size", None)
+    if isinstance(vocab, int) and max(toks) >= vocab:
+        raise ValueError(f"token id {max(toks)} is outside the model's vocabulary of {vocab} ids")
     return toks
 
 
@@ -425,7 +428,7 @@ def prefill(model: Any, tokens: Sequence[int]) -> Prefill:
         ValueError/TypeError: empty or invalid ``tokens``; a model whose cache layout is
             not supported (see :func:`geometry_from_config`).
     """
-    toks = _prompt(tokens)
+    toks = _prompt(tokens, model)
     geometry = geometry_from_model(model)
     t0 = time.perf_counter()
     cache = DynamicCache(config=model.config)
@@ -463,7 +466,7 @@ def generate(
         ValueError/TypeError: bad arguments, or a ``prefix_kv`` of another geometry or
             dtype than the model's, or longer than the prompt.
     """
-    toks = _prompt(tokens)
+    toks = _prompt(tokens, model)
     _check_new_tokens(max_new_tokens)
     geometry = geometry_from_model(model)
     hit = 0
@@ -527,7 +530,7 @@ async def prefill_and_store(
     Cancellation/timeout: as :meth:`AsyncClient.store` once the store began; a forward
     pass already running in its worker thread finishes and its result is dropped.
     """
-    toks = _prompt(tokens)
+    toks = _prompt(tokens, model)
     validate_cache_salt(cache_salt)
     check_geometry(client.geometry, geometry_from_model(model))
     pre = await asyncio.to_thread(prefill, model, toks)
@@ -571,7 +574,7 @@ async def generate_with_cache(
     Cancellation/timeout: as :meth:`AsyncClient.retrieve` during the retrieve; once the
     model runs (in a worker thread) it finishes and its result is dropped.
     """
-    toks = _prompt(tokens)
+    toks = _prompt(tokens, model)
     validate_cache_salt(cache_salt)
     _check_new_tokens(max_new_tokens)
     check_geometry(client.geometry, geometry_from_model(model))

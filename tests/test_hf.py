@@ -189,6 +189,8 @@ def test_conversion_errors_are_clear() -> None:
         hf.generate(model, prompt(2, 8), prefix_kv=kv.bfloat16())
     with pytest.raises(ValueError, match=r"^tokens must not be empty$"):
         hf.generate(model, [])
+    with pytest.raises(ValueError, match=r"^token id 512 is outside the model's vocabulary of 512 ids$"):
+        hf.prefill(model, [1, 512])
 
 
 def test_the_tail_runs_at_the_positions_after_the_cached_prefix() -> None:
@@ -296,6 +298,8 @@ async def test_bad_inputs_fail_before_anything_is_sent(
             await hf.store_cache(c, own_cache(model_of(torch.bfloat16), prompt(6, 20)), prompt(6, 20))
         with pytest.raises(ValueError, match=r"^kv covers 20 tokens but tokens has 19"):
             await hf.store_cache(c, cache, prompt(6, 19))
+        with pytest.raises(ValueError, match=r"^token id 600 is outside the model's vocabulary"):
+            await hf.prefill_and_store(c, model, [*prompt(6), 600])
         with pytest.raises(ValueError, match=r"^max_new_tokens must be an int >= 0, got -1$"):
             await hf.generate_with_cache(c, model, prompt(6), max_new_tokens=-1)
         assert sent == []
