@@ -85,7 +85,7 @@ async def run_experiment(
     gen = torch.Generator().manual_seed(seed)
     source = torch.randint(1, vocab, (n,), generator=gen).tolist()
     steps: list[dict[str, Any]] = []
-    await asyncio.to_thread(hf.prefill, model, source[::-1])  # the engine's warm-up, not timed
+    await hf.run_model(hf.prefill, model, source[::-1])  # the engine's warm-up, not timed
 
     # 1. the engine runs the source prompt and stores its KV; it serves the source
     stored = await hf.prefill_and_store(client, model, source)
@@ -153,9 +153,9 @@ async def run_experiment(
     steps.append(_serve_step("5 engine: serve target from LMCache", tgt, cs))
 
     # 6. outputs, and the control: the target without the cache
-    control = await asyncio.to_thread(hf.generate, model, target, max_new_tokens=new_tokens)
+    control = await hf.run_model(hf.generate, model, target, max_new_tokens=new_tokens)
     steps.append(_serve_step("6 control: target without cache", control, cs))
-    full_source = await asyncio.to_thread(hf.generate, model, source, max_new_tokens=new_tokens)
+    full_source = await hf.run_model(hf.generate, model, source, max_new_tokens=new_tokens)
     match = tgt.tokens == src.tokens
     return {
         "ok": bool(match and kv_equal and tgt.hit_tokens == stored.stored_tokens),

@@ -27,19 +27,24 @@ blocking :class:`~lmcache_async.Client` the same flow is ``client.store(prefill(
 tokens).kv, tokens)`` and ``generate(model, tokens, prefix_kv=client.retrieve(tokens))``.
 
 Every argument is checked (batch 1, the model's geometry, dtype) before anything is sent.
-Model computation runs in a worker thread (:func:`asyncio.to_thread`) so the event loop
-keeps serving other operations; it has no deadline of its own, and a cancelled helper
-cannot stop a forward pass already running (its result is discarded).
+Model computation runs on one worker thread of this module (:func:`run_model`), so the
+event loop keeps serving other operations while a forward pass runs; forward passes run
+one at a time (each already uses every core through torch's intra-op threads, and one
+long-lived thread keeps torch's thread pool warm). It has no deadline of its own, and a
+cancelled helper cannot stop a forward pass already running (its result is discarded).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import inspect
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -70,8 +75,11 @@ __all__ = [
     "kv_to_cache",
     "prefill",
     "prefill_and_store",
+    "run_model",
     "store_cache",
 ]
+
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------- geometry
@@ -508,6 +516,28 @@ def _ms(t0: float) -> float:
 
 # --------------------------------------------------------------------------- with a client
 
+_EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+async def run_model(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """Run ``fn(*args, **kwargs)`` (model computation) on this module's model thread.
+
+    One thread, created on first use, runs every call in turn: the event loop is not
+    blocked, and torch's intra-op thread pool, which belongs to the calling thread, is
+    built once (a fresh thread pays for it again on its first forward pass).
+
+    Cancellation: the caller stops waiting; a call already running finishes on the
+    thread and its result is dropped; one not started yet is not run.
+    """
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-hf-model")
+        executor = _EXECUTOR
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(executor, functools.partial(fn, *args, **kwargs))
+
 
 async def prefill_and_store(
     client: AsyncClient,
@@ -533,7 +563,7 @@ async def prefill_and_store(
     toks = _prompt(tokens, model)
     validate_cache_salt(cache_salt)
     check_geometry(client.geometry, geometry_from_model(model))
-    pre = await asyncio.to_thread(prefill, model, toks)
+    pre = await run_model(prefill, model, toks)
     t0 = time.perf_counter()
     new = await client.store(pre.kv, toks, cache_salt, timeout=timeout)
     cs = client.chunk_size
@@ -592,7 +622,7 @@ async def generate_with_cache(
             eos_token_id=eos_token_id,
         )
 
-    result = await asyncio.to_thread(run)
+    result = await run_model(run)
     return replace(result, retrieve_ms=retrieve_ms)
 
 

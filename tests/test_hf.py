@@ -9,6 +9,7 @@ the interop tests run lmcache's own engine path (the fake vLLM worker) against i
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -224,6 +225,15 @@ def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
     gen = hf.generate(model, tokens, max_new_tokens=NEW, prefix_kv=kv)
     assert (gen.hit_tokens, gen.reused_tokens, gen.computed_tokens) == (2 * CS, 2 * CS - 1, 1)
     assert len(gen.tokens) == NEW
+
+
+async def test_model_work_runs_on_one_thread_off_the_event_loop() -> None:
+    def where(x: int) -> tuple[str, int]:
+        return threading.current_thread().name, x * 2
+
+    got = [await hf.run_model(where, i) for i in range(3)]
+    assert got == [("lmcache-hf-model_0", 0), ("lmcache-hf-model_0", 2), ("lmcache-hf-model_0", 4)]
+    assert threading.current_thread().name != "lmcache-hf-model_0"
 
 
 # --------------------------------------------------------------------------- with a server
