@@ -273,6 +273,9 @@ async def test_the_kv_edit_flow_with_a_real_model(server: Any, dtype: torch.dtyp
         control = hf.generate(model, target, max_new_tokens=NEW)  # no cache: its own prompt
         assert control.hit_tokens == 0 and not torch.equal(control.logits, src.logits)
         assert (await hf.prefill_and_store(c, model, source)).stored_new is False  # all cached
+        miss = await hf.generate_with_cache(c, model, prompt(55), max_new_tokens=2)  # nothing cached
+        assert (miss.hit_tokens, miss.reused_tokens, miss.computed_tokens) == (0, 0, PROMPT)
+        assert torch.equal(miss.logits, hf.generate(model, prompt(55), max_new_tokens=0).logits)
 
 
 async def test_bad_inputs_fail_before_anything_is_sent(
