@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test venv lmcache-venv lint typecheck pytest smoke bench experiment clean
+.PHONY: demo test venv lmcache-venv redis lint typecheck pytest smoke bench experiment clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,14 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+## Both real LMCache venvs: .lmcache-venv (0.5.6) and .lmcache-venv-057 (0.5.7rc3).
 lmcache-venv:
-	tests/support/build_lmcache_venv.sh
+	tests/support/build_lmcache_venv.sh --generation 0.5.6
+	tests/support/build_lmcache_venv.sh --generation 0.5.7
+
+## Debian's redis-server (the multi-host tests' shared L2); installs it only if missing.
+redis:
+	tests/support/ensure_redis.sh
 
 ## The main job: the KV remap demo on the embedded server (no LMCache needed).
 demo: venv
@@ -34,7 +40,7 @@ typecheck: venv
 	$(BIN)/mypy
 
 # pytest exits 5 when it collected no tests: make treats any non-zero exit as failure.
-pytest: venv lmcache-venv
+pytest: venv lmcache-venv redis
 	LMCACHE_ASYNC_REQUIRE_REAL_SERVER=1 $(BIN)/python -m pytest
 
 ## The issue-2 smoke run: real LMCache server, our client, chunk size + noop RTT.
@@ -51,4 +57,4 @@ bench: venv lmcache-venv
 	$(BIN)/python benchmarks/bench_client.py
 
 clean:
-	rm -rf $(VENV) .lmcache-venv .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .lmcache-venv .lmcache-venv-057 .mypy_cache .ruff_cache .pytest_cache

@@ -1,8 +1,10 @@
 """AsyncClient vs the official SDK on the same real LMCache server, in the same run.
 
-    .venv/bin/python benchmarks/bench_client.py [--iters 12] [--rounds 3] [--json]
+    .venv/bin/python benchmarks/bench_client.py [--iters 12] [--rounds 3] [--json] [--generation 0.5.7]
 
-Starts a real LMCache 0.5.6 server (SHM, chunk 256, from .lmcache-venv), registers a
+Starts a real LMCache server (0.5.6 from .lmcache-venv, or with ``--generation 0.5.7``
+0.5.7rc3 from .lmcache-venv-057, whose own official SDK is then the comparison; SHM,
+chunk 256), registers a
 vLLM-style layout (32 layers x 8 KV heads x 128 head dim, bf16, block 16) with the fake
 engine worker so that the official SDK can connect, and alternates rounds of the SDK
 (in the lmcache venv, timed inside its own process) and of lmcache_async:
@@ -112,11 +114,16 @@ CASES = [
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    python = lmcache_venv_python()
+    python = lmcache_venv_python(generation=args.generation)
     results: dict[str, dict[str, list[float]]] = {c[0]: {"sdk": [], "ours": []} for c in CASES}
     results["copy16"] = {"anchor": []}
-    with RealLMCacheServer("shm", venv_python=python, chunk_size=CS, l1_size_gb=args.l1_gb) as srv:
-        with EngineWorker(srv.url) as eng_big, EngineWorker(srv.url) as eng_tiny:
+    with RealLMCacheServer(
+        "shm", venv_python=python, chunk_size=CS, l1_size_gb=args.l1_gb, generation=args.generation
+    ) as srv:
+        with (
+            EngineWorker(srv.url, python=python) as eng_big,
+            EngineWorker(srv.url, python=python) as eng_tiny,
+        ):
             eng_big.register("bench-big", 32, 8, 128, block_size=16, num_blocks=32)
             eng_tiny.register("bench-tiny", 1, 1, 16, block_size=16, num_blocks=32)
             with SDKBench(python=python) as sdk_big, SDKBench(python=python) as sdk_tiny:
@@ -134,6 +141,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         c_tiny.geometry,
                     )
                     assert c_big.transfer == "shm"
+                    assert c_big.wire_generation == args.generation, c_big.server_version
                     clients = {"big": c_big, "tiny": c_tiny}
                     base = 1000
                     for rnd in range(args.rounds + 1):  # round 0 warms the pool
@@ -188,6 +196,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--iters", type=int, default=12)
+    parser.add_argument("--generation", choices=["0.5.6", "0.5.7"], default="0.5.6")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--l1-gb", type=int, default=8)
     parser.add_argument("--only", nargs="*", help="run only these cases")

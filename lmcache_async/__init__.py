@@ -19,7 +19,9 @@ from lmcache_async.bulk import (
 )
 from lmcache_async.client import AsyncClient, RemapResult, connect
 from lmcache_async.errors import (
+    AuthenticationError,
     ClientClosedError,
+    HTTPStatusError,
     LMCacheConnectionError,
     LMCacheError,
     LMCacheTimeoutError,
@@ -28,17 +30,20 @@ from lmcache_async.errors import (
     ServerError,
     TransferError,
     UnsafePayloadError,
+    UnsupportedServerVersionError,
 )
 from lmcache_async.geometry import KVGeometry
 from lmcache_async.sync_client import Client
 
 __all__ = [
     "AsyncClient",
+    "AuthenticationError",
     "BatchProgress",
     "BatchResult",
     "BatchSummary",
     "Client",
     "ClientClosedError",
+    "HTTPStatusError",
     "ItemResult",
     "KVGeometry",
     "LMCacheConnectionError",
@@ -53,6 +58,7 @@ __all__ = [
     "StoreItem",
     "TransferError",
     "UnsafePayloadError",
+    "UnsupportedServerVersionError",
     "__version__",
     "connect",
 ]

@@ -8,6 +8,12 @@ prefetch result, releases the read locks it took, commits the SHM reads or write
 holds and ends its session. A store whose slots were reserved is completed (all its
 chunks are committed, never some); a retrieve no longer copies into the caller's tensor.
 So a timeout or a cancellation never leaves sessions, locks or reservations behind.
+
+Layers: this module holds the lifecycle (detect the server generation, load the
+configuration, register, keep alive, re-register after a restart) and validates every
+argument; each operation's RPC sequence lives once in :mod:`lmcache_async.operations`,
+over a small channel interface; what differs between server generations is data in
+:class:`lmcache_async.wire.WireGeneration`.
 """
 
 from __future__ import annotations
@@ -16,13 +22,10 @@ import asyncio
 import contextlib
 import enum
 import logging
-import math
 import os
 import secrets
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
 import torch
@@ -38,18 +41,18 @@ from lmcache_async.errors import (
 )
 from lmcache_async.geometry import KVGeometry, dtype_name
 from lmcache_async.metadata import Metadata
-from lmcache_async.pickle_codec import decode_tensor_list, encode_tensor_list
+from lmcache_async.operations import Operations, OpState, Registration, RemapResult, run_detached
 from lmcache_async.shm import ShmPool
 from lmcache_async.wire import (
-    CacheKey,
+    GEN_0_5_6,
     Op,
-    PreEncoded,
     RegisterPayload,
-    parse_prepare_retrieve,
-    parse_prepare_store,
+    WireGeneration,
+    generation_for_version,
     parse_register_response,
     validate_cache_salt,
     validate_model_name,
+    validate_request_configs,
     validate_tokens,
 )
 
@@ -62,12 +65,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 TransferMode = Literal["auto", "shm", "pickle"]
+Configs = dict[str, Any] | None
 
 _DEFAULT: Final[Any] = object()
-#: Copies larger than this run in a worker thread so the event loop keeps serving others.
-_THREAD_COPY_BYTES: Final = 8 << 20
-#: Longest single wait_prefetch_status: it blocks one of the server's CPU workers.
-_PREFETCH_WAIT_SLICE: Final = 0.05
 
 
 class _State(enum.Enum):
@@ -78,51 +78,25 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-@dataclass(frozen=True, slots=True)
-class RemapResult:
-    """What :meth:`AsyncClient.remap` did.
-
-    Attributes:
-        retrieved_tokens: tokens of the source prefix read from the cache (only as far as
-            the target's whole chunks reach).
-        stored_tokens: tokens of the target prefix written with the source KV (equal to
-            ``retrieved_tokens``).
-        stored_new: whether the store added any chunk (False when all were cached).
-    """
-
-    retrieved_tokens: int
-    stored_tokens: int
-    stored_new: bool
-
-    @property
-    def hit(self) -> bool:
-        return self.retrieved_tokens > 0
-
-
 class _Abandoned(Exception):
     """An operation whose caller left before it sent anything (never seen by callers)."""
 
 
-class _RetrieveState:
-    __slots__ = ("prepared",)
+class _ConnectionChannel:
+    """The :class:`~lmcache_async.operations.Channel` of a ZMQ connection."""
 
-    def __init__(self) -> None:
-        self.prepared = False
+    __slots__ = ("_conn",)
 
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
 
-class _Op:
-    """Shared state between a caller and the task running its operation."""
+    @property
+    def usable(self) -> bool:
+        return self._conn.connected and not self._conn.closed
 
-    __slots__ = ("abandoned", "deadline")
-
-    def __init__(self, deadline: float | None) -> None:
-        self.deadline = deadline
-        self.abandoned = False
-
-    def remaining(self) -> float | None:
-        if self.deadline is None:
-            return None
-        return max(self.deadline - time.monotonic(), 0.0)
+    async def call(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> Any:
+        reply = await self._conn.call(opcode, args, timeout=timeout)
+        return reply.value()
 
 
 async def connect(
@@ -138,6 +112,7 @@ async def connect(
     cleanup_grace: float = 10.0,
     metadata_ttl: float = 5.0,
     prefault_shm: bool = True,
+    api_key: str | None = None,
 ) -> AsyncClient:
     """Create an :class:`AsyncClient` and open it (see there for the arguments).
 
@@ -160,6 +135,7 @@ async def connect(
         cleanup_grace=cleanup_grace,
         metadata_ttl=metadata_ttl,
         prefault_shm=prefault_shm,
+        api_key=api_key,
     )
     await client.open()
     return client
@@ -188,6 +164,9 @@ class AsyncClient:
         prefault_shm: map the whole SHM pool into this process in a background thread
             after connecting, so that no transfer pays first-touch page faults (see
             :meth:`lmcache_async.shm.ShmPool.start_prefault`).
+        api_key: sent as ``Authorization: Bearer KEY`` on every HTTP call (servers
+            started with an API key answer 401 without it); default: the
+            ``LMCACHE_API_KEY`` environment variable. The ZMQ side has no keys.
     """
 
     def __init__(
@@ -204,6 +183,7 @@ class AsyncClient:
         cleanup_grace: float = 10.0,
         metadata_ttl: float = 5.0,
         prefault_shm: bool = True,
+        api_key: str | None = None,
     ) -> None:
         if not isinstance(url, str) or "://" not in url:
             raise ValueError(f"url must look like tcp://host:port, got {url!r}")
@@ -230,8 +210,11 @@ class AsyncClient:
         self._explicit_geometry = geometry
         self._geometry: KVGeometry | None = geometry
         self._ping_interval = ping_interval
-        self._meta = Metadata(http_url, ttl=metadata_ttl)
+        self._meta = Metadata(http_url, ttl=metadata_ttl, api_key=api_key)
+        self._wire: WireGeneration = GEN_0_5_6
+        self._server_version: str | None = None
         self._conn = Connection(url)
+        self._channel = _ConnectionChannel(self._conn)
         self._state = _State.NEW
         self._pid = os.getpid()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -242,6 +225,7 @@ class AsyncClient:
         self._pool: ShmPool | None = None
         self._transfer: Literal["shm", "pickle"] | None = None
         self._server_has_shm = False
+        self._cannot_retrieve: str | None = None  # why retrieve can't work (SHM server, no map)
         self._reg_generation = -1
         self._stale = False
         self._reg_lock: asyncio.Lock | None = None
@@ -270,6 +254,20 @@ class AsyncClient:
         self._require_open()
         assert self._transfer is not None
         return self._transfer
+
+    @property
+    def server_version(self) -> str:
+        """The LMCache version the server reported on ``/lmc_version`` at connect
+        (``"unknown"`` for a server without that route, talked to as 0.5.6)."""
+        self._require_open()
+        return self._server_version or "unknown"
+
+    @property
+    def wire_generation(self) -> str:
+        """The wire generation in use, ``"0.5.6"`` or ``"0.5.7"`` (picked from
+        :attr:`server_version`)."""
+        self._require_open()
+        return self._wire.name
 
     @property
     def instance_id(self) -> int:
@@ -312,6 +310,7 @@ class AsyncClient:
         self._reg_lock = asyncio.Lock()
         try:
             deadline = None if self.timeout is None else time.monotonic() + self.timeout
+            await self._detect_generation(_remaining(deadline))
             await self._load_config(_remaining(deadline))
             if self._geometry is None:
                 status = await self._meta.status(max_age=0, timeout=_remaining(deadline))
@@ -366,12 +365,40 @@ class AsyncClient:
             await self._meta.close()
             self._state = _State.CLOSED
 
+    async def _detect_generation(self, timeout: float | None) -> None:
+        """Ask ``/lmc_version`` which generation the server is and speak its wire.
+
+        Raises:
+            UnsupportedServerVersionError: a version older than 0.5.6 or unparseable.
+            AuthenticationError: the server wants an API key (0.5.7 with keys).
+        """
+        version = await self._meta.version(timeout=timeout)
+        if version is None:
+            log.warning(
+                "%s has no /lmc_version (a server older than lmcache 0.5.6?); talking to it as 0.5.6",
+                self.http_url,
+            )
+            wire = GEN_0_5_6
+        else:
+            wire = generation_for_version(version)
+        self._server_version = version
+        self._wire = wire
+        self._conn.wire = wire
+
     async def _load_config(self, timeout: float | None) -> None:
         config = await self._meta.config(max_age=0, timeout=timeout)
         mp = Metadata.mp_section(config)
-        chunk_size = mp.get("chunk_size")
+        if self._wire.chunk_size_from == "status":
+            # The configured size is only a minimum the server may round up; /status
+            # has the live one (get_chunk_size would freeze it: never used as a probe).
+            status = await self._meta.status(max_age=0, timeout=timeout)
+            chunk_size = status.get("chunk_size")
+            where = "/status chunk_size"
+        else:
+            chunk_size = mp.get("chunk_size")
+            where = "/config mp.chunk_size"
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ProtocolError(f"/config mp.chunk_size is {chunk_size!r}")
+            raise ProtocolError(f"{where} is {chunk_size!r}")
         mode = mp.get("supported_transfer_mode", "engine_driven")
         if mode not in ("engine_driven", "auto"):
             raise ServerError(
@@ -403,18 +430,31 @@ class AsyncClient:
             self._pool.close()
             self._pool = None
         self._server_has_shm = bool(shm_name) and pool_size > 0
+        why_not = "transfer='pickle' was asked for"
         if self._server_has_shm and self._want_transfer != "pickle":
             try:
                 self._pool = ShmPool(shm_name, pool_size)
                 if self._prefault_shm:
                     self._pool.start_prefault()
-            except TransferError:
+            except TransferError as exc:
                 if self._want_transfer == "shm":
                     raise
-                log.warning("cannot map the server's SHM pool %s; storing over pickle", shm_name)
+                why_not = str(exc)
         elif self._want_transfer == "shm":
             raise TransferError("transfer='shm' but the server has no SHM pool (--shm-name)")
         self._transfer = "shm" if self._pool is not None else "pickle"
+        # An SHM server answers prepare_retrieve only with slots in its pool, never with
+        # inline data: a client that cannot map the pool (another host) can store over
+        # TCP but never retrieve. Say so now, and make every retrieve fail with it.
+        self._cannot_retrieve = None
+        if self._server_has_shm and self._pool is None:
+            self._cannot_retrieve = (
+                f"the server {self.url} keeps its KV in the shared-memory pool {shm_name!r}, which this "
+                f"client does not map ({why_not}); an SHM server never sends KV over TCP, so retrieve "
+                "and remap cannot work from here. Run the client on the server's host, or start the "
+                "server with --shm-name '' to serve KV over TCP. store and lookup work."
+            )
+            log.warning("%s", self._cannot_retrieve)
         self._reg_generation = generation
         self._stale = False
 
@@ -453,39 +493,32 @@ class AsyncClient:
 
     # ------------------------------------------------------------------ op runner
 
-    async def _run(self, name: str, timeout: float | None, body: Callable[[_Op], Awaitable[T]]) -> T:
+    async def _run(
+        self, name: str, timeout: float | None, body: Callable[[Operations, OpState], Awaitable[T]]
+    ) -> T:
+        """Run ``body`` over this client's operations in a task of its own (see
+        :func:`~lmcache_async.operations.run_detached`), re-registering first if needed."""
         self._require_open()
         if asyncio.get_running_loop() is not self._loop:
             raise LMCacheError("the client is used from an event loop other than the one that opened it")
-        start = time.monotonic()
-        op = _Op(None if timeout is None else start + timeout + self.cleanup_grace)
 
-        async def run() -> T:
+        async def run(op: OpState) -> T:
             await self._ensure_registered(op.remaining())
             if op.abandoned:  # the caller left before anything was sent
                 raise _Abandoned
             try:
-                return await body(op)
+                return await body(self._operations(), op)
             except LMCacheTimeoutError:
                 # Unanswered prepare/commit requests are what a reaped registration looks
                 # like; re-registering an existing id is cheap, so do it before the next op.
                 self._stale = True
                 raise
 
-        task = asyncio.ensure_future(run())
+        return await run_detached(name, timeout, self.cleanup_grace, run, self._track)
+
+    def _track(self, task: asyncio.Task[Any]) -> None:
         self._ops.add(task)
         task.add_done_callback(self._op_done)
-        try:
-            async with asyncio.timeout(timeout) as cm:
-                return await asyncio.shield(task)
-        except TimeoutError:
-            if not cm.expired():
-                raise
-            op.abandoned = True
-            raise LMCacheTimeoutError(name, time.monotonic() - start) from None
-        except asyncio.CancelledError:
-            op.abandoned = True
-            raise
 
     def _op_done(self, task: asyncio.Task[Any]) -> None:
         self._ops.discard(task)
@@ -494,46 +527,24 @@ class AsyncClient:
             if exc is not None:
                 log.debug("operation task ended with %r", exc)
 
-    async def _call(self, op: _Op, opcode: Op, *args: Any) -> Any:
-        reply = await self._conn.call(opcode, args, timeout=op.remaining())
-        return reply.value()
-
-    async def _cleanup_call(self, opcode: Op, *args: Any) -> Any:
-        """A cleanup RPC: its own short deadline; errors are logged, not raised."""
-        if not self._conn.connected or self._conn.closed:
-            return None
-        try:
-            reply = await self._conn.call(opcode, args, timeout=self.cleanup_grace)
-            return reply.value()
-        except LMCacheError as exc:
-            log.warning("cleanup %s failed: %s", opcode.name.lower(), exc)
-            return None
-
-    # ------------------------------------------------------------------ helpers
-
-    def _key(
-        self,
-        tokens: list[int],
-        end: int,
-        request_id: str,
-        cache_salt: str,
-        *,
-        start: int = 0,
-        worker: bool,
-    ) -> dict[str, Any]:
+    def _operations(self) -> Operations:
+        """The operations of the current registration."""
         geom = self._geometry
         assert geom is not None
-        return CacheKey(
+        reg = Registration(
             model_name=self.model_name,
-            world_size=geom.world_size,
-            worker_id=0 if worker else None,
-            token_ids=tokens[:end],
-            start=start,
-            end=end,
-            request_id=request_id,
-            cache_salt=cache_salt,
+            geometry=geom,
+            chunk_size=self._chunk_size,
+            wire=self._wire,
+            instance_id=self._instance_id,
             num_kv_readers=self.num_kv_readers,
-        ).to_wire()
+            pool=self._pool,
+            server_has_shm=self._server_has_shm,
+            fifo_cpu=self._fifo_cpu,
+        )
+        return Operations(self._channel, reg, cleanup_grace=self.cleanup_grace, gates=self._gates)
+
+    # ------------------------------------------------------------------ helpers
 
     def _aligned(self, n: int) -> int:
         return n // self._chunk_size * self._chunk_size
@@ -555,36 +566,21 @@ class AsyncClient:
             raise TypeError(f"kv has dtype {kv.dtype}, the geometry says {geom.dtype}")
         return kv
 
-    def _chunk(self, kv: torch.Tensor, index: int) -> torch.Tensor:
-        geom = self._geometry
-        assert geom is not None
-        return kv.narrow(geom.token_axis, index * self._chunk_size, self._chunk_size)
-
-    async def _prefetch_result(self, op: _Op, request_id: str, first: Any = None) -> int:
-        """Consume the prefetch status of ``request_id``: hit length in chunks.
-
-        Asks at once (the usual case: the prefetch finished before the question arrives;
-        ``first`` is the answer to a question already asked), then waits server-side in
-        short slices, so no client-side polling delay is added and the server's shared
-        CPU worker is never held for long.
-        """
-        value = first if first is not None else await self._call(op, Op.QUERY_PREFETCH_STATUS, request_id)
-        while value is None:
-            remaining = op.remaining()
-            slice_ = _PREFETCH_WAIT_SLICE if remaining is None else min(_PREFETCH_WAIT_SLICE, remaining)
-            value = await self._call(op, Op.WAIT_PREFETCH_STATUS, request_id, float(slice_))
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ProtocolError(f"prefetch status {value!r} is not a chunk count")
-        return value
-
     # ------------------------------------------------------------------ operations
 
     async def lookup(
-        self, tokens: Sequence[int], cache_salt: str = "", *, timeout: float | None = _DEFAULT
+        self,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        *,
+        request_configs: Mapping[str, Any] | None = None,
+        timeout: float | None = _DEFAULT,
     ) -> int:
         """Length in tokens of the longest cached chunk-aligned prefix of ``tokens``.
 
         Releases the read locks the lookup took and ends its session before returning.
+        ``request_configs`` (LMCache request configs, e.g. ``{"lmcache.skip_load":
+        True}`` on 0.5.7) travel in the key, as the official SDK sends them.
 
         Raises:
             ValueError/TypeError: bad arguments (nothing is sent).
@@ -595,95 +591,13 @@ class AsyncClient:
         """
         toks = validate_tokens(tokens)
         validate_cache_salt(cache_salt)
+        configs = validate_request_configs(request_configs)
         timeout = self._timeout(timeout)
         end = self._aligned(len(toks))
 
-        async def body(op: _Op) -> int:
-            if end == 0:
-                return 0
-            rid = _request_id("lookup")
-            key = self._key(toks, end, rid, cache_salt, worker=False)
-            return await self._lookup_locked(op, key, rid, release=True)
-
-        return await self._run("lookup", timeout, body)
-
-    async def _lookup_locked(self, op: _Op, key: dict[str, Any], rid: str, *, release: bool) -> int:
-        """lookup + consume status; when ``release``, free the locks and end the session.
-
-        Returns tokens hit. Whatever happens, the status is consumed and (when
-        ``release``) locks and session are released.
-        """
-        geom = self._geometry
-        assert geom is not None
-        chunks: int | None = None
-        ok = False
-        try:
-            if self._fifo_cpu:
-                # One CPU worker on the server runs lookup-pool requests in arrival
-                # order, so the status question can follow the lookup without its ack.
-                _, first = await self._pipeline(
-                    op, (Op.LOOKUP, key, geom.world_size), (Op.QUERY_PREFETCH_STATUS, rid)
-                )
-                chunks = await self._prefetch_result(op, rid, first)
-            else:
-                await self._call(op, Op.LOOKUP, key, geom.world_size)  # the ack first (pitfall 6)
-                chunks = await self._prefetch_result(op, rid)
-            ok = True
-            return chunks * self._chunk_size
-        finally:
-            if chunks is None:
-                chunks = await self._drain_prefetch(rid)
-            if release and self._fifo_cpu:
-                await self._release_pipelined(key, rid, chunks)
-            else:
-                if release or not ok:
-                    await self._free_locks(key, chunks)
-                if release:
-                    await self._cleanup_call(Op.END_SESSION, rid)
-
-    async def _pipeline(self, op: _Op, *calls: tuple[Any, ...]) -> list[Any]:
-        """Send several requests back to back (in order) and wait for all replies.
-
-        Raises the first error after every reply (or error) is in.
-        """
-        tasks = [asyncio.ensure_future(self._call(op, *c)) for c in calls]
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return results
-
-    async def _release_pipelined(self, key: dict[str, Any], rid: str, chunks: int) -> None:
-        """free_lookup_locks + end_session in one round trip (FIFO CPU worker only)."""
-        calls: list[tuple[Any, ...]] = []
-        if chunks:
-            end = chunks * self._chunk_size
-            calls.append(
-                (
-                    Op.FREE_LOOKUP_LOCKS,
-                    dict(key, end=end, token_ids=key["token_ids"][:end]),
-                    key["world_size"],
-                )
-            )
-        calls.append((Op.END_SESSION, rid))
-        await asyncio.gather(*(self._cleanup_call(*c) for c in calls))
-
-    async def _drain_prefetch(self, rid: str) -> int:
-        deadline = time.monotonic() + self.cleanup_grace
-        while time.monotonic() < deadline:
-            value = await self._cleanup_call(Op.WAIT_PREFETCH_STATUS, rid, _PREFETCH_WAIT_SLICE)
-            if value is not None:
-                return value if isinstance(value, int) else 0
-            if not self._conn.connected:
-                return 0
-        return 0
-
-    async def _free_locks(self, key: dict[str, Any], chunks: int) -> None:
-        """Release the read locks a lookup took on its first ``chunks`` chunks."""
-        if chunks:
-            end = chunks * self._chunk_size
-            free_key = dict(key, end=end, token_ids=key["token_ids"][:end])
-            await self._cleanup_call(Op.FREE_LOOKUP_LOCKS, free_key, key["world_size"])
+        return await self._run(
+            "lookup", timeout, lambda ops, op: ops.lookup(op, toks, end, cache_salt, configs)
+        )
 
     async def retrieve(
         self,
@@ -691,6 +605,7 @@ class AsyncClient:
         cache_salt: str = "",
         out: torch.Tensor | None = None,
         *,
+        request_configs: Mapping[str, Any] | None = None,
         timeout: float | None = _DEFAULT,
     ) -> torch.Tensor | None:
         """The KV of the longest cached chunk-aligned prefix of ``tokens``, or ``None``.
@@ -702,6 +617,10 @@ class AsyncClient:
                 ``[2, L, T, D]`` (``[L, T, D]`` for MLA) with ``T >=`` the chunk-aligned
                 token count; it is filled without any other allocation of that size and
                 a view of its first ``T_hit`` tokens is returned.
+            request_configs: LMCache request configs carried in the keys of the lookup
+                and the retrieve (str keys, msgpack-encodable values), as the official
+                SDK sends them; e.g. ``{"lmcache.skip_load": True}`` makes a 0.5.7
+                server report a miss.
             timeout: deadline in seconds (default: the client's).
 
         Returns:
@@ -710,7 +629,8 @@ class AsyncClient:
         Raises:
             ValueError/TypeError: bad arguments (nothing is sent).
             LMCacheTimeoutError: no answer within ``timeout``.
-            TransferError: the server keeps KV in SHM this client cannot map.
+            TransferError: the server keeps KV in SHM this client cannot map (a client on
+                another host): raised by every retrieve, hit or miss, before anything is sent.
 
         Cancellation/timeout: nothing more is copied into ``out`` once the caller has
         left (a copy already running finishes); read locks, SHM reads and the session
@@ -718,104 +638,18 @@ class AsyncClient:
         """
         toks = validate_tokens(tokens)
         validate_cache_salt(cache_salt)
+        configs = validate_request_configs(request_configs)
         timeout = self._timeout(timeout)
-        geom = self.geometry
+        self._require_open()
         end = self._aligned(len(toks))
         if out is not None:
             self._check_out(out, end)
 
-        async def body(op: _Op) -> torch.Tensor | None:
-            if end == 0:
-                return None
-            rid = _request_id("retrieve")
-            key = self._key(toks, end, rid, cache_salt, worker=False)
-            hit = 0
-            state = _RetrieveState()
-            try:
-                hit = await self._lookup_locked(op, key, rid, release=False)
-                if hit == 0:
-                    return None
-                rkey = self._key(toks, hit, rid, cache_salt, worker=True)
-                target = out.narrow(geom.token_axis, 0, hit) if out is not None else None
-                if self._pool is None:
-                    return await self._retrieve_pickle(op, rkey, hit, target, state)
-                # The server keys pending SHM reads by (instance, key) without the request
-                # id: concurrent retrieves of one prefix must not overlap their pairs.
-                async with self._gate(("retrieve", cache_salt, tuple(toks[:hit]))):
-                    return await self._retrieve_shm(op, rkey, hit, target, state)
-            finally:
-                if hit and not state.prepared:
-                    await self._free_locks(key, hit // self._chunk_size)
-                await self._cleanup_call(Op.END_SESSION, rid)
-
-        return await self._run("retrieve", timeout, body)
-
-    async def _retrieve_shm(
-        self, op: _Op, rkey: dict[str, Any], hit: int, target: torch.Tensor | None, state: _RetrieveState
-    ) -> torch.Tensor | None:
-        geom = self._geometry
-        assert geom is not None and self._pool is not None
-        committed = False
-        try:
-            state.prepared = True
-            resp = await self._call(op, Op.PREPARE_RETRIEVE, rkey, self._instance_id)
-            success, _data, slots = parse_prepare_retrieve(resp)
-            if not success:
-                committed = True  # nothing is pending on the server
-                return None  # evicted between lookup and prepare: a miss
-            n_chunks = hit // self._chunk_size
-            if len(slots) != n_chunks:
-                raise ProtocolError(f"prepare_retrieve gave {len(slots)} slots for {n_chunks} chunks")
-            shape = geom.kv_shape(self._chunk_size)
-            views = [self._pool.view(s, shape, geom.dtype) for s in slots]
-            if op.abandoned:
-                return None
-            if target is None:
-                target = torch.empty(geom.kv_shape(hit), dtype=geom.dtype)
-            await self._copy_chunks(target, views)
-            committed = True
-            await self._call(op, Op.COMMIT_RETRIEVE, rkey, self._instance_id)
-            return target
-        finally:
-            if not committed:
-                await self._cleanup_call(Op.COMMIT_RETRIEVE, rkey, self._instance_id)
-
-    async def _retrieve_pickle(
-        self, op: _Op, rkey: dict[str, Any], hit: int, target: torch.Tensor | None, state: _RetrieveState
-    ) -> torch.Tensor | None:
-        geom = self._geometry
-        assert geom is not None
-        if self._server_has_shm:
-            raise TransferError("the server keeps its KV in SHM, which this client cannot map")
-        state.prepared = True  # the server releases the locks when it answers
-        resp = await self._call(op, Op.PREPARE_RETRIEVE, rkey, self._instance_id)
-        success, data, _slots = parse_prepare_retrieve(resp)
-        if not success:
-            return None
-        n_chunks = hit // self._chunk_size
-        shape = geom.kv_shape(self._chunk_size)
-        tensors = decode_tensor_list(data, count=n_chunks, shape=shape, dtype=geom.dtype)
-        if op.abandoned:
-            return None
-        if target is None:
-            target = torch.empty(geom.kv_shape(hit), dtype=geom.dtype)
-        await self._copy_chunks(target, tensors)
-        return target
-
-    @contextlib.asynccontextmanager
-    async def _gate(self, identity: tuple[Any, ...]) -> AsyncIterator[None]:
-        """Serialize operations on one key identity within this client."""
-        entry = self._gates.get(identity)
-        if entry is None:
-            entry = self._gates[identity] = [asyncio.Lock(), 0]
-        entry[1] += 1
-        try:
-            async with entry[0]:
-                yield
-        finally:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self._gates[identity]
+        if self._cannot_retrieve is not None:  # before anything is sent: never a silent miss
+            raise TransferError(self._cannot_retrieve)
+        return await self._run(
+            "retrieve", timeout, lambda ops, op: ops.retrieve(op, toks, end, cache_salt, configs, out)
+        )
 
     def _check_out(self, out: object, end: int) -> None:
         geom = self._geometry
@@ -830,24 +664,13 @@ class AsyncClient:
         if out.dtype != geom.dtype:
             raise TypeError(f"out has dtype {out.dtype}, the geometry says {geom.dtype}")
 
-    async def _copy_chunks(self, target: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
-        total = sum(c.numel() for c in chunks) * target.element_size()
-
-        def copy_all() -> None:
-            for i, chunk in enumerate(chunks):
-                self._chunk(target, i).copy_(chunk)
-
-        if total >= _THREAD_COPY_BYTES:
-            await asyncio.to_thread(copy_all)
-        else:
-            copy_all()
-
     async def store(
         self,
         kv: torch.Tensor,
         tokens: Sequence[int],
         cache_salt: str = "",
         *,
+        request_configs: Mapping[str, Any] | None = None,
         timeout: float | None = _DEFAULT,
     ) -> bool:
         """Store ``kv`` (``[2, L, T, D]``, or ``[L, T, D]`` for MLA) under ``tokens``.
@@ -856,7 +679,9 @@ class AsyncClient:
         ``tokens[:T]`` (so ``store(retrieve(source), target)`` works for prompts of any
         length, although a retrieve returns whole chunks only); fewer tokens than ``T``
         raise ``ValueError``. Tokens beyond the last whole chunk are ignored (as in the
-        official SDK). Chunks already cached are not sent again.
+        official SDK). Chunks already cached are not sent again. ``request_configs``
+        travel in the keys of the store's requests (as in the official SDK); the
+        client's own check of which chunks are cached runs without them.
 
         Returns:
             True if at least one chunk was added; False exactly when every chunk was
@@ -874,6 +699,7 @@ class AsyncClient:
         """
         toks = validate_tokens(tokens)
         validate_cache_salt(cache_salt)
+        configs = validate_request_configs(request_configs)
         timeout = self._timeout(timeout)
         self._require_open()
         if isinstance(kv, torch.Tensor) and kv.dim() == len(self.geometry.kv_shape(0)):
@@ -887,95 +713,8 @@ class AsyncClient:
         kv = self._check_kv(kv, len(toks))
         end = self._aligned(len(toks))
 
-        async def body(op: _Op) -> bool:
-            if end == 0:
-                return False
-            # One store per key at a time from this client: a concurrent twin would see
-            # the chunks "being written" and could not tell that from out-of-memory.
-            async with self._gate(("store", cache_salt, tuple(toks[:end]))):
-                if self._pool is not None:
-                    return await self._store_shm(op, kv, toks, end, cache_salt)
-                return await self._store_pickle(op, kv, toks, end, cache_salt)
-
-        return await self._run("store", timeout, body)
-
-    async def _store_shm(self, op: _Op, kv: torch.Tensor, toks: list[int], end: int, salt: str) -> bool:
-        geom = self._geometry
-        assert geom is not None and self._pool is not None
-        rid = _request_id("store")
-        key = self._key(toks, end, rid, salt, worker=True)
-        try:
-            resp = await self._call(op, Op.PREPARE_STORE, key, self._instance_id)
-            slots, indices = parse_prepare_store(resp)
-            if not slots:
-                # Nothing reservable: every chunk is cached (or being written), or the
-                # server is out of memory (it reserves a batch all-or-nothing). A lookup
-                # tells which; it only runs on this uncommon path.
-                await self._check_stored(op, toks, end, salt, "reserve memory for")
-                return False
-            n_chunks = end // self._chunk_size
-            if max(indices) >= n_chunks:
-                raise ProtocolError(f"prepare_store asked for chunk {max(indices)} of {n_chunks}")
-            shape = geom.kv_shape(self._chunk_size)
-            views = [self._pool.view(s, shape, geom.dtype) for s in slots]
-            pairs = [(v, self._chunk(kv, j)) for v, j in zip(views, indices, strict=True)]
-            nbytes = sum(v.numel() for v in views) * kv.element_size()
-
-            def fill() -> None:
-                for view, src in pairs:
-                    view.copy_(src)
-
-            if nbytes >= _THREAD_COPY_BYTES:
-                await asyncio.to_thread(fill)
-            else:
-                fill()
-            ok = await self._call(op, Op.COMMIT_STORE, key, self._instance_id, b"")
-            if ok is not True:
-                raise TransferError("the server refused the SHM commit (registration lost?)")
-            return True
-        finally:
-            await self._cleanup_call(Op.END_SESSION, rid)
-
-    async def _store_pickle(self, op: _Op, kv: torch.Tensor, toks: list[int], end: int, salt: str) -> bool:
-        rid = _request_id("store")
-        lookup_key = self._key(toks, end, rid, salt, worker=False)
-        try:
-            # The lookup tells which chunks are cached already; its locks are not needed.
-            hit = await self._lookup_locked(op, lookup_key, rid, release=False)
-            await self._free_locks(lookup_key, hit // self._chunk_size)
-            if hit >= end:
-                return False
-            first = hit // self._chunk_size
-            chunks = [self._chunk(kv, j) for j in range(first, end // self._chunk_size)]
-            nbytes = sum(c.numel() for c in chunks) * kv.element_size()
-            if nbytes >= _THREAD_COPY_BYTES:
-                frame = await asyncio.to_thread(encode_tensor_list, chunks)
-            else:
-                frame = encode_tensor_list(chunks)
-            key = self._key(toks, end, rid, salt, start=hit, worker=True)
-            ok = await self._call(op, Op.COMMIT_STORE, key, self._instance_id, PreEncoded(frame))
-            if ok is not True:
-                raise TransferError("the server could not store every chunk (out of memory?)")
-        finally:
-            await self._cleanup_call(Op.END_SESSION, rid)
-        # A pickle commit the server found no memory for still answers True: verify.
-        await self._check_stored(op, toks, end, salt, "store")
-        return True
-
-    async def _check_stored(self, op: _Op, toks: list[int], end: int, salt: str, what: str) -> None:
-        """Raise TransferError unless all of ``toks[:end]`` is cached (re-checked briefly,
-        in case another writer is committing the same chunks right now)."""
-        cached = 0
-        for delay in (0.0, 0.02, 0.1):
-            await asyncio.sleep(delay)
-            rid = _request_id("store-check")
-            key = self._key(toks, end, rid, salt, worker=False)
-            cached = await self._lookup_locked(op, key, rid, release=True)
-            if cached >= end:
-                return
-        raise TransferError(
-            f"the server could not {what} {(end - cached) // self._chunk_size} chunks "
-            "(L1 full of locked or reserved objects?)"
+        return await self._run(
+            "store", timeout, lambda ops, op: ops.store(op, kv, toks, end, cache_salt, configs)
         )
 
     async def remap(
@@ -1008,7 +747,7 @@ class AsyncClient:
         n = self._aligned(min(len(src), len(dst)))  # the target takes no more than this
         if self._pool is not None:
             return await self._run(
-                "remap", timeout, lambda op: self._remap_shm(op, src, dst, n, cache_salt, tsalt)
+                "remap", timeout, lambda ops, op: ops.remap(op, src, dst, n, cache_salt, tsalt)
             )
         start = time.monotonic()
         kv = await self.retrieve(src[:n], cache_salt, timeout=timeout)
@@ -1018,98 +757,6 @@ class AsyncClient:
         left = None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
         new = await self.store(kv, dst[:hit], tsalt, timeout=left)
         return RemapResult(hit, hit, new)
-
-    async def _remap_shm(
-        self, op: _Op, src: list[int], dst: list[int], n: int, salt: str, tsalt: str
-    ) -> RemapResult:
-        """Remap inside the SHM pool: the source's slots are copied straight into the
-        target's reserved slots (one copy, no client-side buffer).
-
-        Cancellation/timeout: once the target's slots are reserved the copy and commit are
-        completed (as for :meth:`store`); every lock, pending read and session is released.
-        """
-        if n == 0:
-            return RemapResult(0, 0, False)
-        geom = self._geometry
-        assert geom is not None and self._pool is not None
-        rid = _request_id("remap")
-        key = self._key(src, n, rid, salt, worker=False)
-        hit = 0
-        state = _RetrieveState()
-        try:
-            hit = await self._lookup_locked(op, key, rid, release=False)
-            if hit == 0:
-                return RemapResult(0, 0, False)
-            rkey = self._key(src, hit, rid, salt, worker=True)
-            # Gates always in this order (retrieve, then store): no cycle between remaps.
-            async with (
-                self._gate(("retrieve", salt, tuple(src[:hit]))),
-                self._gate(("store", tsalt, tuple(dst[:hit]))),
-            ):
-                return await self._remap_slots(op, rkey, dst, hit, tsalt, state)
-        finally:
-            if hit and not state.prepared:
-                await self._free_locks(key, hit // self._chunk_size)
-            await self._cleanup_call(Op.END_SESSION, rid)
-
-    async def _remap_slots(
-        self, op: _Op, rkey: dict[str, Any], dst: list[int], hit: int, tsalt: str, state: _RetrieveState
-    ) -> RemapResult:
-        geom = self._geometry
-        assert geom is not None and self._pool is not None
-        shape = geom.kv_shape(self._chunk_size)
-        n_chunks = hit // self._chunk_size
-        committed = False
-        try:
-            state.prepared = True
-            resp = await self._call(op, Op.PREPARE_RETRIEVE, rkey, self._instance_id)
-            success, _data, rslots = parse_prepare_retrieve(resp)
-            if not success:
-                committed = True
-                return RemapResult(0, 0, False)  # evicted between lookup and prepare
-            if len(rslots) != n_chunks:
-                raise ProtocolError(f"prepare_retrieve gave {len(rslots)} slots for {n_chunks} chunks")
-            sources = [self._pool.view(s, shape, geom.dtype) for s in rslots]
-            if op.abandoned:  # the caller left before the store half began: skip it
-                return RemapResult(hit, 0, False)
-            srid = _request_id("remap-store")
-            skey = self._key(dst, hit, srid, tsalt, worker=True)
-            try:
-                sresp = await self._call(op, Op.PREPARE_STORE, skey, self._instance_id)
-                wslots, indices = parse_prepare_store(sresp)
-                if not wslots:
-                    await self._check_stored(op, dst, hit, tsalt, "reserve memory for")
-                    return RemapResult(hit, hit, False)
-                if max(indices) >= n_chunks:
-                    raise ProtocolError(f"prepare_store asked for chunk {max(indices)} of {n_chunks}")
-                pairs = [
-                    (self._pool.view(w, shape, geom.dtype), sources[j])
-                    for w, j in zip(wslots, indices, strict=True)
-                ]
-
-                def fill() -> None:
-                    for target, source in pairs:
-                        target.copy_(source)
-
-                if len(pairs) * _shape_bytes(shape, geom.dtype) >= _THREAD_COPY_BYTES:
-                    await asyncio.to_thread(fill)
-                else:
-                    fill()
-                # The target is written: the source's pending read can go with its commit.
-                committed = True
-                ok, _ = await self._pipeline(
-                    op,
-                    (Op.COMMIT_STORE, skey, self._instance_id, b""),
-                    (Op.COMMIT_RETRIEVE, rkey, self._instance_id),
-                )
-                if ok is not True:
-                    raise TransferError("the server refused the SHM commit (registration lost?)")
-                return RemapResult(hit, hit, True)
-            finally:
-                await self._cleanup_call(Op.END_SESSION, srid)
-        finally:
-            if not committed:
-                await self._cleanup_call(Op.COMMIT_RETRIEVE, rkey, self._instance_id)
 
     # ------------------------------------------------------------------ misc
 
@@ -1269,14 +916,6 @@ def _check_timeout(timeout: object, name: str) -> float | None:
     return float(timeout)
 
 
-def _shape_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Bytes of one tensor of ``shape`` x ``dtype``."""
-    return math.prod(shape) * dtype.itemsize
-
-
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
-
-def _request_id(kind: str) -> str:
-    return f"lmca-{kind}-{uuid.uuid4().hex}"

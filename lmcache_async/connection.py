@@ -40,7 +40,7 @@ from lmcache_async.errors import (
     LMCacheTimeoutError,
     ProtocolError,
 )
-from lmcache_async.wire import Op, Reply, decode_reply, encode_request, op_name
+from lmcache_async.wire import GEN_0_5_6, Op, Reply, WireGeneration, decode_reply, encode_request, op_name
 
 __all__ = ["Connection", "PendingTable"]
 
@@ -114,8 +114,10 @@ class Connection:
     that loop.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, wire: WireGeneration = GEN_0_5_6) -> None:
         self.url = url
+        #: The server generation's wire: which trailing argument frames requests get.
+        self.wire = wire
         self.generation = 0  # increases each time the peer (re)connects after a loss
         self.connected = False
         self._table = PendingTable()
@@ -212,7 +214,7 @@ class Connection:
         uid, fut = self._table.register(op, self._loop)
         start = time.monotonic()
         try:
-            frames = encode_request(uid, op, args)
+            frames = encode_request(uid, op, args, self.wire)
             async with asyncio.timeout(timeout):
                 await self._send(frames, op)
                 return await fut

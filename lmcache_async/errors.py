@@ -10,6 +10,9 @@ Where callers already catch a builtin, the error also derives from it::
      +-- ServerError                                      the server answered, but not as promised
      |    +-- ModelNotRegisteredError (also LookupError)  /status has no such model
      |    +-- ProtocolError                               a malformed or hostile reply
+     |    +-- UnsupportedServerVersionError              /lmc_version: a generation not spoken
+     |    +-- HTTPStatusError                             an HTTP route answered other than 200
+     |         +-- AuthenticationError (also PermissionError)  401: an API key is needed or wrong
      +-- UnsafePayloadError                              a pickle reply that is not plain tensors
      +-- TransferError                                    a store/retrieve could not move the data
 
@@ -23,7 +26,9 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "AuthenticationError",
     "ClientClosedError",
+    "HTTPStatusError",
     "LMCacheConnectionError",
     "LMCacheError",
     "LMCacheTimeoutError",
@@ -32,6 +37,7 @@ __all__ = [
     "ServerError",
     "TransferError",
     "UnsafePayloadError",
+    "UnsupportedServerVersionError",
 ]
 
 
@@ -109,3 +115,48 @@ class UnsafePayloadError(ProtocolError):
 
 class TransferError(LMCacheError):
     """The data of a store or retrieve could not be moved (e.g. SHM unusable)."""
+
+
+class UnsupportedServerVersionError(ServerError):
+    """The server's ``/lmc_version`` names a version this client cannot talk to.
+
+    Attributes:
+        version: what the server reported.
+    """
+
+    def __init__(self, version: object, reason: str) -> None:
+        self.version = version
+        super().__init__(f"unsupported LMCache server version {version!r}: {reason}")
+
+
+class HTTPStatusError(ServerError):
+    """An HTTP route of the server answered with a status other than 200.
+
+    Attributes:
+        status: the HTTP status code.
+        url: the URL requested.
+        body: the start of the response body (at most 512 characters).
+    """
+
+    def __init__(self, status: int, url: str, body: str = "", message: str | None = None) -> None:
+        self.status = status
+        self.url = url
+        self.body = body
+        super().__init__(message or f"GET {url} answered HTTP {status}" + (f": {body}" if body else ""))
+
+
+class AuthenticationError(HTTPStatusError, PermissionError):
+    """HTTP 401: the server requires an API key and none, or a wrong one, was sent.
+
+    Pass ``api_key=`` (or set ``LMCACHE_API_KEY``); it is sent as
+    ``Authorization: Bearer KEY`` on every HTTP call.
+    """
+
+    def __init__(self, status: int, url: str, body: str = "", *, key_sent: bool = False) -> None:
+        hint = (
+            "the API key sent was rejected (wrong key?)"
+            if key_sent
+            else "the server requires an API key: pass api_key= or set LMCACHE_API_KEY"
+        )
+        self.key_sent = key_sent
+        super().__init__(status, url, body, f"GET {url} answered HTTP {status}: {hint}")

@@ -11,12 +11,16 @@ Code written against the official SDK keeps working with only the import changed
         lmc_sdk.store(ctx, kv=kv, tokens=target_tokens)
     lmc_sdk.close(ctx)
 
-The context is a :class:`lmcache_async.sync_client.Client`, so the SDK context's own
-methods (``ctx.retrieve(tokens, cache_salt)``, ``ctx.store(kv, tokens, cache_salt)``,
-``ctx.close()``, ``ctx.chunk_size``, ``ctx.instance_id``) work on it as well. Every
-function is a one-line call of that client; there is no second implementation.
+The context is a :class:`KVCacheContext`, a :class:`lmcache_async.sync_client.Client`
+whose ``retrieve`` and ``store`` take the official context's positional arguments, so the
+SDK context's own methods (``ctx.retrieve(tokens, cache_salt, request_configs)``,
+``ctx.store(kv, tokens, cache_salt, request_configs)``, ``ctx.close()``,
+``ctx.chunk_size``, ``ctx.instance_id``) work on it as well. Every function is a one-line
+call of that client; there is no second implementation. ``request_configs`` travel in the
+cache key, on 0.5.6 and 0.5.7 servers alike, as the official SDK sends them.
 
-Differences from the official SDK (all deliberate):
+Differences from the official SDK (all deliberate; the full table is in
+docs/compatibility.md):
 
 * ``store`` returns False exactly when every whole chunk was already cached (or there is
   no whole chunk), on SHM and on pickle alike; the official SDK answers True for an
@@ -31,18 +35,60 @@ Differences from the official SDK (all deliberate):
   chunks; the official SDK raises on the shape mismatch.
 * ``lookup`` is an addition: the cached prefix length without transferring anything.
 * ``close`` also unregisters the client from the server.
+* a ``kv`` of another dtype than the registered one is refused (``TypeError``); the
+  official SDK casts it silently.
+* ``connect`` also takes ``api_key=`` (default ``$LMCACHE_API_KEY``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
+from lmcache_async.client import _DEFAULT
 from lmcache_async.geometry import KVGeometry
 from lmcache_async.sync_client import Client
 
-__all__ = ["close", "connect", "lookup", "retrieve", "store"]
+__all__ = ["KVCacheContext", "close", "connect", "lookup", "retrieve", "store"]
+
+
+class KVCacheContext(Client):
+    """The drop-in's context: a :class:`~lmcache_async.sync_client.Client` whose
+    ``retrieve``/``store`` take the official SDK context's positional arguments
+    (``request_configs`` third and fourth; ``out`` is keyword-only here)."""
+
+    def retrieve(  # type: ignore[override]  # the official SDK's signature wins here
+        self,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        request_configs: Mapping[str, Any] | None = None,
+        *,
+        out: torch.Tensor | None = None,
+        timeout: float | None = _DEFAULT,
+    ) -> torch.Tensor | None:
+        """As the official ``LMCacheSDKContext.retrieve``: the KV of the longest cached
+        chunk-aligned prefix, or ``None``; see :meth:`Client.retrieve`."""
+        return super().retrieve(tokens, cache_salt, out, request_configs=request_configs, timeout=timeout)
+
+    def store(
+        self,
+        kv: torch.Tensor,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        request_configs: Mapping[str, Any] | None = None,
+        *,
+        timeout: float | None = _DEFAULT,
+    ) -> bool:
+        """As the official ``LMCacheSDKContext.store``; see :meth:`Client.store`.
+
+        A non-CPU or grad-tracking ``kv`` is detached and moved to the CPU first, as
+        the SDK does.
+        """
+        if isinstance(kv, torch.Tensor):  # anything else: the client raises TypeError
+            kv = kv.detach() if kv.device.type == "cpu" else kv.detach().cpu()
+        return super().store(kv, tokens, cache_salt, request_configs=request_configs, timeout=timeout)
 
 
 def connect(
@@ -52,7 +98,8 @@ def connect(
     timeout: float = 60.0,
     *,
     geometry: KVGeometry | None = None,
-) -> Client:
+    api_key: str | None = None,
+) -> KVCacheContext:
     """Connect to the server and register for ``model_name``; returns the context.
 
     Args:
@@ -62,21 +109,34 @@ def connect(
         timeout: deadline in seconds of every call made with this context.
         geometry: the KV layout; when omitted it is read from ``/status``, which
             requires an inference engine to have registered ``model_name``.
+        api_key: HTTP API key (servers started with one answer 401 without it);
+            default ``$LMCACHE_API_KEY``.
 
     Raises:
         LMCacheConnectionError, LMCacheTimeoutError, ModelNotRegisteredError: as
         :class:`~lmcache_async.sync_client.Client`.
     """
-    return Client(url, http_url, model_name, geometry=geometry, timeout=timeout)
+    return KVCacheContext(url, http_url, model_name, geometry=geometry, timeout=timeout, api_key=api_key)
 
 
-def retrieve(ctx: Client, tokens: Sequence[int], cache_salt: str = "") -> torch.Tensor | None:
+def retrieve(
+    ctx: Client,
+    tokens: Sequence[int],
+    cache_salt: str = "",
+    request_configs: Mapping[str, Any] | None = None,
+) -> torch.Tensor | None:
     """The KV (``[2, L, T, D]``, CPU) of the longest cached chunk-aligned prefix of
     ``tokens``, or ``None`` when nothing is cached (or there is no whole chunk)."""
-    return ctx.retrieve(tokens, cache_salt)
+    return Client.retrieve(ctx, tokens, cache_salt, request_configs=request_configs)
 
 
-def store(ctx: Client, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> bool:
+def store(
+    ctx: Client,
+    kv: torch.Tensor,
+    tokens: Sequence[int],
+    cache_salt: str = "",
+    request_configs: Mapping[str, Any] | None = None,
+) -> bool:
     """Store ``kv`` (``[2, L, T, D]``) under ``tokens``.
 
     ``tokens`` may be longer than ``T``: the KV is stored under ``tokens[:T]``, so the
@@ -88,12 +148,17 @@ def store(ctx: Client, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str 
     """
     if isinstance(kv, torch.Tensor):  # anything else: the client raises TypeError
         kv = kv.detach() if kv.device.type == "cpu" else kv.detach().cpu()  # as the SDK does
-    return ctx.store(kv, tokens, cache_salt)
+    return Client.store(ctx, kv, tokens, cache_salt, request_configs=request_configs)
 
 
-def lookup(ctx: Client, tokens: Sequence[int], cache_salt: str = "") -> int:
+def lookup(
+    ctx: Client,
+    tokens: Sequence[int],
+    cache_salt: str = "",
+    request_configs: Mapping[str, Any] | None = None,
+) -> int:
     """Length in tokens of the longest cached chunk-aligned prefix of ``tokens``."""
-    return ctx.lookup(tokens, cache_salt)
+    return ctx.lookup(tokens, cache_salt, request_configs=request_configs)
 
 
 def close(ctx: Client) -> None:

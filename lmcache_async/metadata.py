@@ -1,9 +1,17 @@
-"""Server metadata over HTTP: ``/config`` and ``/status``, cached, single-flight.
+"""Server metadata over HTTP: ``/lmc_version``, ``/config`` and ``/status``, cached,
+single-flight.
 
 One ``aiohttp.ClientSession`` per client, created on the client's loop. ``/config`` is
 tried first and ``/conf`` (older servers) second. Cached documents are refreshed when
 older than their TTL; concurrent callers share one fetch, and a cancelled caller does
 not cancel the shared fetch.
+
+With an API key (``api_key=``, else the ``LMCACHE_API_KEY`` environment variable) every
+request carries ``Authorization: Bearer KEY`` (lmcache 0.5.7 servers started with
+``--api-key-file`` or ``LMCACHE_API_KEY`` require it on every route but ``/`` and
+``/healthcheck``). A 401 raises :class:`~lmcache_async.errors.AuthenticationError`;
+any other status than 200 where a document is needed raises
+:class:`~lmcache_async.errors.HTTPStatusError` (``status`` and ``url`` attached).
 """
 
 from __future__ import annotations
@@ -11,15 +19,45 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 
-from lmcache_async.errors import LMCacheConnectionError, LMCacheTimeoutError, ProtocolError
+from lmcache_async.errors import (
+    AuthenticationError,
+    HTTPStatusError,
+    LMCacheConnectionError,
+    LMCacheTimeoutError,
+    ProtocolError,
+)
 
-__all__ = ["Metadata"]
+__all__ = ["API_KEY_ENV", "Metadata", "resolve_api_key"]
+
+#: The environment variable an API key is read from when none is passed.
+API_KEY_ENV = "LMCACHE_API_KEY"
+
+
+def resolve_api_key(api_key: str | None) -> str | None:
+    """``api_key`` if given, else ``$LMCACHE_API_KEY`` (unset or empty: no key).
+
+    Raises:
+        TypeError: ``api_key`` is not a str.
+        ValueError: the key is empty or contains whitespace or control characters (it
+            could not travel in an HTTP header).
+    """
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV) or None
+        if api_key is None:
+            return None
+        api_key = api_key.strip()
+    if not isinstance(api_key, str):
+        raise TypeError(f"api_key must be a str, got {type(api_key).__name__}")
+    if not api_key or any(c.isspace() or not c.isprintable() for c in api_key):
+        raise ValueError("api_key must be a non-empty string without whitespace or control characters")
+    return api_key
 
 
 def _consume_exception(task: asyncio.Task[Any]) -> None:
@@ -40,14 +78,19 @@ class Metadata:
     Args:
         http_url: base URL, e.g. ``http://localhost:8080``.
         ttl: seconds a cached document stays fresh.
+        api_key: sent as ``Authorization: Bearer KEY`` on every request; default
+            ``$LMCACHE_API_KEY`` (see :func:`resolve_api_key`).
     """
 
-    def __init__(self, http_url: str, *, ttl: float = 5.0) -> None:
+    def __init__(self, http_url: str, *, ttl: float = 5.0, api_key: str | None = None) -> None:
         self.http_url = http_url.rstrip("/")
         self.ttl = ttl
+        self._api_key = resolve_api_key(api_key)
+        self._headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         self._session: aiohttp.ClientSession | None = None
         self._cache: dict[str, _Cached] = {"config": _Cached(), "status": _Cached()}
         self._config_path: str | None = None
+        self._last_body = ""
 
     async def close(self) -> None:
         """Cancel shared fetches and close the HTTP session. Idempotent."""
@@ -67,17 +110,28 @@ class Metadata:
         return self._session
 
     async def _get_json(self, path: str, timeout: float | None) -> tuple[int, Any]:
+        """GET ``path``: ``(200, document)`` or ``(status, None)`` for another status.
+
+        Raises:
+            AuthenticationError: HTTP 401 (an API key is needed, or was wrong).
+            LMCacheTimeoutError, LMCacheConnectionError, ProtocolError (not JSON).
+        """
         url = self.http_url + path
         start = time.monotonic()
         try:
-            async with self._get_session().get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            async with self._get_session().get(
+                url, headers=self._headers, timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as resp:
                 body = await resp.read()
                 status = resp.status
         except TimeoutError:
             raise LMCacheTimeoutError(f"GET {path}", time.monotonic() - start) from None
         except aiohttp.ClientError as exc:
             raise LMCacheConnectionError(f"GET {url} failed: {exc}") from exc
+        if status == 401:
+            raise AuthenticationError(status, url, _excerpt(body), key_sent=self._api_key is not None)
         if status != 200:
+            self._last_body = _excerpt(body)
             return status, None
         try:
             return status, json.loads(body)
@@ -102,12 +156,18 @@ class Metadata:
             last = status
             if status != 404:
                 break
-        raise LMCacheConnectionError(f"GET {self.http_url}/config failed with HTTP {last}")
+        raise HTTPStatusError(
+            last, f"{self.http_url}/config", self._last_body,
+            f"GET {self.http_url}/config failed with HTTP {last}",
+        )
 
     async def _fetch_status(self, timeout: float | None) -> dict[str, Any]:
         status, doc = await self._get_json("/status", timeout)
         if status != 200:
-            raise LMCacheConnectionError(f"GET {self.http_url}/status failed with HTTP {status}")
+            raise HTTPStatusError(
+                status, f"{self.http_url}/status", self._last_body,
+                f"GET {self.http_url}/status failed with HTTP {status}",
+            )
         if not isinstance(doc, dict):
             raise ProtocolError("GET /status: not a JSON object")
         return doc
@@ -133,6 +193,24 @@ class Metadata:
         # shield: a cancelled caller leaves the shared fetch running for the others
         return await asyncio.shield(entry.inflight)
 
+    async def version(self, timeout: float | None = 10.0) -> str | None:
+        """The server's LMCache version from ``GET /lmc_version`` (not cached), or
+        ``None`` when the route does not exist (404).
+
+        Raises:
+            AuthenticationError: 401. HTTPStatusError: another status than 200 or 404.
+            ProtocolError: the answer is not a JSON string.
+        """
+        status, doc = await self._get_json("/lmc_version", timeout)
+        if status == 404:
+            return None
+        if status != 200:
+            url = f"{self.http_url}/lmc_version"
+            raise HTTPStatusError(status, url, self._last_body, f"GET {url} failed with HTTP {status}")
+        if not isinstance(doc, str) or not doc or len(doc) > 128:
+            raise ProtocolError(f"GET /lmc_version answered {doc!r}, not a version string")
+        return doc
+
     async def config(self, *, max_age: float | None = None, timeout: float | None = 10.0) -> dict[str, Any]:
         """The ``/config`` document (``/conf`` on older servers)."""
         return await self._get("config", max_age, timeout)
@@ -147,3 +225,7 @@ class Metadata:
         if not isinstance(mp, dict):
             raise ProtocolError("/config has no 'mp' section")
         return mp
+
+
+def _excerpt(body: bytes) -> str:
+    return body[:512].decode("utf-8", "replace")

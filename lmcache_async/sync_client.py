@@ -52,7 +52,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, TypeVar
 
 import torch
@@ -495,6 +495,7 @@ class Client:
         cleanup_grace: float = 10.0,
         metadata_ttl: float = 5.0,
         prefault_shm: bool = True,
+        api_key: str | None = None,
     ) -> None:
         self._pid = os.getpid()
         self._closed = True  # until opened
@@ -514,6 +515,7 @@ class Client:
                 cleanup_grace=cleanup_grace,
                 metadata_ttl=metadata_ttl,
                 prefault_shm=prefault_shm,
+                api_key=api_key,
             )
             await client.open()
             return client
@@ -551,6 +553,7 @@ class Client:
         cleanup_grace: float = 10.0,
         metadata_ttl: float = 5.0,
         prefault_shm: bool = True,
+        api_key: str | None = None,
     ) -> Client:
         """Create and open a :class:`Client` (the same as calling the class)."""
         return cls(
@@ -565,6 +568,7 @@ class Client:
             cleanup_grace=cleanup_grace,
             metadata_ttl=metadata_ttl,
             prefault_shm=prefault_shm,
+            api_key=api_key,
         )
 
     # ------------------------------------------------------------------ plumbing
@@ -607,6 +611,18 @@ class Client:
         """``"shm"`` or ``"pickle"``: how tensors travel."""
         self._check_process()
         return self._async.transfer
+
+    @property
+    def server_version(self) -> str:
+        """The LMCache version the server reported at connect (``/lmc_version``)."""
+        self._check_process()
+        return self._async.server_version
+
+    @property
+    def wire_generation(self) -> str:
+        """The wire generation in use, ``"0.5.6"`` or ``"0.5.7"``."""
+        self._check_process()
+        return self._async.wire_generation
 
     @property
     def instance_id(self) -> int:
@@ -693,7 +709,14 @@ class Client:
 
     # ------------------------------------------------------------------ operations
 
-    def lookup(self, tokens: Sequence[int], cache_salt: str = "", *, timeout: float | None = _DEFAULT) -> int:
+    def lookup(
+        self,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        *,
+        request_configs: Mapping[str, Any] | None = None,
+        timeout: float | None = _DEFAULT,
+    ) -> int:
         """Length in tokens of the longest cached chunk-aligned prefix of ``tokens``.
 
         Blocking :meth:`AsyncClient.lookup`; timeout, KeyboardInterrupt and loop-thread
@@ -702,7 +725,7 @@ class Client:
         return self._run(
             "lookup",
             self._op_bound(timeout),
-            lambda: self._async.lookup(tokens, cache_salt, timeout=timeout),
+            lambda: self._async.lookup(tokens, cache_salt, request_configs=request_configs, timeout=timeout),
         )
 
     def retrieve(
@@ -711,6 +734,7 @@ class Client:
         cache_salt: str = "",
         out: torch.Tensor | None = None,
         *,
+        request_configs: Mapping[str, Any] | None = None,
         timeout: float | None = _DEFAULT,
     ) -> torch.Tensor | None:
         """The KV of the longest cached chunk-aligned prefix of ``tokens``, or ``None``.
@@ -723,7 +747,9 @@ class Client:
         return self._run(
             "retrieve",
             self._op_bound(timeout),
-            lambda: self._async.retrieve(tokens, cache_salt, out, timeout=timeout),
+            lambda: self._async.retrieve(
+                tokens, cache_salt, out, request_configs=request_configs, timeout=timeout
+            ),
         )
 
     def store(
@@ -732,6 +758,7 @@ class Client:
         tokens: Sequence[int],
         cache_salt: str = "",
         *,
+        request_configs: Mapping[str, Any] | None = None,
         timeout: float | None = _DEFAULT,
     ) -> bool:
         """Store ``kv`` (``[2, L, T, D]``; ``[L, T, D]`` for MLA) under ``tokens``.
@@ -745,7 +772,9 @@ class Client:
         return self._run(
             "store",
             self._op_bound(timeout),
-            lambda: self._async.store(kv, tokens, cache_salt, timeout=timeout),
+            lambda: self._async.store(
+                kv, tokens, cache_salt, request_configs=request_configs, timeout=timeout
+            ),
         )
 
     def remap(

@@ -13,23 +13,38 @@ validation the server would do silently is done here, loudly, before anything is
 
 Structured arguments are msgpack maps keyed by field name with every field written in
 declaration order (as msgspec does); ``bytes`` travel as msgpack bin, text as str.
+
+Server generations differ on the wire; every difference is data in a
+:class:`WireGeneration` (:data:`GEN_0_5_6`, :data:`GEN_0_5_7`), picked at connect from the
+server's ``/lmc_version`` (:func:`generation_for_version`): how a key carries its tokens,
+the trailing argument frames newer servers require, which inline tensor payload the
+transport without shared memory uses, and where the live chunk size is published.
 """
 
 from __future__ import annotations
 
 import array
 import enum
+import logging
 import math
+import re
 import struct
+import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import msgpack
 
-from lmcache_async.errors import ProtocolError
+from lmcache_async.errors import ProtocolError, UnsupportedServerVersionError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
+    "GENERATIONS",
+    "GEN_0_5_6",
+    "GEN_0_5_7",
     "MAX_BIN",
     "MAX_SALT_LEN",
     "MAX_TOKEN",
@@ -41,12 +56,16 @@ __all__ = [
     "Reply",
     "Request",
     "SlotDescriptor",
+    "UnknownServerVersionWarning",
+    "WireGeneration",
     "bin_header",
     "decode_reply",
     "decode_request",
     "encode_reply",
     "encode_request",
+    "generation_for_version",
     "op_name",
+    "pack_token_bytes",
     "packb",
     "parse_prepare_retrieve",
     "parse_prepare_store",
@@ -54,6 +73,7 @@ __all__ = [
     "unpackb",
     "validate_cache_salt",
     "validate_model_name",
+    "validate_request_configs",
     "validate_tokens",
 ]
 
@@ -130,6 +150,136 @@ OP_ARITY: Final[dict[Op, int]] = {
     Op.NOOP: 0,
     Op.GET_EXPERIMENTAL: 0,
 }
+
+
+def pack_token_bytes(tokens: Sequence[int]) -> bytes:
+    """Tokens as the 0.5.7 key's ``token_bytes``: one big-endian uint32 per token.
+
+    ``tokens`` must already be validated (:func:`validate_tokens`).
+    """
+    words = array.array("I", tokens)
+    if words.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte 'I'
+        return struct.pack(f">{len(tokens)}I", *tokens)
+    if sys.byteorder == "little":
+        words.byteswap()
+    return words.tobytes()
+
+
+class UnknownServerVersionWarning(UserWarning):
+    """The server reports an LMCache version this client was not built against; the
+    client talks to it with the newest wire generation it knows (best effort)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WireGeneration:
+    """What differs on the wire between LMCache server generations, as data.
+
+    Attributes:
+        name: the generation, e.g. ``"0.5.6"``.
+        key_tokens: how a cache key carries its tokens: ``"token_ids"`` (an array of
+            ints) or ``"token_bytes"`` (bin, one big-endian uint32 per token).
+        trailing_args: per operation, the argument frames this generation appends after
+            the 0.5.6 ones (their "nothing" values: one empty tuple per new argument).
+        inline_payload: the tensor payload of the transport without shared memory:
+            ``"pickle"`` (a pickled list of tensors) or ``"tensor_envelope"`` (msgpack).
+        chunk_size_from: where the live chunk size is read: ``"config"`` (``/config``
+            ``mp.chunk_size``) or ``"status"`` (``/status`` ``chunk_size``; the server
+            may round the configured minimum up, and ``get_chunk_size`` would freeze it).
+    """
+
+    name: str
+    key_tokens: Literal["token_ids", "token_bytes"]
+    trailing_args: Mapping[Op, tuple[Any, ...]]
+    inline_payload: Literal["pickle", "tensor_envelope"]
+    chunk_size_from: Literal["config", "status"]
+
+    def arity(self, op: Op) -> int:
+        """Number of argument frames ``op`` takes on this generation."""
+        return OP_ARITY[op] + len(self.trailing_args.get(op, ()))
+
+    def request_args(self, op: Op, args: Sequence[Any]) -> tuple[Any, ...]:
+        """``op``'s argument values on this generation: ``args`` (the 0.5.6 arguments)
+        with the trailing ones this generation requires appended; ``args`` that already
+        have this generation's arity are returned as they are.
+
+        Raises ``ValueError`` for any other count (the server would drop the request).
+        """
+        if len(args) == OP_ARITY[op]:
+            args = (*args, *self.trailing_args.get(op, ()))
+        if len(args) != self.arity(op):
+            raise ValueError(
+                f"{op_name(op)} takes {self.arity(op)} argument frames, "
+                f"got {len(args)} (the {self.name} wire)"
+            )
+        return tuple(args)
+
+    def encode_tokens(self, tokens: Sequence[int]) -> list[int] | bytes:
+        """The value of the key's token field (``tokens`` already validated)."""
+        if self.key_tokens == "token_bytes":
+            return pack_token_bytes(tokens)
+        return tokens if isinstance(tokens, list) else list(tokens)
+
+    def key_prefix(self, key: Mapping[str, Any], end: int) -> dict[str, Any]:
+        """A copy of the wire ``key`` map cut to its first ``end`` tokens (``end`` too)."""
+        tokens = key[self.key_tokens]
+        cut = tokens[: 4 * end] if self.key_tokens == "token_bytes" else tokens[:end]
+        return dict(key, end=end, **{self.key_tokens: cut})
+
+    def __repr__(self) -> str:
+        return f"<WireGeneration {self.name}>"
+
+
+#: lmcache 0.5.6: token_ids arrays, pickle payloads, the original argument frames.
+GEN_0_5_6: Final = WireGeneration(
+    name="0.5.6",
+    key_tokens="token_ids",
+    trailing_args={},
+    inline_payload="pickle",
+    chunk_size_from="config",
+)
+#: lmcache 0.5.7: packed token_bytes, the msgpack tensor envelope, ``prepare_store``
+#: takes ``skipped_chunks`` (empty: a single-group registration) and
+#: ``free_lookup_locks`` takes ``extra_ranges`` (empty: no abandoned lookups).
+GEN_0_5_7: Final = WireGeneration(
+    name="0.5.7",
+    key_tokens="token_bytes",
+    trailing_args={Op.PREPARE_STORE: ((),), Op.FREE_LOOKUP_LOCKS: ((),)},
+    inline_payload="tensor_envelope",
+    chunk_size_from="status",
+)
+GENERATIONS: Final = {g.name: g for g in (GEN_0_5_6, GEN_0_5_7)}
+
+_VERSION_RE: Final = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)(.*)$")
+
+
+def generation_for_version(version: str) -> WireGeneration:
+    """The wire generation for a server reporting ``version`` on ``/lmc_version``.
+
+    ``0.5.6`` (and its post/dev builds) -> :data:`GEN_0_5_6`; ``0.5.7`` and its
+    pre-releases (``0.5.7rc3.dev0``) -> :data:`GEN_0_5_7`. A newer version is talked to
+    with the newest generation known, with an :class:`UnknownServerVersionWarning`
+    (best effort: its wire may have changed again).
+
+    Raises:
+        UnsupportedServerVersionError: an older version, or one that does not parse.
+    """
+    m = _VERSION_RE.match(version.strip()) if isinstance(version, str) else None
+    if m is None:
+        raise UnsupportedServerVersionError(version, "it is not a version number")
+    triple = (int(m[1]), int(m[2]), int(m[3]))
+    if triple < (0, 5, 6):
+        raise UnsupportedServerVersionError(version, "this client speaks lmcache 0.5.6 and 0.5.7")
+    if triple == (0, 5, 6):
+        return GEN_0_5_6
+    if triple == (0, 5, 7):
+        return GEN_0_5_7
+    message = (
+        f"LMCache server version {version!r} is newer than any this client knows "
+        f"(0.5.6, 0.5.7); talking to it as {GEN_0_5_7.name} (best effort)"
+    )
+    log.warning("%s", message)
+    warnings.warn(message, UnknownServerVersionWarning, stacklevel=2)
+    return GEN_0_5_7
 
 
 def op_name(op: int | str) -> str:
@@ -225,6 +375,24 @@ def validate_tokens(tokens: object, name: str = "tokens") -> list[int]:
     raise ValueError(f"{name}: token id {bad} is outside [0, 2**32)")
 
 
+def validate_request_configs(configs: object, name: str = "request_configs") -> dict[str, Any] | None:
+    """Check LMCache request configs: ``None`` or a mapping with str keys whose values
+    msgpack can encode; returns a plain dict copy (or ``None``)."""
+    if configs is None:
+        return None
+    if not isinstance(configs, Mapping):
+        raise TypeError(f"{name} must be a mapping or None, got {type(configs).__name__}")
+    out = dict(configs)
+    bad = next((k for k in out if not isinstance(k, str)), None)
+    if bad is not None:
+        raise TypeError(f"{name} keys must be str, got {type(bad).__name__}")
+    try:
+        packb(out)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TypeError(f"{name} must hold msgpack-encodable values: {exc}") from None
+    return out
+
+
 def _check_int(value: object, name: str, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -278,13 +446,14 @@ class CacheKey:
                 f"range [{self.start}, {self.end}) is not aligned to the chunk size {chunk_size}"
             )
 
-    def to_wire(self) -> dict[str, Any]:
-        """The msgpack map, every field in declaration order."""
+    def to_wire(self, generation: WireGeneration = GEN_0_5_6) -> dict[str, Any]:
+        """The msgpack map, every field in declaration order, tokens as ``generation``
+        carries them (``token_ids`` array on 0.5.6, ``token_bytes`` bin on 0.5.7)."""
         return {
             "model_name": self.model_name,
             "world_size": self.world_size,
             "worker_id": self.worker_id,
-            "token_ids": self.token_ids if isinstance(self.token_ids, list) else list(self.token_ids),
+            generation.key_tokens: generation.encode_tokens(self.token_ids),
             "start": self.start,
             "end": self.end,
             "request_id": self.request_id,
@@ -496,16 +665,21 @@ class Request:
     args: tuple[bytes | memoryview, ...]
 
 
-def encode_request(uid: int, op: Op, args: Sequence[Any]) -> list[bytes | bytearray | memoryview]:
+def encode_request(
+    uid: int, op: Op, args: Sequence[Any], generation: WireGeneration = GEN_0_5_6
+) -> list[bytes | bytearray | memoryview]:
     """Build the frames of a request. ``args`` are Python values or :class:`PreEncoded`.
 
-    Raises ``ValueError`` if the argument count is not the operation's arity (the server
-    would silently drop the request).
+    ``args`` are the operation's 0.5.6 arguments, to which ``generation`` appends the
+    trailing frames it requires (``generation.trailing_args``), or already all of
+    ``generation``'s arguments.
+
+    Raises ``ValueError`` if the argument count is neither (the server would silently
+    drop the request).
     """
     if uid < 0:
         raise ValueError("uid must be non-negative")
-    if len(args) != OP_ARITY[op]:
-        raise ValueError(f"{op_name(op)} takes {OP_ARITY[op]} argument frames, got {len(args)}")
+    args = generation.request_args(op, args)
     frames: list[bytes | bytearray | memoryview] = [packb(uid), packb(int(op))]
     for arg in args:
         frames.append(arg.frame if isinstance(arg, PreEncoded) else packb(arg))

@@ -1,7 +1,8 @@
 """Shared pytest fixtures.
 
-Real-server fixtures (the REAL LMCache 0.5.6 MP server, run from its own venv
-``.lmcache-venv`` built by ``tests/support/build_lmcache_venv.sh``):
+Real-server fixtures (the REAL LMCache MP server, run from its own venv built by
+``tests/support/build_lmcache_venv.sh``: ``.lmcache-venv`` for 0.5.6,
+``.lmcache-venv-057`` for the 0.5.7rc3 generation):
 
 * ``lmcache_python`` (session): Path of the lmcache venv's python. The venv is
   built once per session, before the first test runs (in
@@ -16,12 +17,20 @@ Real-server fixtures (the REAL LMCache 0.5.6 MP server, run from its own venv
   (use ``fresh_real_server`` for that).
 * ``real_server`` (function, parametrized ``["shm", "pickle"]``, ids
   ``shm``/``pickle``): the matching session server.
-* ``fresh_real_server`` (function): a factory ``make(mode="shm", **kw)``
-  returning a NEW started server of its own (kw go to
-  :class:`RealLMCacheServer`; ``chunk_size`` defaults to 16 here too); all
+* ``fresh_real_server`` (function): a factory ``make(mode="shm",
+  generation="0.5.6", **kw)`` returning a NEW started server of its own (kw go
+  to :class:`RealLMCacheServer`; ``chunk_size`` defaults to 16 here too); all
   servers it made are stopped at teardown (and checked: no process, no
   ``/dev/shm`` segment left). For restart tests (``server.restart()`` keeps
   ports and shm name).
+* The 0.5.7 generation: ``lmcache057_python`` (session, the 0.5.7 venv's
+  python), ``real_server_057_shm`` / ``real_server_057_pickle`` (session,
+  chunk size 16, like the 0.5.6 ones) and ``real_server_057`` (function,
+  parametrized ``shm``/``pickle``). The 0.5.7 venv is built before the first
+  test when a selected test uses one of these fixtures (or
+  ``fresh_real_server(generation="0.5.7")`` in a test that also names
+  ``lmcache057_python``; otherwise the first such call builds it, inside that
+  test's timeout).
 
 Every test that uses any of these fixtures (directly or through another
 fixture) is marked ``real_server`` automatically, so developers without the
@@ -50,6 +59,7 @@ if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
 from tests.support.real_server import (  # noqa: E402
+    Generation,
     LMCacheServerError,
     RealLMCacheServer,
     lmcache_venv_python,
@@ -71,9 +81,21 @@ REAL_SERVER_FIXTURES: set[str] = {
     "real_server_shm",
     "real_server_pickle",
     "fresh_real_server",
+    "lmcache057_python",
+    "real_server_057",
+    "real_server_057_shm",
+    "real_server_057_pickle",
+}
+#: The fixtures that need the 0.5.7 venv (built before the first test only if one is selected).
+REAL_SERVER_057_FIXTURES: set[str] = {
+    "lmcache057_python",
+    "real_server_057",
+    "real_server_057_shm",
+    "real_server_057_pickle",
 }
 
-_venv_key = pytest.StashKey[tuple[Path | None, str | None]]()
+#: Per generation: the venv's python, or the build error.
+_venv_key = pytest.StashKey[dict[Generation, tuple[Path | None, str | None]]]()
 _report_key = pytest.StashKey[dict[str, pytest.TestReport]]()
 
 
@@ -104,20 +126,44 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.real_server)
 
 
+def _build_venv(config: pytest.Config, generation: Generation) -> tuple[Path | None, str | None]:
+    """The generation's venv python or its build error, built at most once per session."""
+    built = config.stash.setdefault(_venv_key, {})
+    if generation not in built:
+        try:
+            built[generation] = (lmcache_venv_python(generation=generation), None)
+        except Exception as exc:  # reported by the fixture that needs it
+            built[generation] = (None, str(exc))
+    return built[generation]
+
+
+def _venv_python(config: pytest.Config, generation: Generation) -> Path:
+    """The generation's venv python; FAILS the test (never skips) when it cannot be built."""
+    python, error = _build_venv(config, generation)
+    if error is not None or python is None:
+        _fail(f"could not build the lmcache {generation} venv", error or "unknown error")
+    assert python is not None
+    return python
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Build the lmcache venv before any test runs (outside the per-test
-    timeout), only if a selected test needs it."""
+    """Build the lmcache venvs before any test runs (outside the per-test
+    timeout), each only if a selected test needs it."""
     if session.config.option.collectonly:
         return
-    if not any(item.get_closest_marker("real_server") for item in session.items):
-        return
+    wanted: list[Generation] = []
+    if any(item.get_closest_marker("real_server") for item in session.items):
+        wanted.append("0.5.6")
+    if any(set(getattr(item, "fixturenames", ())) & REAL_SERVER_057_FIXTURES for item in session.items):
+        wanted.append("0.5.7")
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("preparing the lmcache 0.5.6 venv (tests/support/build_lmcache_venv.sh)")
-    try:
-        session.config.stash[_venv_key] = (lmcache_venv_python(), None)
-    except Exception as exc:  # reported by the lmcache_python fixture
-        session.config.stash[_venv_key] = (None, str(exc))
+    for generation in wanted:
+        if reporter is not None:
+            reporter.write_line(
+                f"preparing the lmcache {generation} venv "
+                f"(tests/support/build_lmcache_venv.sh --generation {generation})"
+            )
+        _build_venv(session.config, generation)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -157,7 +203,7 @@ class _Registry:
             srv.start(timeout=SERVER_START_TIMEOUT)
         except LMCacheServerError as exc:
             srv.stop()
-            _fail(f"could not start the real LMCache server (mode={mode})", exc)
+            _fail(f"could not start the real LMCache {srv.generation} server (mode={mode})", exc)
         return srv
 
 
@@ -178,21 +224,20 @@ def _real_server_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 @pytest.fixture(scope="session")
 def lmcache_python(pytestconfig: pytest.Config) -> Path:
     """Path of the lmcache 0.5.6 venv's python (built once per session)."""
-    python, error = pytestconfig.stash.get(_venv_key, (None, None))
-    if python is None and error is None:
-        try:
-            python = lmcache_venv_python()
-        except Exception as exc:
-            error = str(exc)
-        pytestconfig.stash[_venv_key] = (python, error)
-    if error is not None or python is None:
-        _fail("could not build the lmcache 0.5.6 venv", error or "unknown error")
-    assert python is not None
-    return python
+    return _venv_python(pytestconfig, "0.5.6")
 
 
-def _session_server(registry: _Registry, python: Path, mode: str) -> Iterator[RealLMCacheServer]:
-    srv = registry.start(mode, python, name=f"session_{mode}")
+@pytest.fixture(scope="session")
+def lmcache057_python(pytestconfig: pytest.Config) -> Path:
+    """Path of the lmcache 0.5.7rc3 venv's python (built once per session)."""
+    return _venv_python(pytestconfig, "0.5.7")
+
+
+def _session_server(
+    registry: _Registry, python: Path, mode: str, generation: Generation = "0.5.6"
+) -> Iterator[RealLMCacheServer]:
+    label = "session" if generation == "0.5.6" else "session057"
+    srv = registry.start(mode, python, name=f"{label}_{mode}", generation=generation)
     yield srv
     srv.terminate()  # _real_server_registry's teardown waits and checks
 
@@ -218,24 +263,50 @@ def real_server(request: pytest.FixtureRequest) -> RealLMCacheServer:
     return srv
 
 
+@pytest.fixture(scope="session")
+def real_server_057_shm(
+    _real_server_registry: _Registry, lmcache057_python: Path
+) -> Iterator[RealLMCacheServer]:
+    """Shared 0.5.7rc3 SHM-mode server (chunk size 16) for the whole session."""
+    yield from _session_server(_real_server_registry, lmcache057_python, "shm", "0.5.7")
+
+
+@pytest.fixture(scope="session")
+def real_server_057_pickle(
+    _real_server_registry: _Registry, lmcache057_python: Path
+) -> Iterator[RealLMCacheServer]:
+    """Shared 0.5.7rc3 inline-mode (``--shm-name ""``) server (chunk size 16) for the session."""
+    yield from _session_server(_real_server_registry, lmcache057_python, "pickle", "0.5.7")
+
+
+@pytest.fixture(params=["shm", "pickle"])
+def real_server_057(request: pytest.FixtureRequest) -> RealLMCacheServer:
+    """The 0.5.7rc3 session server of each transport, in turn."""
+    srv: RealLMCacheServer = request.getfixturevalue(f"real_server_057_{request.param}")
+    if not srv.is_running():
+        _fail(f"the shared 0.5.7 {request.param} server is not running", srv.log_tail(40))
+    return srv
+
+
 class _FreshServers:
-    def __init__(self, registry: _Registry, python: Path) -> None:
+    def __init__(self, registry: _Registry, config: pytest.Config) -> None:
         self._registry = registry
-        self._python = python
+        self._config = config
         self.servers: list[RealLMCacheServer] = []
 
-    def __call__(self, mode: str = "shm", **kw: Any) -> RealLMCacheServer:
-        srv = self._registry.start(mode, self._python, **kw)
+    def __call__(self, mode: str = "shm", generation: Generation = "0.5.6", **kw: Any) -> RealLMCacheServer:
+        python = _venv_python(self._config, generation)
+        srv = self._registry.start(mode, python, generation=generation, **kw)
         self.servers.append(srv)
         return srv
 
 
 @pytest.fixture
 def fresh_real_server(
-    _real_server_registry: _Registry, lmcache_python: Path
+    _real_server_registry: _Registry, lmcache_python: Path, pytestconfig: pytest.Config
 ) -> Iterator[Callable[..., RealLMCacheServer]]:
-    """Factory ``make(mode="shm", **kw)`` for servers owned by one test."""
-    factory = _FreshServers(_real_server_registry, lmcache_python)
+    """Factory ``make(mode="shm", generation="0.5.6", **kw)`` for servers owned by one test."""
+    factory = _FreshServers(_real_server_registry, pytestconfig)
     yield factory
     problems: list[str] = []
     for srv in factory.servers:
@@ -280,8 +351,12 @@ from lmcache_async import AsyncClient, KVGeometry  # noqa: E402
 SERVER_CONFIGS = [
     pytest.param("real-shm", marks=pytest.mark.real_server),
     pytest.param("real-pickle", marks=pytest.mark.real_server),
+    pytest.param("real057-shm", marks=pytest.mark.real_server),
+    pytest.param("real057-pickle", marks=pytest.mark.real_server),
     "embedded-shm",
     "embedded-pickle",
+    "embedded057-shm",
+    "embedded057-pickle",
 ]
 
 
@@ -308,6 +383,23 @@ def embedded_server_pickle() -> Iterator[Any]:
     handle.stop()
 
 
+@pytest.fixture(scope="session")
+def embedded_server_057_shm() -> Iterator[Any]:
+    """A shared embedded server speaking 0.5.7 (SHM, chunk size 16)."""
+    handle = _embedded("shm", protocol="0.5.7")
+    yield handle
+    handle.stop()
+    assert handle.shm_segment is None or not os.path.exists(handle.shm_segment)
+
+
+@pytest.fixture(scope="session")
+def embedded_server_057_pickle() -> Iterator[Any]:
+    """A shared embedded server speaking 0.5.7 (inline tensor envelopes, chunk size 16)."""
+    handle = _embedded("pickle", protocol="0.5.7")
+    yield handle
+    handle.stop()
+
+
 @pytest.fixture(params=SERVER_CONFIGS)
 def server(request: pytest.FixtureRequest) -> Any:
     """Each server configuration of the contract suite in turn (url, http_url, mode,
@@ -315,6 +407,10 @@ def server(request: pytest.FixtureRequest) -> Any:
     kind, mode = request.param.split("-")
     if kind == "real":
         return request.getfixturevalue(f"real_server_{mode}")
+    if kind == "real057":
+        return request.getfixturevalue(f"real_server_057_{mode}")
+    if kind == "embedded057":
+        return request.getfixturevalue(f"embedded_server_057_{mode}")
     return request.getfixturevalue(f"embedded_server_{mode}")
 
 
@@ -326,9 +422,9 @@ def own_server(server: Any, request: pytest.FixtureRequest) -> Iterator[Callable
 
     def make() -> Any:
         if isinstance(server, RealLMCacheServer):
-            srv = request.getfixturevalue("fresh_real_server")(server.mode)
+            srv = request.getfixturevalue("fresh_real_server")(server.mode, generation=server.generation)
         else:
-            srv = _embedded(server.mode)
+            srv = _embedded(server.mode, protocol=server.protocol)
             made.append(srv)
         return srv
 

@@ -189,7 +189,7 @@ async def test_unreachable_server_is_a_connection_error() -> None:
     from tests.support.real_server import free_loopback_port
 
     port = free_loopback_port()
-    with pytest.raises(lmc.LMCacheConnectionError, match=f"GET http://127.0.0.1:{port}/config failed"):
+    with pytest.raises(lmc.LMCacheConnectionError, match=f"GET http://127.0.0.1:{port}/lmc_version failed"):
         await lmc.connect(f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{port}", "m", geometry=SMALL_GEOMETRY)
 
 

@@ -25,6 +25,9 @@ from lmcache_async.sync_client import Client
 from tests.support.real_server import RealLMCacheServer
 from tests.support.workers import EngineWorker, SDKWorker
 
+# every test here runs on a real server (some reach it through request.getfixturevalue)
+pytestmark = pytest.mark.real_server
+
 MODEL = f"test-kvcache-dropin-{os.getpid()}"
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_size=16)
 CS = 16
@@ -53,10 +56,20 @@ class Registered:
         return self.server.mode
 
 
-@pytest.fixture(scope="module", params=["shm", "pickle"])
-def registered(request: pytest.FixtureRequest, lmcache_python: Path) -> Iterator[Registered]:
-    srv: RealLMCacheServer = request.getfixturevalue(f"real_server_{request.param}")
-    with EngineWorker(srv.url, python=lmcache_python) as engine, SDKWorker(python=lmcache_python) as sdk:
+@pytest.fixture(scope="module", params=["shm", "pickle", "057-shm", "057-pickle"])
+def registered(
+    request: pytest.FixtureRequest, lmcache_python: Path, lmcache057_python: Path
+) -> Iterator[Registered]:
+    """Each generation's real server, its own engine path and its own official SDK (both
+    venvs are named as fixtures so that they are built before any test runs)."""
+    generation, _, mode = str(request.param).rpartition("-")
+    if generation:
+        srv: RealLMCacheServer = request.getfixturevalue(f"real_server_057_{mode}")
+        python = lmcache057_python
+    else:
+        srv = request.getfixturevalue(f"real_server_{mode}")
+        python = lmcache_python
+    with EngineWorker(srv.url, python=python) as engine, SDKWorker(python=python) as sdk:
         engine.register(
             MODEL,
             num_layers=GEOM.num_layers,
@@ -195,9 +208,21 @@ def test_signatures_match_the_official_sdk() -> None:
         ("model_name", empty),
         ("timeout", 60.0),
     ]
-    assert params(lmc_sdk.retrieve) == [("ctx", empty), ("tokens", empty), ("cache_salt", "")]
-    assert params(lmc_sdk.store) == [("ctx", empty), ("kv", empty), ("tokens", empty), ("cache_salt", "")]
-    assert params(lmc_sdk.lookup) == [("ctx", empty), ("tokens", empty), ("cache_salt", "")]
+    # (0.5.6 and 0.5.7 alike: the context's retrieve(tokens, cache_salt, request_configs)
+    # and store(kv, tokens, cache_salt, request_configs))
+    configs = ("request_configs", None)
+    assert params(lmc_sdk.retrieve) == [("ctx", empty), ("tokens", empty), ("cache_salt", ""), configs]
+    assert params(lmc_sdk.store) == [("ctx", empty), ("kv", empty), ("tokens", empty), ("cache_salt", ""), configs]
+    assert params(lmc_sdk.lookup) == [("ctx", empty), ("tokens", empty), ("cache_salt", ""), configs]
     assert params(lmc_sdk.close) == [("ctx", empty)]
-    assert inspect.signature(lmc_sdk.connect).parameters["geometry"].kind is inspect.Parameter.KEYWORD_ONLY
-    assert sorted(lmc_sdk.__all__) == ["close", "connect", "lookup", "retrieve", "store"]
+    assert params(lmc_sdk.KVCacheContext.retrieve) == [("self", empty), ("tokens", empty), ("cache_salt", ""), configs]
+    assert params(lmc_sdk.KVCacheContext.store) == [
+        ("self", empty),
+        ("kv", empty),
+        ("tokens", empty),
+        ("cache_salt", ""),
+        configs,
+    ]
+    for name in ("geometry", "api_key"):
+        assert inspect.signature(lmc_sdk.connect).parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
+    assert sorted(lmc_sdk.__all__) == ["KVCacheContext", "close", "connect", "lookup", "retrieve", "store"]

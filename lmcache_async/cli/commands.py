@@ -51,6 +51,7 @@ from lmcache_async.errors import (
 )
 from lmcache_async.geometry import KVGeometry, dtype_from_name, dtype_name
 from lmcache_async.metadata import Metadata
+from lmcache_async.sharding import select_shard, shard_arg
 from lmcache_async.shm import ShmPool
 from lmcache_async.wire import Op
 
@@ -956,7 +957,7 @@ def _remap_batch(args: argparse.Namespace) -> int:
     if args.resume and args.report is None:
         raise UsageError("--resume needs --report FILE (the report of the previous run)")
     try:
-        lines = list(read_pairs(args.file))
+        lines = select_shard(read_pairs(args.file), args.shard, key=lambda ln: ln.key)
     except FileNotFoundError:
         raise CommandError(f"{args.file}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -1219,6 +1220,13 @@ def register(subparsers: Any) -> None:
         "--resume",
         action="store_true",
         help="skip pairs the --report file shows done (hit or miss) and append to it",
+    )
+    p.add_argument(
+        "--shard",
+        type=shard_arg,
+        metavar="I/N",
+        help="run only shard I of N (1-based; by pair identity, see docs/deployment.md); "
+        "give each shard its own --report",
     )
     p.add_argument(
         "--progress",

@@ -29,33 +29,32 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import pickle
 import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Final, Literal, Protocol
 
 import torch
 
-from lmcache_async.pickle_codec import decode_tensor_list, encode_tensor_list
+from lmcache_async.testing.dialect import BadRequest, Key056, Key057, Register056, Register057
 from lmcache_async.testing.pool import ALIGN, Arena, SlotAllocator, align_up
 
 __all__ = [
+    "SEMANTICS_056",
+    "SEMANTICS_057",
     "BadRequest",
     "CacheEngine",
     "ChunkHasher",
+    "InlineChunk",
+    "InlineDecoder",
+    "InlineEncoder",
     "LayoutSpec",
+    "Leftovers",
+    "Semantics",
     "ServerKey",
-    "as_bool",
-    "as_bytes",
-    "as_float",
-    "as_int",
-    "as_opt_int",
-    "as_str",
-    "decode_register",
     "kv_rank",
 ]
 
@@ -64,86 +63,51 @@ log = logging.getLogger(__name__)
 Mode = Literal["shm", "pickle"]
 #: ``(chunk_hash, model_name, kv_rank, object_group_id, cache_salt)``
 ObjectId = tuple[bytes, str, int, int, str]
-
-_SALT_FORBIDDEN: Final = frozenset("@/\\\x00")
-_SALT_MAX: Final = 128
-_U64: Final = 2**64
-_I64_MIN: Final = -(2**63)
+_TOKEN_STRIDE: Final = 4
 
 
-class BadRequest(ValueError):
-    """A request the real server would reject (it never replies to it)."""
+@dataclass(frozen=True, slots=True)
+class Semantics:
+    """What differs between the generations' cache engines (no wire format in here).
+
+    Attributes:
+        lookup_from_start: ``lookup`` honours ``key.start`` (0.5.7): the chunks below it
+            count as hits but are neither read-locked nor checked; 0.5.6 ignores it.
+        free_floor_and_extra_ranges: ``free_lookup_locks`` releases nothing below the
+            lookup's own ``start`` and takes ``extra_ranges`` (0.5.7).
+        skip_load: ``request_configs["lmcache.skip_load"]`` turns a lookup into a miss
+            with no locks (0.5.7's default load policy).
+        release_unwritten_inline: an incomplete inline store releases (and drops) the
+            reservations it did not fill (0.5.7); 0.5.6 leaves them staged until the TTL.
+        null_block_id: sent in the register reply (0.5.7); None: not sent (0.5.6).
+    """
+
+    lookup_from_start: bool
+    free_floor_and_extra_ranges: bool
+    skip_load: bool
+    release_unwritten_inline: bool
+    null_block_id: int | None
 
 
-# --------------------------------------------------------------------------- decoding
-# msgspec semantics: nested ints reject bools and floats, strings reject bin and vice
-# versa; a whole argument declared exactly ``int``/``bool`` is coerced with int()/bool().
-
-
-def _strict_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"{name}: expected int, got {type(value).__name__}")
-    if not _I64_MIN <= value < _U64:
-        raise BadRequest(f"{name}: integer out of range")
-    return value
-
-
-def _strict_str(value: object, name: str) -> str:
-    if not isinstance(value, str):
-        raise BadRequest(f"{name}: expected str, got {type(value).__name__}")
-    return value
-
-
-def as_int(value: object) -> int:
-    """A whole argument declared ``int``: coerced like ``int(value)``."""
-    try:
-        coerced: int = int(value)  # type: ignore[call-overload]
-        return coerced
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise BadRequest(f"cannot coerce {value!r} to int") from exc
-
-
-def as_bool(value: object) -> bool:
-    """A whole argument declared ``bool``: coerced like ``bool(value)``."""
-    return bool(value)
-
-
-def as_opt_int(value: object) -> int | None:
-    """``int | None`` (strict)."""
-    return None if value is None else _strict_int(value, "argument")
-
-
-def as_str(value: object) -> str:
-    """``str`` (strict)."""
-    return _strict_str(value, "argument")
-
-
-def as_float(value: object) -> float:
-    """``float``: an int or a float, not a bool."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise BadRequest(f"expected float, got {type(value).__name__}")
-    return float(value)
-
-
-def as_bytes(value: object) -> bytes:
-    """``bytes``: msgpack bin only."""
-    if not isinstance(value, bytes):
-        raise BadRequest(f"expected bin, got {type(value).__name__}")
-    return value
+SEMANTICS_056: Final = Semantics(False, False, False, False, None)
+SEMANTICS_057: Final = Semantics(True, True, True, True, 0)
+#: The request_configs flag 0.5.7's default load policy honours.
+SKIP_LOAD_CONFIG: Final = "lmcache.skip_load"
 
 
 @dataclass(frozen=True, slots=True)
 class ServerKey:
-    """``IPCCacheServerKey`` as the server decodes it.
+    """``IPCCacheServerKey`` as the engine uses it, whatever the dialect it came in.
 
-    ``ident`` is what the real key compares by (request id, configs and reader count are
-    not part of it).
+    ``tokens`` are packed (big-endian uint32 per token, 0.5.7's ``token_bytes``): what
+    both generations hash. ``ident`` is what the real key compares by (request id,
+    configs and reader count are not part of it).
     """
 
     model_name: str
     world_size: int
     worker_id: int | None
-    token_ids: tuple[int, ...]
+    tokens: bytes
     start: int
     end: int
     request_id: str
@@ -151,31 +115,40 @@ class ServerKey:
     request_configs: Mapping[str, Any] | None = None
     num_kv_readers: int = 0
 
+    @classmethod
+    def from_wire(cls, key: Key056 | Key057) -> ServerKey:
+        """The engine's key of a decoded wire key (BadRequest: a token outside uint32)."""
+        return cls(
+            key.model_name,
+            key.world_size,
+            key.worker_id,
+            key.packed_tokens(),
+            key.start,
+            key.end,
+            key.request_id,
+            key.cache_salt,
+            key.request_configs,
+            key.num_kv_readers,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // _TOKEN_STRIDE
+
     @property
     def ident(self) -> tuple[Any, ...]:
         return (
             self.model_name,
             self.world_size,
             self.worker_id,
-            self.token_ids,
+            self.tokens,
             self.start,
             self.end,
             self.cache_salt,
         )
 
     def without_worker(self) -> ServerKey:
-        return ServerKey(
-            self.model_name,
-            self.world_size,
-            None,
-            self.token_ids,
-            self.start,
-            self.end,
-            self.request_id,
-            self.cache_salt,
-            self.request_configs,
-            self.num_kv_readers,
-        )
+        return replace(self, worker_id=None)
 
     def require_num_kv_readers(self) -> int:
         if self.num_kv_readers < 1:
@@ -184,79 +157,6 @@ class ServerKey:
                 "send IPCCacheServerKey.num_kv_readers"
             )
         return self.num_kv_readers
-
-    @classmethod
-    def decode(cls, obj: object) -> ServerKey:
-        """Decode a key map (any order, unknown keys ignored); BadRequest if invalid."""
-        if not isinstance(obj, dict):
-            raise BadRequest("a cache key must be a map")
-        try:
-            tokens = obj["token_ids"]
-            if not isinstance(tokens, list):
-                raise BadRequest("token_ids: expected array")
-            worker = obj["worker_id"]
-            configs = obj.get("request_configs")
-            if configs is not None and not isinstance(configs, dict):
-                raise BadRequest("request_configs: expected map or nil")
-            key = cls(
-                model_name=_strict_str(obj["model_name"], "model_name"),
-                world_size=_strict_int(obj["world_size"], "world_size"),
-                worker_id=None if worker is None else _strict_int(worker, "worker_id"),
-                token_ids=tuple(_strict_int(t, "token_ids[]") for t in tokens),
-                start=_strict_int(obj["start"], "start"),
-                end=_strict_int(obj["end"], "end"),
-                request_id=_strict_str(obj["request_id"], "request_id"),
-                cache_salt=_strict_str(obj.get("cache_salt", ""), "cache_salt"),
-                request_configs=configs,
-                num_kv_readers=_strict_int(obj.get("num_kv_readers", 0), "num_kv_readers"),
-            )
-        except KeyError as exc:
-            raise BadRequest(f"cache key lacks required field {exc.args[0]!r}") from None
-        bad = _SALT_FORBIDDEN & set(key.cache_salt)
-        if bad:
-            raise BadRequest(f"cache_salt must not contain {sorted(bad)!r}")
-        if len(key.cache_salt) > _SALT_MAX:
-            raise BadRequest(f"cache_salt exceeds {_SALT_MAX} characters")
-        return key
-
-
-@dataclass(frozen=True, slots=True)
-class RegisterRequest:
-    """``RegisterEngineDrivenContextPayload`` as the server decodes it."""
-
-    instance_id: int
-    model_name: str
-    world_size: int
-    block_size: int
-    num_layers: int
-    hidden_dim_size: int
-    dtype_str: str
-    use_mla: bool
-    num_physical_slots: int | None
-
-
-def decode_register(obj: object) -> RegisterRequest:
-    """Decode the register payload map; BadRequest on a missing field or a wrong type."""
-    if not isinstance(obj, dict):
-        raise BadRequest("register payload must be a map")
-    try:
-        use_mla = obj["use_mla"]
-        if not isinstance(use_mla, bool):
-            raise BadRequest("use_mla: expected bool")
-        slots = obj.get("num_physical_slots")
-        return RegisterRequest(
-            instance_id=_strict_int(obj["instance_id"], "instance_id"),
-            model_name=_strict_str(obj["model_name"], "model_name"),
-            world_size=_strict_int(obj["world_size"], "world_size"),
-            block_size=_strict_int(obj["block_size"], "block_size"),
-            num_layers=_strict_int(obj["num_layers"], "num_layers"),
-            hidden_dim_size=_strict_int(obj["hidden_dim_size"], "hidden_dim_size"),
-            dtype_str=_strict_str(obj["dtype_str"], "dtype_str"),
-            use_mla=use_mla,
-            num_physical_slots=None if slots is None else _strict_int(slots, "num_physical_slots"),
-        )
-    except KeyError as exc:
-        raise BadRequest(f"register payload lacks field {exc.args[0]!r}") from None
 
 
 # --------------------------------------------------------------------------- hashing
@@ -268,7 +168,7 @@ def kv_rank(world_size: int, worker_id: int) -> int:
 
 
 class ChunkHasher:
-    """Chained prefix hashes over whole chunks (blake2b-256)."""
+    """Chained prefix hashes over whole chunks of packed tokens (blake2b-256)."""
 
     def __init__(self, chunk_size: int) -> None:
         self.chunk_size = chunk_size
@@ -278,18 +178,21 @@ class ChunkHasher:
     def _digest(data: bytes) -> bytes:
         return hashlib.blake2b(data, digest_size=32).digest()
 
-    def hash_tokens(self, tokens: Sequence[int], prefix: bytes) -> bytes:
-        """Raises ``struct.error`` for a token outside ``[0, 2**32)`` (as blake3 packing)."""
-        return self._digest(prefix + struct.pack(f">{len(tokens)}I", *tokens))
+    def hash_chunk(self, packed: bytes, prefix: bytes) -> bytes:
+        """The hash of one chunk's packed tokens chained after ``prefix``."""
+        return self._digest(prefix + packed)
 
-    def chunk_hashes(self, tokens: Sequence[int], start: int = 0, end: int | None = None) -> list[bytes]:
+    def chunk_hashes(self, packed: bytes, start: int = 0, end: int | None = None) -> list[bytes]:
         """Hashes of the complete chunks of ``tokens[:end]`` whose first token is ``>= start``."""
         out: list[bytes] = []
         prefix = self.none_hash
-        effective = len(tokens) if end is None else min(len(tokens), end)
+        n = len(packed) // _TOKEN_STRIDE
+        effective = n if end is None else min(n, end)
         complete = effective - effective % self.chunk_size
+        step = self.chunk_size * _TOKEN_STRIDE
         for i in range(0, complete, self.chunk_size):
-            prefix = self.hash_tokens(tokens[i : i + self.chunk_size], prefix)
+            at = i * _TOKEN_STRIDE
+            prefix = self.hash_chunk(packed[at : at + step], prefix)
             if i >= start:
                 out.append(prefix)
         return out
@@ -308,6 +211,45 @@ class LayoutSpec:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+#: A chunk handed to an inline (non-SHM) commit: a decoded tensor (0.5.6's pickle, whose
+#: dtype ``copy_`` converts) or the validated raw bytes of one object (0.5.7's envelope).
+InlineChunk = torch.Tensor | memoryview
+#: Decodes an inline commit payload for ``(object layout, number of chunks)``; raises
+#: (any exception: the server answers nothing) on a payload it refuses.
+InlineDecoder = Callable[[LayoutSpec, int], Sequence[InlineChunk]]
+
+
+class InlineEncoder(Protocol):
+    """Encodes the read-locked chunks of an inline retrieve, given as tensor views and as
+    raw bytes of the pool (called outside the engine lock; both stay valid during the call)."""
+
+    def __call__(self, views: Sequence[torch.Tensor], raw: Sequence[memoryview]) -> bytes | bytearray: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Leftovers:
+    """What an engine still holds (see :meth:`CacheEngine.leftovers`); all zero = clean."""
+
+    sessions: int
+    prefetch_jobs: int
+    read_locked_objects: int
+    pending_shm_writes: int
+    pending_shm_reads: int
+    write_reservations: int
+
+    def is_clean(self) -> bool:
+        return not any(
+            (
+                self.sessions,
+                self.prefetch_jobs,
+                self.read_locked_objects,
+                self.pending_shm_writes,
+                self.pending_shm_reads,
+                self.write_reservations,
+            )
+        )
 
 
 @dataclass(slots=True)
@@ -350,7 +292,7 @@ class _Registration:
 @dataclass(slots=True)
 class _Session:
     created: float
-    tokens: tuple[int, ...] = ()
+    tokens: bytes = b""  # packed
     hashes: list[bytes] = field(default_factory=list)
     lookup_key: ServerKey | None = None
     hit_chunks: int = -1
@@ -358,17 +300,21 @@ class _Session:
     def get_hashes(self, hasher: ChunkHasher, start: int, end: int | None = None) -> list[bytes]:
         """The session's cached chain, extended as needed (never invalidated)."""
         cs = hasher.chunk_size
-        assert start % cs == 0, f"start ({start}) must be a multiple of chunk_size ({cs})"
-        if end is not None and end > len(self.tokens):
-            raise BadRequest(f"end ({end}) exceeds the session's {len(self.tokens)} tokens")
+        n = len(self.tokens) // _TOKEN_STRIDE
+        if start % cs:
+            raise BadRequest(f"start ({start}) must be a multiple of chunk_size ({cs})")
+        if end is not None and end > n:
+            raise BadRequest(f"end ({end}) exceeds the session's {n} tokens")
         if end is None:
-            end = len(self.tokens) - len(self.tokens) % cs
-        assert end % cs == 0, f"end ({end}) must be a multiple of chunk_size ({cs})"
+            end = n - n % cs
+        if end % cs:
+            raise BadRequest(f"end ({end}) must be a multiple of chunk_size ({cs})")
         end_chunk = end // cs
+        step = cs * _TOKEN_STRIDE
         while len(self.hashes) < end_chunk:
-            i = len(self.hashes) * cs
+            at = len(self.hashes) * step
             prefix = self.hashes[-1] if self.hashes else hasher.none_hash
-            self.hashes.append(hasher.hash_tokens(self.tokens[i : i + cs], prefix))
+            self.hashes.append(hasher.hash_chunk(self.tokens[at : at + step], prefix))
         return self.hashes[start // cs : end_chunk]
 
 
@@ -382,6 +328,7 @@ class CacheEngine:
         shm_name: segment name for SHM mode (``lmcache_l1_pool_`` prefixed if needed).
         session_ttl, read_lock_ttl, write_ttl: seconds.
         prefault: back the whole pool with memory at once.
+        semantics: the generation's behaviour (:data:`SEMANTICS_056` by default).
     """
 
     def __init__(
@@ -395,9 +342,11 @@ class CacheEngine:
         read_lock_ttl: float,
         write_ttl: float,
         prefault: bool = False,
+        semantics: Semantics = SEMANTICS_056,
     ) -> None:
         self.chunk_size = chunk_size
         self.mode: Mode = mode
+        self.semantics = semantics
         self.session_ttl = session_ttl
         self.read_lock_ttl = read_lock_ttl
         self.write_ttl = write_ttl
@@ -468,7 +417,7 @@ class CacheEngine:
     def _resolve_transfer_ids(self, key: ServerKey, now: float) -> list[ObjectId]:
         """Object ids of a prepare/commit key (via the session's hash cache)."""
         session = self._session(key.request_id, now)
-        session.tokens = key.token_ids
+        session.tokens = key.tokens
         if session.lookup_key is None:
             session.lookup_key = key.without_worker()
         hashes = session.get_hashes(self.hasher, key.start, key.end)
@@ -626,16 +575,28 @@ class CacheEngine:
     # ------------------------------------------------------------------ engine-driven ops
 
     def _register_reply(self) -> dict[str, Any]:
-        return {"shm_name": self.shm_name if self.mode == "shm" else "", "pool_size": self.pool_size}
+        reply: dict[str, Any] = {
+            "shm_name": self.shm_name if self.mode == "shm" else "",
+            "pool_size": self.pool_size,
+        }
+        if self.semantics.null_block_id is not None:
+            reply["null_block_id"] = self.semantics.null_block_id
+        return reply
 
-    def register(self, req: RegisterRequest) -> dict[str, Any]:
-        """``register_kv_cache_engine_driven_context``: a known id only refreshes liveness."""
+    def register(self, req: Register056 | Register057) -> dict[str, Any]:
+        """``register_kv_cache_engine_driven_context``: a known id only refreshes liveness.
+
+        Multi-group (hybrid-KV) registrations (0.5.7's ``group_layouts``) are not
+        modelled: a payload with any group layout is refused (no reply).
+        """
         with self._lock:
             now = self._now()
             existing = self._registrations.get(req.instance_id)
             if existing is not None:
                 existing.last_seen = now
                 return self._register_reply()
+            if isinstance(req, Register057) and req.group_layouts:
+                raise BadRequest("the embedded server serves single-group registrations only")
             dtype = getattr(torch, req.dtype_str, None)
             if not isinstance(dtype, torch.dtype):
                 raise BadRequest(f"Invalid dtype_str {req.dtype_str!r}")
@@ -670,11 +631,19 @@ class CacheEngine:
                 self._finish_read(self._pending_reads.pop(tkey), 1, now)
             self._unregister_layout(reg.model_name, reg.world_size)
 
-    def prepare_store(self, key: ServerKey, instance_id: int) -> dict[str, Any]:
-        """Reserve slots for the chunks not cached yet (SHM); ``{"context": {}}`` on pickle."""
+    def prepare_store(
+        self, key: ServerKey, instance_id: int, skipped_chunks: Sequence[Sequence[int]] = ()
+    ) -> dict[str, Any]:
+        """Reserve slots for the chunks not cached yet (SHM); ``{"context": {}}`` on pickle.
+
+        ``skipped_chunks`` (0.5.7): one entry per registered group, only multi-group
+        registrations send it; any for a single-group one is refused (as the real server).
+        """
         with self._lock:
             now = self._now()
             reg = self._registration(instance_id, now)
+            if skipped_chunks:
+                raise BadRequest(f"skipped_chunks has {len(skipped_chunks)} groups for 0 registered groups")
             if self.mode == "pickle":
                 self._session(key.request_id, now)
                 return {"context": {}}
@@ -709,60 +678,78 @@ class CacheEngine:
             self._finish_write(taken, now)
             return True
 
-    def commit_store_pickle(self, key: ServerKey, instance_id: int, data: bytes) -> bool:
-        """``commit_store`` with a pickled list of chunk tensors (restricted unpickling).
+    def commit_store_inline(self, key: ServerKey, instance_id: int, decode: InlineDecoder) -> bool:
+        """``commit_store`` with inline data (the dialect's ``decode`` turns it into chunks).
 
-        Blocking (decodes and copies); call it from a worker thread. Returns whether every
-        reserved chunk was written; chunks already cached are not reserved, so True when
-        all exist. Raises (no reply) on a payload that is not plain tensors.
+        Blocking (decodes and copies); call it from a worker thread. ``decode`` runs
+        before anything is reserved and may refuse the payload (then this raises and the
+        server answers nothing). Returns whether every reserved chunk was written; chunks
+        already cached are not reserved, so True when all exist. A chunk missing or of
+        another shape is not written (False); with ``release_unwritten_inline`` its
+        reservation is dropped at once, else it stays staged until the write TTL.
         """
         with self._lock:
             now = self._now()
             reg = self._registration(instance_id, now)
             self._session(key.request_id, now)
             ids = self._resolve_transfer_ids(key, now)
-        chunks = decode_tensor_list(data)
+        chunks = decode(reg.layout, len(ids))
         with self._lock:
             now = self._now()
             reserved = self._reserve_write(ids, reg.layout, now)
-            plan: list[tuple[ObjectId, torch.Tensor, torch.Tensor]] = []
+            plan: list[tuple[ObjectId, _Obj, InlineChunk]] = []
             for idx, oid in enumerate(ids):
                 obj = reserved.get(oid)
                 if obj is None:
                     continue
                 if idx >= len(chunks):
-                    log.error("pickle store is missing chunk %d (%d chunks)", idx, len(chunks))
+                    log.error("inline store is missing chunk %d (%d chunks)", idx, len(chunks))
                     continue
-                if tuple(chunks[idx].shape) != obj.layout.shape:
+                chunk = chunks[idx]
+                if isinstance(chunk, torch.Tensor) and tuple(chunk.shape) != obj.layout.shape:
                     log.error(
-                        "pickle store chunk %d has shape %s, the object %s",
+                        "inline store chunk %d has shape %s, the object %s",
                         idx,
-                        list(chunks[idx].shape),
+                        list(chunk.shape),
                         list(obj.layout.shape),
                     )
                     continue
-                view = self.arena.view(obj.offset, obj.layout.shape, obj.layout.dtype)
-                plan.append((oid, view, chunks[idx]))
+                plan.append((oid, obj, chunk))
         written: list[ObjectId] = []
         try:
-            for oid, view, chunk in plan:
-                view.copy_(chunk)
+            for oid, obj, chunk in plan:
+                if isinstance(chunk, torch.Tensor):
+                    self.arena.view(obj.offset, obj.layout.shape, obj.layout.dtype).copy_(chunk)
+                else:
+                    self.arena.write(obj.offset, chunk)
                 written.append(oid)
         finally:
             del plan
             with self._lock:
                 self._finish_write(written, self._now())
+                if self.semantics.release_unwritten_inline:
+                    done = set(written)
+                    self._drop_staged([oid for oid in reserved if oid not in done])
         if len(written) != len(reserved):
-            log.error("pickle store incomplete: %d reserved, %d written", len(reserved), len(written))
+            log.error("inline store incomplete: %d reserved, %d written", len(reserved), len(written))
         return len(written) == len(reserved)
 
-    def prepare_retrieve(self, key: ServerKey, instance_id: int) -> dict[str, Any]:
+    def _drop_staged(self, ids: Iterable[ObjectId]) -> None:
+        for oid in ids:
+            staged = self._staging.pop(oid, None)
+            if staged is not None:
+                self._free(staged)
+
+    def prepare_retrieve(
+        self, key: ServerKey, instance_id: int, encode: InlineEncoder | None = None
+    ) -> dict[str, Any]:
         """Hand out the read-locked chunks of ``[start, end)``.
 
         SHM: slot descriptors, recorded as a pending read until ``commit_retrieve``.
-        Pickle: blocking (copies; call it from a worker thread) -- the pickled chunks, and
-        one read lock per chunk is released. Any chunk missing or not read-locked:
-        ``success: false`` (the locks of the found ones are released).
+        Inline: blocking (``encode`` copies; call it from a worker thread) -- the
+        dialect's encoding of the chunks, and one read lock per chunk is released. Any
+        chunk missing or not read-locked: ``success: false`` (the locks of the found
+        ones are released).
         """
         with self._lock:
             now = self._now()
@@ -775,14 +762,20 @@ class CacheEngine:
             if self.mode == "shm":
                 self._pending_reads[(instance_id, key.ident)] = [oid for oid, _ in found]
                 return {"success": True, "data": b"", "context": {"slots": [self._slot(o) for _, o in found]}}
-            views = [self.arena.view(o.offset, o.layout.shape, o.layout.dtype) for _, o in found]
+            if encode is None:
+                raise BadRequest("an inline retrieve needs the dialect's encoder")
+            objs = [o for _, o in found]
         try:
-            try:
-                data: bytes | bytearray = encode_tensor_list(views, msgpack_bin=False)
-            except ValueError:  # a dtype without a legacy storage class (e.g. float8)
-                data = pickle.dumps([v.clone() for v in views])
+            with self.arena.raw() as pool:
+                views = [self.arena.view(o.offset, o.layout.shape, o.layout.dtype) for o in objs]
+                raw = [pool[o.offset : o.offset + o.layout.nbytes] for o in objs]
+                try:
+                    data = encode(views, raw)
+                finally:
+                    for r in raw:
+                        r.release()
+                    del views
         finally:
-            del views
             with self._lock:
                 self._finish_read(ids, 1, self._now())
         return {"success": True, "data": data, "context": {}}
@@ -800,7 +793,12 @@ class CacheEngine:
     # ------------------------------------------------------------------ lookup / sessions
 
     def lookup(self, key: ServerKey) -> None:
-        """Read-lock the longest resident prefix and record the hit length as a job."""
+        """Read-lock the longest resident prefix and record the hit length as a job.
+
+        With ``lookup_from_start`` (0.5.7) the chunks below ``key.start`` count as hits
+        without being checked or locked (only LRU-touched), and with ``skip_load`` a
+        request whose ``request_configs`` set ``lmcache.skip_load`` is a miss with no locks.
+        """
         with self._lock:
             now = self._now()
             self._sweep_sessions(now)
@@ -809,15 +807,23 @@ class CacheEngine:
                 self._jobs[key.request_id] = 0
                 return
             readers = key.require_num_kv_readers()
-            hashes = self.hasher.chunk_hashes(key.token_ids, end=key.end)
+            hashes = self.hasher.chunk_hashes(key.tokens, end=key.end)
             if not hashes:
                 self._jobs[key.request_id] = 0
                 return
             session = self._session(key.request_id, now)
-            session.tokens = key.token_ids
+            session.tokens = key.tokens
             session.lookup_key = key
             session.hit_chunks = -1
-            per_chunk = [self._object_ids(key, [h]) for h in hashes]
+            configs = key.request_configs or {}
+            if self.semantics.skip_load and configs.get(SKIP_LOAD_CONFIG, False):
+                self._jobs[key.request_id] = 0
+                return
+            first = 0
+            if self.semantics.lookup_from_start:
+                first = min(max(0, key.start // self.chunk_size), len(hashes))
+                self._touch(self._object_ids(key.without_worker(), hashes[:first]))
+            per_chunk = [self._object_ids(key, [h]) for h in hashes[first:]]
             hit = 0
             for ids in per_chunk:
                 if not all(oid in self._resident for oid in ids):
@@ -825,7 +831,7 @@ class CacheEngine:
                 hit += 1
             for ids in per_chunk[:hit]:
                 self._reserve_read(ids, readers, now)
-            self._jobs[key.request_id] = hit
+            self._jobs[key.request_id] = first + hit
 
     def query_prefetch_status(self, request_id: str) -> int:
         """The hit length in chunks, exactly once; 0 for an unknown or consumed id."""
@@ -838,11 +844,17 @@ class CacheEngine:
             self._session(request_id, now).hit_chunks = hit
             return hit
 
-    def free_lookup_locks(self, key: ServerKey) -> None:
-        """Release the lookup's read locks on the chunks of ``[start, end)`` it locked."""
+    def free_lookup_locks(self, key: ServerKey, extra_ranges: Sequence[tuple[int, int]] = ()) -> None:
+        """Release the lookup's read locks on the chunks of ``[start, end)`` it locked.
+
+        With ``free_floor_and_extra_ranges`` (0.5.7) nothing below the lookup's own
+        ``start`` is released (it was never locked), and each ``(start, end)`` of
+        ``extra_ranges`` -- locks left by the request's earlier, abandoned lookups, ``end``
+        being that lookup's hit boundary -- is released as well.
+        """
         with self._lock:
             now = self._now()
-            if key.start >= key.end:
+            if key.start >= key.end and not extra_ranges:
                 return
             session = self._session(key.request_id, now)
             if session.hit_chunks < 0:
@@ -853,20 +865,30 @@ class CacheEngine:
             if hit < 0:
                 log.info("free_lookup_locks for %s without a lookup result", key.request_id)
                 return
-            hashes = self.hasher.chunk_hashes(key.token_ids, start=key.start, end=key.end)
-            if not hashes:
-                return
-            if (key.model_name, key.world_size) not in self._layouts:
-                raise BadRequest(f"no layout registered for {key.model_name!r}")
-            start_chunk = key.start // self.chunk_size
-            end_chunk = start_chunk + len(hashes)
-            lo, hi = max(0, start_chunk), min(hit, end_chunk)
-            if lo >= hi:
-                return
-            ids = self._object_ids(key, hashes[lo - start_chunk : hi - start_chunk])
-            if not ids:
-                return
-            self._finish_read(ids, key.require_num_kv_readers(), now)
+            readers = key.require_num_kv_readers()
+            start = key.start
+            if self.semantics.free_floor_and_extra_ranges and session.lookup_key is not None:
+                start = max(start, session.lookup_key.start)
+            ids = self._locked_range(key, start, key.end, hit) if start < key.end else []
+            for range_start, range_end in extra_ranges:
+                if range_start < range_end:
+                    ids += self._locked_range(key, range_start, range_end, range_end // self.chunk_size)
+            if ids:
+                self._finish_read(ids, readers, now)
+
+    def _locked_range(self, key: ServerKey, start: int, end: int, hit: int) -> list[ObjectId]:
+        """The object ids a lookup with ``hit`` chunks locked within ``[start, end)``."""
+        hashes = self.hasher.chunk_hashes(key.tokens, start=start, end=end)
+        if not hashes:
+            return []
+        if (key.model_name, key.world_size) not in self._layouts:
+            raise BadRequest(f"no layout registered for {key.model_name!r}")
+        start_chunk = start // self.chunk_size
+        end_chunk = start_chunk + len(hashes)
+        lo, hi = max(0, start_chunk), min(hit, end_chunk)
+        if lo >= hi:
+            return []
+        return self._object_ids(key, hashes[lo - start_chunk : hi - start_chunk])
 
     def end_session(self, request_id: str) -> None:
         """Remove the session and LRU-touch its chunks (locks and jobs are not touched)."""
@@ -907,6 +929,25 @@ class CacheEngine:
                         self._free(obj)
 
     # ------------------------------------------------------------------ observability
+
+    def leftovers(self) -> Leftovers:
+        """What this engine still holds for clients: live sessions, unconsumed prefetch
+        jobs, read-locked objects, pending SHM transfers and live write reservations.
+
+        After every operation has run to completion (or been cleaned up), all counts are
+        zero: :meth:`Leftovers.is_clean`. Expired locks and sessions are not counted.
+        """
+        with self._lock:
+            now = self._now()
+            self._sweep_sessions(now)
+            return Leftovers(
+                sessions=len(self._sessions),
+                prefetch_jobs=len(self._jobs),
+                read_locked_objects=sum(1 for o in self._resident.values() if o.locked(now)),
+                pending_shm_writes=len(self._pending_writes),
+                pending_shm_reads=len(self._pending_reads),
+                write_reservations=sum(1 for o in self._staging.values() if o.locked(now)),
+            )
 
     def status(self) -> dict[str, Any]:
         """Counts for ``/status`` (sessions and jobs exact at the time of the call)."""

@@ -19,6 +19,7 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Iterator
 from typing import Final
 
 import torch
@@ -171,6 +172,23 @@ class Arena:
         for d in shape:
             nbytes *= d
         return base[offset : offset + nbytes].view(dtype).view(shape)
+
+    @contextlib.contextmanager
+    def raw(self) -> Iterator[memoryview]:
+        """The whole pool as bytes (no copy); released when the block ends."""
+        if self._base is None:
+            raise RuntimeError("the L1 pool is closed")
+        with memoryview(self._mmap) as pool:
+            yield pool
+
+    def write(self, offset: int, data: memoryview | bytes) -> None:
+        """Copy raw bytes into the pool at ``offset`` (one memcpy, no tensor made)."""
+        if self._base is None:
+            raise RuntimeError("the L1 pool is closed")
+        end = offset + len(data)
+        if offset < 0 or end > self.size:
+            raise ValueError(f"write of {len(data)} bytes at {offset} is outside the {self.size}-byte pool")
+        self._mmap[offset:end] = data
 
     def unlink(self) -> None:
         """Remove the SHM segment's name (idempotent; clients keep their mappings)."""

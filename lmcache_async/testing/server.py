@@ -1,11 +1,15 @@
 """An embedded, LMCache-compatible MP server for local use and tests.
 
-:class:`EmbeddedServer` speaks the wire protocol of the LMCache 0.5.6 MP server (ZMQ
-ROUTER, ``[identity, uid, op, *args]`` frames, legacy ids and names, silence on bad
-requests) and its HTTP API (``/healthcheck``, ``/config``, ``/status``), backed by the
-in-process :class:`~lmcache_async.testing.engine.CacheEngine`::
+:class:`EmbeddedServer` speaks the wire protocol of an LMCache MP server generation --
+``protocol="0.5.6"`` (default) or ``"0.5.7"`` (the 0.5.7rc3 server: packed token keys,
+the msgpack tensor envelope inline, the new argument frames, optional HTTP API keys) --
+over ZMQ (ROUTER, ``[identity, uid, op, *args]`` frames, legacy ids and names, silence on
+bad requests) and its HTTP API (``/``, ``/healthcheck``, ``/config``, ``/status``,
+``/lmc_version``). Every request goes through :class:`~lmcache_async.testing.inprocess.
+InProcessServer` (typed decoding per generation, then the cache engine), which tests can
+also call directly, without sockets (:attr:`EmbeddedServer.core`)::
 
-    async with EmbeddedServer(chunk_size=16, mode="shm") as srv:
+    async with EmbeddedServer(chunk_size=16, mode="shm", protocol="0.5.7") as srv:
         async with AsyncClient(srv.url, srv.http_url, "m", geometry=geom) as client:
             ...
 
@@ -29,13 +33,14 @@ import asyncio
 import contextlib
 import functools
 import hashlib
+import hmac
 import logging
 import os
 import secrets
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
@@ -46,36 +51,31 @@ import zmq.asyncio
 from aiohttp import web
 
 from lmcache_async._version import __version__
-from lmcache_async.errors import ProtocolError
 from lmcache_async.geometry import KVGeometry, dtype_from_name
-from lmcache_async.testing.engine import (
-    BadRequest,
-    CacheEngine,
-    LayoutSpec,
-    ServerKey,
-    as_bool,
-    as_bytes,
-    as_float,
-    as_int,
-    as_opt_int,
-    as_str,
-    decode_register,
-)
+from lmcache_async.testing.dialect import LMC_VERSIONS, BadRequest, Protocol, check_protocol, decode_operation
+from lmcache_async.testing.engine import CacheEngine, LayoutSpec, Leftovers
+from lmcache_async.testing.inprocess import InProcessServer, NoReply, PreparedCall
 from lmcache_async.testing.pool import SHM_DIR, segment_name
-from lmcache_async.wire import Op, PreEncoded, Request, decode_request, encode_reply, packb, unpackb
 
 __all__ = ["EmbeddedServer", "EmbeddedServerThread", "ModelSpec", "parse_size"]
 
 log = logging.getLogger(__name__)
 
 Mode = Literal["shm", "pickle"]
-_Lane = Literal["sync", "transfer", "cpu"]
 _State = Literal["new", "starting", "running", "stopping", "stopped"]
 
 #: What ``/status`` says for the engine type (the real server's value).
 ENGINE_TYPE: Final = "MPCacheServer"
 HASH_ALGORITHM: Final = "blake2b"
 _KV_FORMAT: Final = "NL_X_TWO_NB_BS_NH_HS"
+#: A reply payload at least this large is sent without a copy (``zmq`` ``copy=False``);
+#: smaller ones are copied, which is cheaper than tracking the buffer.
+ZMQ_COPY_THRESHOLD: Final = 65536
+#: With an API key, these routes still answer without one (as the real 0.5.7 server's).
+PUBLIC_HTTP_PATHS: Final = frozenset({"/", "/healthcheck"})
+#: The real server's answer to a missing or wrong API key (status 401).
+UNAUTHORIZED_BODY: Final = {"detail": "Invalid or missing API key"}
+API_KEY_HEADER: Final = "X-LMCache-API-Key"
 
 
 def parse_size(text: str | int) -> int:
@@ -210,10 +210,9 @@ class ModelSpec:
         }
 
 
-_Call = Callable[[], Any]
-#: Decodes the argument values of one operation; returns the call and whether it blocks
-#: (runs in a worker thread). Raises (no reply) on a bad argument.
-_Builder = Callable[["EmbeddedServer", list[Any]], tuple[_Call, bool]]
+#: A request queued on a lane: the peer's identity, the raw uid and op frames (echoed
+#: byte for byte in the reply) and the decoded call.
+_Queued = tuple[bytes, bytes, bytes, PreparedCall]
 
 
 class EmbeddedServer:
@@ -237,6 +236,13 @@ class EmbeddedServer:
         prefault: back the whole pool with memory at start (like the real server's
             non-lazy L1): slower start and ``size_bytes`` of RAM committed, but the first
             stores do not pay for page faults. Off by default.
+        protocol: ``"0.5.6"`` (default) or ``"0.5.7"``: the server generation whose wire
+            (keys, argument frames, inline payload) and behaviour it mirrors;
+            ``/lmc_version`` answers ``"0.5.6"`` or ``"0.5.7rc3.dev0"``.
+        api_key: (``protocol="0.5.7"`` only) require this HTTP API key on every route but
+            ``/`` and ``/healthcheck`` (``Authorization: Bearer KEY`` or
+            ``X-LMCache-API-Key: KEY``), else 401 with the real server's JSON body. The
+            ZMQ side stays unauthenticated, as on the real server.
 
     Use ``async with EmbeddedServer(...) as srv`` (or :meth:`start` / :meth:`stop`), or
     :meth:`start_in_thread` from synchronous code.
@@ -258,7 +264,12 @@ class EmbeddedServer:
         write_ttl: float = 600.0,
         instance_id: str | None = None,
         prefault: bool = False,
+        protocol: Protocol = "0.5.6",
+        api_key: str | None = None,
     ) -> None:
+        protocol = check_protocol(protocol)
+        if api_key is not None and (protocol != "0.5.7" or not isinstance(api_key, str) or not api_key):
+            raise ValueError("api_key needs protocol='0.5.7' and a non-empty string (0.5.6 has no API keys)")
         if mode not in ("shm", "pickle"):
             raise ValueError(f"mode must be 'shm' or 'pickle', got {mode!r}")
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -295,8 +306,10 @@ class EmbeddedServer:
         self.write_ttl = float(write_ttl)
         self.instance_id = instance_id if instance_id is not None else str(uuid.uuid4())
         self.prefault = bool(prefault)
+        self.protocol: Protocol = protocol
+        self.api_key = api_key
         self._state: _State = "new"
-        self._engine: CacheEngine | None = None
+        self._core: InProcessServer | None = None
         self._port = 0
         self._http_port = 0
         self._ctx: zmq.asyncio.Context | None = None
@@ -304,7 +317,7 @@ class EmbeddedServer:
         self._runner: web.AppRunner | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._lanes: dict[_Lane, asyncio.Queue[tuple[bytes, Request, _Call, bool]]] = {}
+        self._lanes: dict[str, asyncio.Queue[_Queued]] = {}
         self._send_lock: asyncio.Lock | None = None
         self.dropped = 0  # requests answered with silence (bad, unknown, failed)
 
@@ -340,11 +353,26 @@ class EmbeddedServer:
         return os.path.join(SHM_DIR, segment_name(self.shm_name))
 
     @property
+    def core(self) -> InProcessServer:
+        """The request path without sockets (see :class:`InProcessServer`): what every
+        ZMQ request goes through; tests may call ``core.handle(op, args)`` directly."""
+        if self._core is None:
+            raise RuntimeError("the server has not been started")
+        return self._core
+
+    @property
     def engine(self) -> CacheEngine:
         """The cache state (for tests that inspect it; thread-safe)."""
-        if self._engine is None:
-            raise RuntimeError("the server has not been started")
-        return self._engine
+        return self.core.engine
+
+    async def handle(self, op: int | str, args: Sequence[Any]) -> Any:
+        """One request without sockets: :meth:`InProcessServer.handle` (raises NoReply
+        where the real server would answer nothing). Call it on the server's loop."""
+        return await self.core.handle(op, args)
+
+    def leftovers(self) -> Leftovers:
+        """What the engine still holds for clients (:meth:`InProcessServer.leftovers`)."""
+        return self.core.leftovers()
 
     @property
     def running(self) -> bool:
@@ -352,7 +380,7 @@ class EmbeddedServer:
 
     def __repr__(self) -> str:
         where = f"{self.url} {self.http_url}" if self._state == "running" else self._state
-        return f"<EmbeddedServer {self.mode} chunk_size={self.chunk_size} {where}>"
+        return f"<EmbeddedServer {self.protocol} {self.mode} chunk_size={self.chunk_size} {where}>"
 
     def _require_started(self) -> None:
         if self._state in ("new", "starting"):
@@ -382,28 +410,28 @@ class EmbeddedServer:
             raise RuntimeError(f"start() on a server that is {self._state}")
         self._state = "starting"
         try:
-            make_engine = functools.partial(
-                CacheEngine,
+            make_core = functools.partial(
+                InProcessServer,
                 chunk_size=self.chunk_size,
                 mode=self.mode,
+                protocol=self.protocol,
                 size_bytes=self.size_bytes,
                 shm_name=self.shm_name,
                 session_ttl=self.session_ttl,
                 read_lock_ttl=self.read_lock_ttl,
                 write_ttl=self.write_ttl,
                 prefault=self.prefault,
+                layouts=[(m.name, m.world_size, m.layout(self.chunk_size)) for m in self.models],
             )
             if self.prefault:  # backing the pool takes a while: keep the loop serving
-                pending = asyncio.get_running_loop().run_in_executor(None, make_engine)
+                pending = asyncio.get_running_loop().run_in_executor(None, make_core)
                 try:
-                    self._engine = await asyncio.shield(pending)
+                    self._core = await asyncio.shield(pending)
                 except asyncio.CancelledError:
-                    pending.add_done_callback(_close_engine_later)
+                    pending.add_done_callback(_close_core_later)
                     raise
             else:
-                self._engine = make_engine()
-            for m in self.models:
-                self._engine.register_layout(m.name, m.world_size, m.layout(self.chunk_size))
+                self._core = make_core()
             self._send_lock = asyncio.Lock()
             self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmcache-embedded")
             self._ctx = zmq.asyncio.Context()
@@ -414,11 +442,12 @@ class EmbeddedServer:
             sock.bind(f"tcp://{self.host}:{self._req_port or '*'}")
             endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._port = int(endpoint.rsplit(":", 1)[1])
-            app = web.Application()
+            app = web.Application(middlewares=[self._http_auth] if self.api_key is not None else [])
             app.router.add_get("/", self._http_root)
             app.router.add_get("/healthcheck", self._http_health)
             app.router.add_get("/config", self._http_config)
             app.router.add_get("/status", self._http_status)
+            app.router.add_get("/lmc_version", self._http_lmc_version)
             self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
             await self._runner.setup()
             # One listening socket, so the port is the same whatever the host resolves to.
@@ -435,7 +464,13 @@ class EmbeddedServer:
                 ),
             ]
             self._state = "running"
-            log.info("embedded LMCache server (%s) on %s and %s", self.mode, self.url, self.http_url)
+            log.info(
+                "embedded LMCache %s server (%s) on %s and %s",
+                self.protocol,
+                self.mode,
+                self.url,
+                self.http_url,
+            )
         except BaseException:
             await self._teardown()
             raise
@@ -474,8 +509,8 @@ class EmbeddedServer:
                     None, functools.partial(executor.shutdown, wait=True, cancel_futures=True)
                 )
         finally:
-            if self._engine is not None:
-                self._engine.close()
+            if self._core is not None:
+                self._core.close()
             self._state = "stopped"
 
     # ------------------------------------------------------------------ thread runner
@@ -497,6 +532,8 @@ class EmbeddedServer:
         write_ttl: float = 600.0,
         instance_id: str | None = None,
         prefault: bool = False,
+        protocol: Protocol = "0.5.6",
+        api_key: str | None = None,
         start_timeout: float = 30.0,
     ) -> EmbeddedServerThread:
         """Start a server on its own event loop in a daemon thread; returns once it serves.
@@ -520,6 +557,8 @@ class EmbeddedServer:
             write_ttl=write_ttl,
             instance_id=instance_id,
             prefault=prefault,
+            protocol=protocol,
+            api_key=api_key,
         )
         return EmbeddedServerThread(server, start_timeout=start_timeout)
 
@@ -549,75 +588,50 @@ class EmbeddedServer:
             self.dropped += 1
             log.warning("dropping a message of %d frame(s) after the identity (no reply)", len(frames) - 1)
             return
-        identity = frames[0].bytes
+        identity, uid_frame, op_frame = frames[0].bytes, frames[1].bytes, frames[2].bytes
         try:
-            request = decode_request([f.buffer for f in frames[1:]])
-        except ProtocolError as exc:
+            op = decode_operation(op_frame)
+            prepared = self.core.prepare(op, [f.buffer for f in frames[3:]])
+        except (BadRequest, NoReply) as exc:
             self.dropped += 1
-            log.warning("invalid operation frame (no reply): %s", exc)
+            log.warning("request dropped (no reply): %s", exc)
             return
-        route = _ROUTES.get(request.op) if isinstance(request.op, Op) else None
-        if route is None:
-            self.dropped += 1
-            log.warning("no handler registered for operation %s (no reply)", _op_label(request.op))
-            return
-        lane, arity, build = route
-        if len(request.args) != arity:
-            self.dropped += 1
-            log.warning(
-                "%s takes %d argument frames, got %d (no reply)",
-                _op_label(request.op),
-                arity,
-                len(request.args),
-            )
-            return
-        try:
-            values = [unpackb(a) for a in request.args]
-            call, blocking = build(self, values)
-        except (ProtocolError, BadRequest, ValueError, TypeError) as exc:
-            self.dropped += 1
-            log.warning("bad %s request (no reply): %s", _op_label(request.op), exc)
-            return
-        if lane == "sync":
-            await self._execute(identity, request, call, blocking)
+        if prepared.lane == "sync":
+            await self._execute((identity, uid_frame, op_frame, prepared))
         else:
-            self._lanes[lane].put_nowait((identity, request, call, blocking))
+            self._lanes[prepared.lane].put_nowait((identity, uid_frame, op_frame, prepared))
 
-    async def _lane_loop(self, queue: asyncio.Queue[tuple[bytes, Request, _Call, bool]]) -> None:
+    async def _lane_loop(self, queue: asyncio.Queue[_Queued]) -> None:
         while True:
-            identity, request, call, blocking = await queue.get()
-            await self._execute(identity, request, call, blocking)
+            await self._execute(await queue.get())
 
-    async def _execute(self, identity: bytes, request: Request, call: _Call, blocking: bool) -> None:
+    async def _execute(self, queued: _Queued) -> None:
+        identity, uid_frame, op_frame, prepared = queued
+        core = self.core
         try:
-            if blocking:
+            if prepared.blocking:
                 assert self._executor is not None
-                result = await asyncio.get_running_loop().run_in_executor(self._executor, call)
+                result = await asyncio.get_running_loop().run_in_executor(self._executor, core.run, prepared)
             else:
-                result = call()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
+                result = core.run(prepared)
+        except NoReply as exc:
             self.dropped += 1
-            log.warning("error in %s handler (no reply): %r", _op_label(request.op), exc)
+            log.warning("%s", exc)
             return
-        await self._send(identity, encode_reply(request, result))
+        payload = core.reply_frame(result)
+        reply = [uid_frame, op_frame] if payload is None else [uid_frame, op_frame, payload]
+        await self._send(identity, reply)
 
     async def _send(self, identity: bytes, frames: Sequence[bytes | bytearray | memoryview]) -> None:
         sock, lock = self._sock, self._send_lock
         if sock is None or lock is None:
             return
+        copy = len(frames) < 3 or len(frames[2]) < ZMQ_COPY_THRESHOLD
         async with lock:
             try:
-                await sock.send_multipart([identity, *frames], copy=len(frames) < 3 or len(frames[2]) < 65536)
+                await sock.send_multipart([identity, *frames], copy=copy)
             except zmq.ZMQError as exc:
                 log.warning("response destination disconnected: %s", exc)
-
-    # ------------------------------------------------------------------ handlers
-
-    def _pickle_retrieve(self, key: ServerKey, instance_id: int) -> PreEncoded:
-        # Packs in the worker thread too: the reply can be large.
-        return PreEncoded(packb(self.engine.prepare_retrieve(key, instance_id)))
 
     # ------------------------------------------------------------------ HTTP
 
@@ -731,113 +745,33 @@ class EmbeddedServer:
             return web.json_response({"error": "engine not initialized"}, status=503)
         return web.json_response(self.status())
 
+    async def _http_lmc_version(self, request: web.Request) -> web.Response:
+        return web.json_response(LMC_VERSIONS[self.protocol])
 
-# --------------------------------------------------------------------------- routes
+    @web.middleware
+    async def _http_auth(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """The real 0.5.7 server's API-key check (installed only when ``api_key`` is set)."""
+        if request.path in PUBLIC_HTTP_PATHS or self._authorized(request):
+            return await handler(request)
+        return web.json_response(UNAUTHORIZED_BODY, status=401, headers={"WWW-Authenticate": "Bearer"})
+
+    def _authorized(self, request: web.Request) -> bool:
+        key = self.api_key
+        assert key is not None
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        bearer = token if scheme.lower() == "bearer" and token else None
+        offered = [t for t in (bearer, request.headers.get(API_KEY_HEADER)) if t]
+        return any(hmac.compare_digest(t.encode(), key.encode()) for t in offered)
 
 
-def _close_engine_later(fut: asyncio.Future[CacheEngine]) -> None:
+# --------------------------------------------------------------------------- helpers
+
+
+def _close_core_later(fut: asyncio.Future[InProcessServer]) -> None:
     if not fut.cancelled() and fut.exception() is None:
         fut.result().close()
-
-
-def _op_label(op: Op | str) -> str:
-    return op.name.lower() if isinstance(op, Op) else repr(op)
-
-
-def _r_register(s: EmbeddedServer, a: list[Any]) -> tuple[_Call, bool]:
-    return functools.partial(s.engine.register, decode_register(a[0])), False
-
-
-def _r_unregister(s: EmbeddedServer, a: list[Any]) -> tuple[_Call, bool]:
-    return functools.partial(s.engine.unregister, as_int(a[0])), False
-
-
-def _r_prepare_store(s: EmbeddedServer, a: list[Any]) -> tuple[_Call, bool]:
-    return functools.partial(s.engine.prepare_store, ServerKey.decode(a[0]), as_int(a[1])), False
-
-
-def _r_commit_store(s: EmbeddedServer, a: list[Any]) -> tuple[_Call, bool]:
-    key, iid, data = ServerKey.decode(a[0]), as_int(a[1]), as_bytes(a[2])
-    if data == b"":
-        return functools.partial(s.engine.commit_store_shm, key, iid), False
-    return functools.partial(s.engine.commit_store_pickle, key, iid, data), True
-
-
-def _r_prepare_retrieve(s: EmbeddedServer, a: list[Any]) -> tuple[_Call, bool]:
-    key, iid = ServerKey.decode(a[0]), as_int(a[1])
-    if s.mode == "shm":
-        return functools.partial(s.engine.prepare_retrieve, key, iid), False
-    return functools.partial(s._pickle_retrieve, key, iid), True
-
-
-def _r_commit_retrieve(s: EmbeddedServer, a: list[Any]) -> tuple[_Call, bool]:
-    return functools.partial(s.engine.commit_retrieve, ServerKey.decode(a[0]), as_int(a[1])), False
-
-
-def _r_lookup(s: EmbeddedServer, a: list[Any]) -> tuple[_Call, bool]:
-    key = ServerKey.decode(a[0])
-    as_int(a[1])  # tp_size: ignored, kept for arity
-    return functools.partial(s.engine.lookup, key), False
-
-
-def _r_query(s: EmbeddedServer, a: list[Any]) -> tuple[_Call, bool]:
-    return functools.partial(s.engine.query_prefetch_status, as_str(a[0])), False
-
-
-def _r_wait(s: EmbeddedServer, a: list[Any]) -> tuple[_Call, bool]:
-    rid = as_str(a[0])
-    as_float(a[1])  # prefetches finish inside lookup: there is never anything to wait for
-    return functools.partial(s.engine.query_prefetch_status, rid), False
-
-
-def _r_free(s: EmbeddedServer, a: list[Any]) -> tuple[_Call, bool]:
-    key = ServerKey.decode(a[0])
-    as_int(a[1])
-    return functools.partial(s.engine.free_lookup_locks, key), False
-
-
-def _r_end_session(s: EmbeddedServer, a: list[Any]) -> tuple[_Call, bool]:
-    return functools.partial(s.engine.end_session, as_str(a[0])), False
-
-
-def _r_clear(s: EmbeddedServer, a: list[Any]) -> tuple[_Call, bool]:
-    return functools.partial(s.engine.clear, as_bool(a[0])), False
-
-
-def _r_ping(s: EmbeddedServer, a: list[Any]) -> tuple[_Call, bool]:
-    return functools.partial(s.engine.ping, as_opt_int(a[0])), False
-
-
-def _r_chunk_size(s: EmbeddedServer, a: list[Any]) -> tuple[_Call, bool]:
-    return (lambda: s.chunk_size), False
-
-
-def _r_noop(s: EmbeddedServer, a: list[Any]) -> tuple[_Call, bool]:
-    return (lambda: "OK"), False
-
-
-def _r_experimental(s: EmbeddedServer, a: list[Any]) -> tuple[_Call, bool]:
-    return (lambda: []), False
-
-
-_ROUTES: Final[dict[Op, tuple[_Lane, int, _Builder]]] = {
-    Op.REGISTER_ENGINE_DRIVEN: ("sync", 1, _r_register),
-    Op.UNREGISTER_ENGINE_DRIVEN: ("sync", 1, _r_unregister),
-    Op.PREPARE_STORE: ("transfer", 2, _r_prepare_store),
-    Op.COMMIT_STORE: ("transfer", 3, _r_commit_store),
-    Op.PREPARE_RETRIEVE: ("transfer", 2, _r_prepare_retrieve),
-    Op.COMMIT_RETRIEVE: ("transfer", 2, _r_commit_retrieve),
-    Op.LOOKUP: ("cpu", 2, _r_lookup),
-    Op.QUERY_PREFETCH_STATUS: ("cpu", 1, _r_query),
-    Op.WAIT_PREFETCH_STATUS: ("cpu", 2, _r_wait),
-    Op.FREE_LOOKUP_LOCKS: ("cpu", 2, _r_free),
-    Op.END_SESSION: ("cpu", 1, _r_end_session),
-    Op.CLEAR: ("cpu", 1, _r_clear),
-    Op.PING: ("cpu", 1, _r_ping),
-    Op.GET_CHUNK_SIZE: ("sync", 0, _r_chunk_size),
-    Op.NOOP: ("sync", 0, _r_noop),
-    Op.GET_EXPERIMENTAL: ("sync", 0, _r_experimental),
-}
 
 
 # --------------------------------------------------------------------------- thread handle
@@ -847,14 +781,17 @@ class EmbeddedServerThread:
     """A running :class:`EmbeddedServer` on its own loop in a daemon thread.
 
     Created by :meth:`EmbeddedServer.start_in_thread`. Attributes mirror the server's:
-    ``url``, ``http_url``, ``mode``, ``chunk_size``, ``shm_name``, ``shm_segment``,
-    ``instance_id``; ``server`` is the server object itself (its :meth:`~EmbeddedServer.status`
-    and ``engine`` are thread-safe). Use as a context manager or call :meth:`stop`.
+    ``url``, ``http_url``, ``mode``, ``protocol``, ``api_key``, ``chunk_size``,
+    ``shm_name``, ``shm_segment``, ``instance_id``; ``server`` is the server object itself
+    (its :meth:`~EmbeddedServer.status` and ``engine`` are thread-safe). Use as a context
+    manager or call :meth:`stop`.
     """
 
     def __init__(self, server: EmbeddedServer, *, start_timeout: float = 30.0) -> None:
         self.server = server
         self.mode: Mode = server.mode
+        self.protocol: Protocol = server.protocol
+        self.api_key = server.api_key
         self.chunk_size = server.chunk_size
         self.shm_name = server.shm_name
         self.shm_segment = server.shm_segment
@@ -938,4 +875,4 @@ class EmbeddedServerThread:
 
     def __repr__(self) -> str:
         state = "stopped" if self._stopped else "running"
-        return f"<EmbeddedServerThread {self.mode} {getattr(self, 'url', '?')} {state}>"
+        return f"<EmbeddedServerThread {self.protocol} {self.mode} {getattr(self, 'url', '?')} {state}>"

@@ -21,6 +21,7 @@ so library noise (prints, logging, C-level writes) can never corrupt it.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import sys
@@ -37,6 +38,18 @@ class WorkerExit(Exception):
     def __init__(self, reply: dict[str, Any]) -> None:
         super().__init__("exit")
         self.reply = reply
+
+
+def installed_lmcache() -> tuple[str, str]:
+    """``(version, generation)`` of the lmcache installed in this venv: the 0.5.6 wheel
+    is the ``lmcache`` distribution, the 0.5.7rc3 build the ``lmcache-cli`` one."""
+    for dist in ("lmcache", "lmcache-cli"):
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return version, "0.5.6" if version == "0.5.6" else "0.5.7"
+    raise RuntimeError("no lmcache distribution is installed in this venv")
 
 
 def take_protocol_stdout() -> TextIO:

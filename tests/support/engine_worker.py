@@ -1,8 +1,12 @@
 """Fake inference-engine (vLLM-style) worker for the REAL LMCache server.
 
-Run with the LMCACHE venv's python (it imports lmcache 0.5.6); spoken to over
-JSON lines on stdin/stdout by ``tests/support/workers.py::EngineWorker``
-(protocol framing: ``_worker_loop.py``). lmcache's log output goes to stderr.
+Run with an LMCACHE venv's python: lmcache 0.5.6 (``.lmcache-venv``) or the
+0.5.7rc3 generation (``.lmcache-venv-057``); the worker reads the installed
+version and speaks that generation's key format (0.5.6: ``token_ids``; 0.5.7:
+packed ``token_bytes``, built by lmcache's own ``IPCCacheServerKey.from_token_ids``).
+Every other call is the same public API in both. Spoken to over JSON lines on
+stdin/stdout by ``tests/support/workers.py::EngineWorker`` (protocol framing:
+``_worker_loop.py``). lmcache's log output goes to stderr.
 
 It registers a paged, vLLM flash-attention KV cache through lmcache's own
 lmcache-driven client path -- exactly what vLLM's worker adapter
@@ -21,11 +25,24 @@ Parallel setup mirrors vLLM on a single GPU (TP=PP=1, one server):
 ``world_size`` (kv world size) = 1, ``worker_id`` = 0, ``num_kv_readers`` = 1,
 ``tp_size`` passed to ``lookup`` = 1.
 
+The ready line carries ``lmcache_version`` (e.g. ``"0.5.6"``, ``"0.5.7rc3.dev0"``)
+and ``generation`` (``"0.5.6"`` or ``"0.5.7"``).
+
+Transfer modes (``register``'s ``transfer_mode``): ``"lmcache_driven"`` (default)
+is vLLM's path on a GPU: the cache is registered with ``register_kv_cache`` and the
+server gathers/scatters it (real servers only). ``"engine_driven"`` is lmcache's
+own worker path for non-CUDA devices: the worker gathers/scatters itself and moves
+the chunks with ``prepare_store``/``commit_store``/``prepare_retrieve``/
+``commit_retrieve`` (SHM slots or the inline payload of its generation), which the
+embedded server serves too; such a registration does not appear in ``/status``
+``cache_context_meta``.
+
 Commands (request -> reply, besides ``ok``/``id``):
 
 * ``register`` {url, model_name, num_layers, num_kv_heads, head_dim, block_size,
-  num_blocks, dtype ("bfloat16"...), timeout=30, seed=0}
-  -> {instance_id, chunk_size, blocks_in_chunk, kv_shape, layer_names, kv_segments}
+  num_blocks, dtype ("bfloat16"...), timeout=30, seed=0, transfer_mode="lmcache_driven"}
+  -> {instance_id, chunk_size, blocks_in_chunk, kv_shape, layer_names, kv_segments,
+  transfer}  (``transfer``: the class name of lmcache's transfer context)
 * ``store`` {tokens, kv_file, cache_salt="", timeout, wait_visible=true,
   visible_timeout=min(timeout, 10)}
   -> {stored (server's bool), stored_tokens, visible_tokens, visible_probes, block_ids}
@@ -50,7 +67,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _worker_loop import WorkerExit, error_reply, send, serve, take_protocol_stdout
+from _worker_loop import WorkerExit, error_reply, installed_lmcache, send, serve, take_protocol_stdout
 
 PROTO = take_protocol_stdout()
 
@@ -79,6 +96,13 @@ WORKER_ID = 0  # kv worker id of that single worker
 NUM_KV_READERS = 1  # non-MLA: one reader per object
 TP_SIZE = 1  # sent with lookup (arity only)
 NULL_BLOCK_ID = 0  # server default --null-block-id
+#: lmcache's transfer context modes this worker can register with (see the docstring).
+TRANSFER_MODES = ("lmcache_driven", "engine_driven")
+
+
+LMCACHE_VERSION, GENERATION = installed_lmcache()
+#: 0.5.7 keys carry packed ``token_bytes`` (a map with ``token_ids`` is rejected).
+PACKED_TOKENS = hasattr(IPCCacheServerKey, "from_token_ids")
 
 
 def _kv_segments() -> list[str]:
@@ -133,18 +157,20 @@ class Engine:
     def _key(
         self, tokens: list[int], end: int, request_id: str, cache_salt: str, worker_id: int | None
     ) -> Any:
-        return IPCCacheServerKey(
-            model_name=self.model_name,
-            world_size=WORLD_SIZE,
-            worker_id=worker_id,
-            token_ids=tuple(tokens),
-            start=0,
-            end=end,
-            request_id=request_id,
-            cache_salt=cache_salt,
-            request_configs=None,
-            num_kv_readers=NUM_KV_READERS,
-        )
+        fields: dict[str, Any] = {
+            "model_name": self.model_name,
+            "world_size": WORLD_SIZE,
+            "worker_id": worker_id,
+            "start": 0,
+            "end": end,
+            "request_id": request_id,
+            "cache_salt": cache_salt,
+            "request_configs": None,
+            "num_kv_readers": NUM_KV_READERS,
+        }
+        if PACKED_TOKENS:
+            return IPCCacheServerKey.from_token_ids(token_ids=tokens, **fields)
+        return IPCCacheServerKey(token_ids=tuple(tokens), **fields)
 
     def _slot_index(self, block_ids: list[int], n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         tok = torch.arange(n_tokens)
@@ -217,6 +243,9 @@ class Engine:
         self.dtype = dtype
         self.timeout = float(req.get("timeout", 30.0))
         self.rng = random.Random(int(req.get("seed", 0)))
+        transfer_mode = str(req.get("transfer_mode", "lmcache_driven"))
+        if transfer_mode not in TRANSFER_MODES:
+            raise ValueError(f"transfer_mode must be one of {TRANSFER_MODES}, got {transfer_mode!r}")
         if min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size) <= 0:
             raise ValueError("geometry values must be positive")
         if self.num_blocks < 2:
@@ -243,7 +272,7 @@ class Engine:
                 kv_caches,
                 instance_id=self.instance_id,
                 req_client=self.req_client,
-                mode="lmcache_driven",
+                mode=transfer_mode,
             )
             # register() wraps every layer for IPC: on CPU the tensor's storage
             # is moved (in place, tensor.set_) into a POSIX shm segment
@@ -277,6 +306,7 @@ class Engine:
             "kv_shape": list(shape),
             "layer_names": list(kv_caches),
             "kv_segments": _kv_segments(),
+            "transfer": type(transfer_ctx).__name__,
         }
 
     def store(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -458,7 +488,17 @@ class Engine:
 
 def main() -> int:
     engine = Engine()
-    send(PROTO, {"ok": True, "ready": True, "pid": os.getpid(), "worker": "engine"})
+    send(
+        PROTO,
+        {
+            "ok": True,
+            "ready": True,
+            "pid": os.getpid(),
+            "worker": "engine",
+            "lmcache_version": LMCACHE_VERSION,
+            "generation": GENERATION,
+        },
+    )
     handlers = {
         "register": engine.register,
         "store": engine.store,

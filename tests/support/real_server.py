@@ -1,7 +1,10 @@
-"""Run the REAL LMCache 0.5.6 MP server (``lmcache server``) for tests and benchmarks.
+"""Run the REAL LMCache MP server (``lmcache server``) for tests and benchmarks.
 
-Stdlib only; never imports ``lmcache_async`` nor ``lmcache`` (the server runs in
-its own virtual environment, built by ``tests/support/build_lmcache_venv.sh``).
+Two server generations: ``"0.5.6"`` (the default) and ``"0.5.7"`` (the
+0.5.7rc3 build). Stdlib only; never imports ``lmcache_async`` nor ``lmcache``
+(each generation's server runs in its own virtual environment, built by
+``tests/support/build_lmcache_venv.sh [--generation 0.5.7]``: ``.lmcache-venv``
+and ``.lmcache-venv-057``).
 
     from tests.support.real_server import RealLMCacheServer
 
@@ -9,6 +12,10 @@ its own virtual environment, built by ``tests/support/build_lmcache_venv.sh``).
         srv.url        # "tcp://127.0.0.1:<port>"  (ZMQ request endpoint)
         srv.http_url   # "http://127.0.0.1:<port>" (FastAPI: /healthcheck, /config, /status)
         srv.get_json("/config")["mp"]["chunk_size"]
+
+    with RealLMCacheServer("pickle", generation="0.5.7") as srv:
+        srv.generation                      # "0.5.7"
+        srv.get_json("/lmc_version")        # "0.5.7rc3.dev0" (LMC_VERSIONS["0.5.7"])
 
 Every server binds loopback only, on two fresh ports, and (mode ``"shm"``) a
 unique shm name ``lmca_<pid>_<hex>``, so several can run side by side. ``stop()``
@@ -37,10 +44,14 @@ from typing import Any, Literal
 
 __all__ = [
     "BUILD_SCRIPT",
+    "GENERATIONS",
+    "LMC_VERSIONS",
     "REPO_ROOT",
+    "Generation",
     "LMCacheServerError",
     "RealLMCacheServer",
     "lmcache_venv_python",
+    "venv_generation",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -56,8 +67,59 @@ LMCACHE_QUIET_ENV = {
     "DO_NOT_TRACK": "1",
     "LMCACHE_DISABLE_BANNER": "1",
 }
+#: Variables a 0.5.7 server reads its HTTP API keys from: never inherited by an lmcache
+#: process (a key in the developer's shell would silently turn authentication on); use
+#: ``RealLMCacheServer(api_key=...)``.
+LMCACHE_API_KEY_ENV = (
+    "LMCACHE_API_KEY",
+    "LMCACHE_API_KEY_FILE",
+    "LMCACHE_HTTP_API_KEY",
+    "LMCACHE_HTTP_API_KEY_FILE",
+)
 
 Mode = Literal["shm", "pickle"]
+
+#: A server generation: the lmcache release line whose wire the server speaks.
+Generation = Literal["0.5.6", "0.5.7"]
+GENERATIONS: tuple[Generation, ...] = ("0.5.6", "0.5.7")
+#: What ``GET /lmc_version`` answers on each generation's server.
+LMC_VERSIONS: dict[Generation, str] = {"0.5.6": "0.5.6", "0.5.7": "0.5.7rc3.dev0"}
+#: The installed distribution (its ``*.dist-info`` directory) that marks a venv's generation.
+_DIST_INFO_GLOBS: dict[Generation, str] = {
+    "0.5.6": "lmcache-0.5.6.dist-info",
+    "0.5.7": "lmcache_cli-0.5.7*.dist-info",
+}
+#: The environment variable that overrides a generation's venv location (build script).
+VENV_ENV_VARS: dict[Generation, str] = {"0.5.6": "LMCACHE_VENV", "0.5.7": "LMCACHE_VENV_057"}
+
+
+def check_generation(generation: str) -> Generation:
+    """``generation`` itself if it is one of :data:`GENERATIONS`, else ValueError."""
+    for g in GENERATIONS:
+        if generation == g:
+            return g
+    raise ValueError(f"unknown LMCache server generation {generation!r}; known: {', '.join(GENERATIONS)}")
+
+
+def venv_generation(python: Path | str) -> Generation:
+    """The generation of the lmcache venv that ``python`` (``<venv>/bin/python``) belongs to,
+    read from its installed distributions (no interpreter started).
+
+    Raises:
+        LMCacheServerError: no lmcache distribution of a known generation in that venv.
+    """
+    venv = Path(python).parent.parent  # never resolve(): bin/python links to the base python
+    found = sorted(
+        g
+        for g, pattern in _DIST_INFO_GLOBS.items()
+        for _ in venv.glob(f"lib/python*/site-packages/{pattern}")
+    )
+    if len(set(found)) != 1:
+        raise LMCacheServerError(
+            f"cannot tell the lmcache generation of {python}: "
+            f"found {sorted(set(found)) or 'no lmcache distribution'}"
+        )
+    return check_generation(found[0])
 
 
 class LMCacheServerError(RuntimeError):
@@ -67,26 +129,30 @@ class LMCacheServerError(RuntimeError):
 # --------------------------------------------------------------------------- venv
 
 _venv_lock = threading.Lock()
-_venv_python: Path | None = None
+_venv_pythons: dict[Generation, Path] = {}
 
 
-def lmcache_venv_python(*, timeout: float = 1800.0) -> Path:
-    """Build (idempotently) the lmcache 0.5.6 venv and return its python.
+def lmcache_venv_python(*, generation: Generation = "0.5.6", timeout: float = 1800.0) -> Path:
+    """Build (idempotently) the lmcache venv of ``generation`` and return its python.
 
-    Runs ``tests/support/build_lmcache_venv.sh`` (``LMCACHE_VENV`` selects the
-    location, default ``<repo>/.lmcache-venv``). A built venv costs ~0.1 s; a
-    cold build ~70-80 s. The result is cached per process.
+    Runs ``tests/support/build_lmcache_venv.sh --generation G``. Location:
+    ``<repo>/.lmcache-venv`` (0.5.6) or ``<repo>/.lmcache-venv-057`` (0.5.7),
+    overridden by ``LMCACHE_VENV`` / ``LMCACHE_VENV_057``. A built venv costs
+    ~0.1 s; a cold build ~70-80 s (0.5.6) or ~45-60 s (0.5.7). The result is
+    cached per process and generation.
 
     Raises:
+        ValueError: unknown generation.
         LMCacheServerError: with the script's output if the build fails.
     """
-    global _venv_python
+    generation = check_generation(generation)
     with _venv_lock:
-        if _venv_python is not None and _venv_python.exists():
-            return _venv_python
+        cached = _venv_pythons.get(generation)
+        if cached is not None and cached.exists():
+            return cached
         try:
             proc = subprocess.run(
-                ["bash", str(BUILD_SCRIPT)],
+                ["bash", str(BUILD_SCRIPT), "--generation", generation],
                 cwd=str(REPO_ROOT),
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
@@ -109,7 +175,7 @@ def lmcache_venv_python(*, timeout: float = 1800.0) -> Path:
                 f"{BUILD_SCRIPT} reported {python}, which does not exist.\n"
                 f"--- stderr ---\n{proc.stderr[-8000:]}"
             )
-        _venv_python = python
+        _venv_pythons[generation] = python
         return python
 
 
@@ -117,14 +183,11 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for a process of the lmcache venv.
 
     Drops variables that would leak the caller's interpreter setup into the
-    other venv (``PYTHONPATH``, ``PYTHONHOME``, ``VIRTUAL_ENV``) and adds the
-    telemetry/banner switches.
+    other venv (``PYTHONPATH``, ``PYTHONHOME``, ``VIRTUAL_ENV``) and the API-key
+    variables (:data:`LMCACHE_API_KEY_ENV`), and adds the telemetry/banner switches.
     """
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
-    }
+    dropped = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP", *LMCACHE_API_KEY_ENV)
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(LMCACHE_QUIET_ENV)
     env["PYTHONUNBUFFERED"] = "1"
     if extra:
@@ -222,6 +285,14 @@ class RealLMCacheServer:
         log_dir: directory for the log file (default: a fresh temp dir). The
             log is appended across ``restart()`` and kept after ``stop()``.
         name: label used in the log file name.
+        generation: ``"0.5.6"`` or ``"0.5.7"``: which server to run. Default:
+            the generation of ``venv_python`` when given (read from its
+            installed distributions), else ``"0.5.6"``. A ``venv_python`` of
+            another generation is a ValueError.
+        api_key: (0.5.7 only) turn on the HTTP API keys: the key is written to
+            a file of mode 0600 in ``log_dir`` and passed as
+            ``--api-key-file``; every route but ``/`` and ``/healthcheck``
+            then answers 401 without it. :meth:`http_get` and friends send it.
 
     The ports and shm name are chosen once, in the constructor, so
     :meth:`restart` brings the server back on the SAME endpoints.
@@ -237,9 +308,20 @@ class RealLMCacheServer:
         venv_python: Path | str | None = None,
         log_dir: Path | str | None = None,
         name: str | None = None,
+        generation: Generation | None = None,
+        api_key: str | None = None,
     ) -> None:
         if mode not in ("shm", "pickle"):
             raise ValueError(f"mode must be 'shm' or 'pickle', got {mode!r}")
+        if venv_python is not None:
+            found = venv_generation(venv_python)
+            if generation is not None and check_generation(generation) != found:
+                raise ValueError(f"venv_python {venv_python} is an lmcache {found} venv, not {generation}")
+            generation = found
+        self._generation: Generation = check_generation(generation or "0.5.6")
+        if api_key is not None and (self._generation == "0.5.6" or not api_key or "\n" in api_key):
+            raise ValueError("api_key needs generation 0.5.7 and a non-empty one-line key")
+        self._api_key = api_key
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
         self._mode: Mode = mode
@@ -249,12 +331,18 @@ class RealLMCacheServer:
         self._venv_python = Path(venv_python) if venv_python is not None else None
         self._port, self._http_port = _pick_ports(2)
         self._shm_name = f"lmca_{os.getpid()}_{secrets.token_hex(4)}" if mode == "shm" else ""
-        label = name or f"lmcache_{mode}_{self._port}"
+        label = name or f"lmcache{self._generation.replace('.', '')}_{mode}_{self._port}"
         self._log_dir = (
             Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="lmcache_server_"))
         )
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self._log_path = self._log_dir / f"{label}.log"
+        self._api_key_file: Path | None = None
+        if api_key is not None:
+            self._api_key_file = self._log_dir / f"{label}.api_key"
+            fd = os.open(self._api_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(api_key + "\n")
         self._proc: subprocess.Popen[bytes] | None = None
         self._started_pids: list[int] = []
         self._children: list[tuple[int, str]] = []
@@ -264,6 +352,21 @@ class RealLMCacheServer:
     @property
     def mode(self) -> Mode:
         return self._mode
+
+    @property
+    def generation(self) -> Generation:
+        """``"0.5.6"`` or ``"0.5.7"``: the server generation this object runs."""
+        return self._generation
+
+    @property
+    def api_key(self) -> str | None:
+        """The HTTP API key the server requires (None: no authentication)."""
+        return self._api_key
+
+    @property
+    def lmc_version(self) -> str:
+        """What this generation's ``GET /lmc_version`` answers (``LMC_VERSIONS``)."""
+        return LMC_VERSIONS[self._generation]
 
     @property
     def chunk_size(self) -> int:
@@ -328,7 +431,7 @@ class RealLMCacheServer:
     # ------------------------------------------------------------ lifecycle
     def _lmcache_exe(self) -> Path:
         if self._venv_python is None:
-            self._venv_python = lmcache_venv_python()
+            self._venv_python = lmcache_venv_python(generation=self._generation)
         return self._venv_python.parent / "lmcache"
 
     def _build_command(self, exe: Path) -> list[str]:
@@ -347,6 +450,8 @@ class RealLMCacheServer:
             cmd += ["--shm-name", self._shm_name, "--no-l1-use-lazy"]
         else:
             cmd += ["--shm-name", ""]
+        if self._api_key_file is not None:
+            cmd += ["--api-key-file", str(self._api_key_file)]
         return cmd + self._extra_args
 
     def start(self, timeout: float = 60.0) -> RealLMCacheServer:
@@ -385,7 +490,7 @@ class RealLMCacheServer:
                 self._reap()
                 raise LMCacheServerError(
                     f"lmcache server exited with code {rc} during startup "
-                    f"(mode={self._mode}, port={self._port}).\n"
+                    f"(generation={self._generation}, mode={self._mode}, port={self._port}).\n"
                     f"--- log tail ({self._log_path}) ---\n{self.log_tail(60)}"
                 )
             try:
@@ -399,7 +504,7 @@ class RealLMCacheServer:
                 self.stop()
                 raise LMCacheServerError(
                     f"lmcache server not healthy within {timeout:.0f} s "
-                    f"(mode={self._mode}, {url}).\n"
+                    f"(generation={self._generation}, mode={self._mode}, {url}).\n"
                     f"--- log tail ({self._log_path}) ---\n{tail}"
                 )
             time.sleep(0.1)
@@ -490,7 +595,7 @@ class RealLMCacheServer:
 
     def __repr__(self) -> str:
         return (
-            f"RealLMCacheServer(mode={self._mode!r}, url={self.url!r}, "
+            f"RealLMCacheServer(mode={self._mode!r}, generation={self._generation!r}, url={self.url!r}, "
             f"http_url={self.http_url!r}, chunk_size={self._chunk_size}, "
             f"shm_name={self._shm_name!r}, pid={self.pid})"
         )
@@ -505,10 +610,19 @@ class RealLMCacheServer:
         lines = data.decode("utf-8", "replace").splitlines()
         return "\n".join(lines[-n:])
 
-    def http_get(self, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
-        """``GET http_url + path`` -> (status, body); HTTP errors are returned, not raised."""
+    def http_get(
+        self, path: str, timeout: float = 10.0, headers: dict[str, str] | None = None
+    ) -> tuple[int, bytes]:
+        """``GET http_url + path`` -> (status, body); HTTP errors are returned, not raised.
+
+        Sends ``Authorization: Bearer <api_key>`` when the server has a key, unless
+        ``headers`` is given (then exactly those headers).
+        """
+        if headers is None:
+            headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        request = urllib.request.Request(f"{self.http_url}{path}", headers=headers)
         try:
-            with urllib.request.urlopen(f"{self.http_url}{path}", timeout=timeout) as resp:
+            with urllib.request.urlopen(request, timeout=timeout) as resp:
                 return int(resp.status), resp.read()
         except urllib.error.HTTPError as err:
             body = err.read()

@@ -1,7 +1,11 @@
-"""The OFFICIAL LMCache 0.5.6 SDK (``lmcache.sdk.kvcache``) behind JSON lines.
+"""The OFFICIAL LMCache SDK (``lmcache.sdk.kvcache``) behind JSON lines.
 
-Run with the LMCACHE venv's python; driven by ``tests/support/workers.py::SDKWorker``
-(framing: ``_worker_loop.py``). lmcache's log output goes to stderr.
+Run with an LMCACHE venv's python: the 0.5.6 SDK (``.lmcache-venv``) or the
+0.5.7rc3 one (``.lmcache-venv-057``, which speaks that generation's wire: packed
+token keys, the msgpack tensor envelope on the inline transport); both have the
+same public API. Driven by ``tests/support/workers.py::SDKWorker`` (framing:
+``_worker_loop.py``). lmcache's log output goes to stderr. The ready line
+carries ``lmcache_version`` and ``generation`` (``"0.5.6"`` or ``"0.5.7"``).
 
 Commands (request -> reply, besides ``ok``/``id``):
 
@@ -11,12 +15,12 @@ Commands (request -> reply, besides ``ok``/``id``):
   ``/config`` and ``/status`` (a vLLM-style ``cache_context_meta`` entry for
   ``model_name`` must exist, e.g. from ``engine_worker.py``) and registers an
   engine-driven context. ``transfer`` is the SDK's transfer class name
-  (``...Shm`` or ``...Pickle``).
-* ``store`` {tokens, kv_file, cache_salt=""} -> {result: bool}
-  ``ctx.store(kv, tokens, cache_salt)``; ``kv_file`` is a ``torch.save`` of
-  ``[2, L, T, D]``.
-* ``retrieve`` {tokens, out_file, cache_salt=""} -> {hit_tokens: n}
-  ``ctx.retrieve(tokens, cache_salt)``; when n > 0 the tensor
+  (``...Shm``, or ``...Pickle`` on 0.5.6 / ``...Inline`` on 0.5.7).
+* ``store`` {tokens, kv_file, cache_salt="", request_configs=null} -> {result: bool}
+  ``ctx.store(kv, tokens, cache_salt, request_configs)``; ``kv_file`` is a
+  ``torch.save`` of ``[2, L, T, D]``.
+* ``retrieve`` {tokens, out_file, cache_salt="", request_configs=null} -> {hit_tokens: n}
+  ``ctx.retrieve(tokens, cache_salt, request_configs)``; when n > 0 the tensor
   ``[2, L, n, D]`` is written to ``out_file``; a miss gives n = 0.
 * ``close`` -> {} (``ctx.close()``; the SDK never unregisters).
 * ``quit`` -> {} (closes first).
@@ -29,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _worker_loop import WorkerExit, error_reply, send, serve, take_protocol_stdout
+from _worker_loop import WorkerExit, error_reply, installed_lmcache, send, serve, take_protocol_stdout
 
 PROTO = take_protocol_stdout()
 
@@ -84,13 +88,22 @@ class SDK:
         ctx = self._require()
         kv = torch.load(req["kv_file"], weights_only=True)
         tokens = [int(t) for t in req["tokens"]]
-        result = ctx.store(kv, tokens, cache_salt=str(req.get("cache_salt", "")))
+        result = ctx.store(
+            kv,
+            tokens,
+            cache_salt=str(req.get("cache_salt", "")),
+            request_configs=req.get("request_configs"),
+        )
         return {"result": bool(result)}
 
     def retrieve(self, req: dict[str, Any]) -> dict[str, Any]:
         ctx = self._require()
         tokens = [int(t) for t in req["tokens"]]
-        out = ctx.retrieve(tokens, cache_salt=str(req.get("cache_salt", "")))
+        out = ctx.retrieve(
+            tokens,
+            cache_salt=str(req.get("cache_salt", "")),
+            request_configs=req.get("request_configs"),
+        )
         if out is None:
             return {"hit_tokens": 0}
         # Token axis of the SDK's result is ndim - 2 ([2, L, n, D]).
@@ -118,7 +131,18 @@ class SDK:
 
 def main() -> int:
     sdk = SDK()
-    send(PROTO, {"ok": True, "ready": True, "pid": os.getpid(), "worker": "sdk"})
+    version, generation = installed_lmcache()
+    send(
+        PROTO,
+        {
+            "ok": True,
+            "ready": True,
+            "pid": os.getpid(),
+            "worker": "sdk",
+            "lmcache_version": version,
+            "generation": generation,
+        },
+    )
     handlers = {
         "connect": sdk.connect,
         "store": sdk.store,

@@ -6,8 +6,11 @@
 * :class:`SDKWorker` drives ``sdk_worker.py``: the OFFICIAL SDK
   (``lmcache.sdk.kvcache``).
 
-Both scripts run with the lmcache venv's python (:func:`lmcache_venv_python`)
-and speak JSON lines (see ``_worker_loop.py``); tensors travel as
+Both scripts run with an lmcache venv's python (:func:`lmcache_venv_python`):
+``generation="0.5.6"`` (default) or ``"0.5.7"`` picks the venv, and so lmcache's
+own wire of that generation; ``EngineWorker(server)`` takes the generation of
+the server object it is given (``RealLMCacheServer.generation``,
+``EmbeddedServer.protocol``). They speak JSON lines (see ``_worker_loop.py``); tensors travel as
 ``torch.save`` files in a private temp dir. Every request has a deadline:
 on timeout the child is killed and :class:`WorkerTimeout` raised, so a
 silent server can never hang a test. Both classes are context managers and
@@ -33,7 +36,13 @@ from typing import Any
 
 import torch
 
-from tests.support.real_server import child_env, lmcache_venv_python
+from tests.support.real_server import (
+    Generation,
+    check_generation,
+    child_env,
+    lmcache_venv_python,
+    venv_generation,
+)
 
 __all__ = ["EngineWorker", "SDKWorker", "WorkerDied", "WorkerError", "WorkerTimeout"]
 
@@ -68,10 +77,20 @@ class _JsonLinesWorker:
         self,
         *,
         python: Path | str | None = None,
+        generation: Generation | None = None,
         request_timeout: float = 60.0,
         startup_timeout: float = 120.0,
     ) -> None:
         self._python = Path(python) if python is not None else None
+        if self._python is not None:
+            found = venv_generation(self._python)
+            if generation is not None and check_generation(generation) != found:
+                raise ValueError(f"python {python} is an lmcache {found} venv, not {generation}")
+            generation = found
+        #: The lmcache generation the worker runs (its venv): "0.5.6" or "0.5.7".
+        self.generation: Generation = check_generation(generation or "0.5.6")
+        #: The lmcache version the worker reported at startup ("" before).
+        self.lmcache_version = ""
         self.request_timeout = request_timeout
         self.startup_timeout = startup_timeout
         self._proc: subprocess.Popen[bytes] | None = None
@@ -97,6 +116,14 @@ class _JsonLinesWorker:
                 msg = hello.get("error", hello)
                 self.close()
                 raise WorkerError(f"{self.KIND} worker failed to start: {msg}", hello)
+            if hello.get("generation") != self.generation:
+                self.close()
+                raise WorkerError(
+                    f"{self.KIND} worker runs lmcache {hello.get('lmcache_version')!r} "
+                    f"(generation {hello.get('generation')!r}), not generation {self.generation}",
+                    hello,
+                )
+            self.lmcache_version = str(hello["lmcache_version"])
             self._ready = True
         return self
 
@@ -105,7 +132,7 @@ class _JsonLinesWorker:
         several workers, then ``start()`` each to overlap their startup."""
         if self._proc is not None:
             return self
-        python = self._python or lmcache_venv_python()
+        python = self._python or lmcache_venv_python(generation=self.generation)
         self._tmp = Path(tempfile.mkdtemp(prefix=f"lmcache_{self.KIND}_worker_"))
         self._stderr_path = self._tmp / "stderr.log"
         with open(self._stderr_path, "wb") as err:
@@ -315,6 +342,8 @@ class EngineWorker(_JsonLinesWorker):
     KIND = "engine"
 
     def __init__(self, url: Any, **kw: Any) -> None:
+        if "generation" not in kw and "python" not in kw:
+            kw["generation"] = getattr(url, "generation", None) or getattr(url, "protocol", None)
         super().__init__(**kw)
         self.url: str = str(getattr(url, "url", url))
         self.registration: dict[str, Any] = {}
@@ -339,12 +368,17 @@ class EngineWorker(_JsonLinesWorker):
         dtype: torch.dtype = torch.bfloat16,
         *,
         seed: int = 0,
+        transfer_mode: str = "lmcache_driven",
         timeout: float | None = None,
     ) -> dict[str, Any]:
         """Register ``num_layers`` x ``[2, num_blocks, block_size, NH, HS]``.
 
+        ``transfer_mode``: ``"lmcache_driven"`` (vLLM's GPU path; real servers only)
+        or ``"engine_driven"`` (lmcache's worker path for non-CUDA devices: it moves
+        the chunks itself with prepare/commit, which the embedded server serves too).
+
         Returns the worker's reply (instance_id, chunk_size, blocks_in_chunk,
-        kv_shape, layer_names, kv_segments).
+        kv_shape, layer_names, kv_segments, transfer).
         """
         reply = self.request(
             "register",
@@ -358,6 +392,7 @@ class EngineWorker(_JsonLinesWorker):
             num_blocks=num_blocks,
             dtype=_dtype_name(dtype),
             seed=seed,
+            transfer_mode=transfer_mode,
         )
         self.registration = reply
         return reply
@@ -439,7 +474,7 @@ class EngineWorker(_JsonLinesWorker):
 class SDKWorker(_JsonLinesWorker):
     """The official SDK (``lmcache.sdk.kvcache``) in the lmcache venv.
 
-    >>> with SDKWorker() as sdk:
+    >>> with SDKWorker(generation=server.generation) as sdk:
     ...     sdk.connect(server.url, server.http_url, "m")
     ...     sdk.store(tokens, kv)            # -> bool
     ...     sdk.retrieve(tokens)             # -> tensor or None
@@ -481,8 +516,10 @@ class SDKWorker(_JsonLinesWorker):
         kv: torch.Tensor,
         cache_salt: str = "",
         *,
+        request_configs: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> bool:
+        """``ctx.store(kv, tokens, cache_salt, request_configs)`` -> the SDK's bool."""
         path = self._save(kv, "store")
         try:
             reply = self.request(
@@ -491,6 +528,7 @@ class SDKWorker(_JsonLinesWorker):
                 tokens=[int(t) for t in tokens],
                 kv_file=str(path),
                 cache_salt=cache_salt,
+                request_configs=request_configs,
             )
         finally:
             path.unlink(missing_ok=True)
@@ -501,8 +539,10 @@ class SDKWorker(_JsonLinesWorker):
         tokens: Sequence[int],
         cache_salt: str = "",
         *,
+        request_configs: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> torch.Tensor | None:
+        """``ctx.retrieve(tokens, cache_salt, request_configs)`` -> tensor or None."""
         if self._proc is None or not self._ready:
             self.start()
         out = self._tmp_file("retrieve")
@@ -512,6 +552,7 @@ class SDKWorker(_JsonLinesWorker):
             tokens=[int(t) for t in tokens],
             out_file=str(out),
             cache_salt=cache_salt,
+            request_configs=request_configs,
         )
         if int(reply["hit_tokens"]) == 0:
             return None

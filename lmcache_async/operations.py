@@ -1,0 +1,702 @@
+"""Each operation's RPC sequence, written once, over a small interface.
+
+An :class:`Operations` object runs the exchanges of ``lookup``, ``retrieve`` (SHM or
+inline), ``store`` (SHM or inline) and the SHM ``remap`` for one registration
+(:class:`Registration`: model, geometry, live chunk size, wire generation, instance id,
+SHM pool). It talks to the server only through a :class:`Channel` -- one method,
+``call(op, args, timeout)`` returning the reply's value -- on which it builds the three
+things a sequence needs: a deadline-bound call, a pipeline (several requests back to back)
+and a cleanup call (its own short deadline, errors logged). The client's channel is its
+ZMQ connection; a test's can be the embedded server's in-process engine
+(:class:`lmcache_async.testing.InProcessServer`), so every sequence can be run, and
+cancelled at each of its RPCs, without sockets.
+
+Everything that differs between server generations is data in
+:class:`~lmcache_async.wire.WireGeneration` (key encoding, trailing argument frames) and
+:mod:`lmcache_async.inline_codec` (the inline tensor payload): no sequence here branches
+on the generation.
+
+The tensor copies are small named functions (:func:`fill_slots`, :func:`copy_chunks_out`,
+:func:`~lmcache_async.inline_codec.encode_inline`,
+:func:`~lmcache_async.inline_codec.decode_inline`), so they can be replaced or hooked in
+one place.
+
+Cancellation: a sequence is normally run by :func:`run_detached`, in a task of its own
+that the caller awaits under its deadline; a caller that times out or is cancelled marks
+the :class:`OpState` abandoned and the sequence finishes the server side on its own
+(consumes the prefetch result, releases read locks, completes or commits what it
+reserved, ends its session), bounded by the registration's ``cleanup_grace``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Protocol, TypeVar
+
+import torch
+
+from lmcache_async.errors import LMCacheError, LMCacheTimeoutError, ProtocolError, TransferError
+from lmcache_async.geometry import KVGeometry
+from lmcache_async.inline_codec import decode_inline, encode_inline
+from lmcache_async.shm import ShmPool
+from lmcache_async.wire import (
+    CacheKey,
+    Op,
+    PreEncoded,
+    WireGeneration,
+    parse_prepare_retrieve,
+    parse_prepare_store,
+)
+
+__all__ = [
+    "Channel",
+    "OpState",
+    "Operations",
+    "Registration",
+    "RemapResult",
+    "copy_chunks_out",
+    "fill_slots",
+    "run_detached",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Configs = dict[str, Any] | None
+
+#: Copies larger than this run in a worker thread so the event loop keeps serving others.
+THREAD_COPY_BYTES: Final = 8 << 20
+#: Longest single wait_prefetch_status: it blocks one of the server's CPU workers.
+PREFETCH_WAIT_SLICE: Final = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class RemapResult:
+    """What :meth:`AsyncClient.remap <lmcache_async.AsyncClient.remap>` did.
+
+    Attributes:
+        retrieved_tokens: tokens of the source prefix read from the cache (only as far as
+            the target's whole chunks reach).
+        stored_tokens: tokens of the target prefix written with the source KV (equal to
+            ``retrieved_tokens``).
+        stored_new: whether the store added any chunk (False when all were cached).
+    """
+
+    retrieved_tokens: int
+    stored_tokens: int
+    stored_new: bool
+
+    @property
+    def hit(self) -> bool:
+        return self.retrieved_tokens > 0
+
+
+class Channel(Protocol):
+    """What an operation needs from a connection to the server."""
+
+    @property
+    def usable(self) -> bool:
+        """Whether requests can still be sent (cleanup calls are skipped when not)."""
+        ...
+
+    async def call(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> Any:
+        """Send one request and return its reply's decoded value (``None``: no payload).
+
+        Raises :class:`~lmcache_async.errors.LMCacheTimeoutError` when no reply comes
+        within ``timeout``, :class:`~lmcache_async.errors.LMCacheError` subclasses on a
+        lost connection. Cancellation discards the reply.
+        """
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """The registration an operation runs under (a snapshot: a re-registration after a
+    server restart makes a new one).
+
+    Attributes:
+        model_name, geometry: what the keys and tensors are about.
+        chunk_size: the server's live chunk size.
+        wire: the server generation's wire.
+        instance_id: the engine-driven registration id.
+        num_kv_readers: read locks a lookup reserves per object.
+        pool: the mapped SHM pool, or ``None`` on the inline transport.
+        server_has_shm: the server keeps its KV in SHM (an inline client cannot read it).
+        fifo_cpu: the server runs lookup-pool requests one at a time in arrival order,
+            so a status question may follow its lookup without waiting for the ack.
+    """
+
+    model_name: str
+    geometry: KVGeometry
+    chunk_size: int
+    wire: WireGeneration
+    instance_id: int
+    num_kv_readers: int = 1
+    pool: ShmPool | None = None
+    server_has_shm: bool = False
+    fifo_cpu: bool = False
+
+
+class OpState:
+    """Shared state between a caller and the task running its operation."""
+
+    __slots__ = ("abandoned", "deadline")
+
+    def __init__(self, deadline: float | None) -> None:
+        self.deadline = deadline
+        self.abandoned = False
+
+    def remaining(self) -> float | None:
+        if self.deadline is None:
+            return None
+        return max(self.deadline - time.monotonic(), 0.0)
+
+
+class _RetrieveState:
+    __slots__ = ("prepared",)
+
+    def __init__(self) -> None:
+        self.prepared = False
+
+
+async def run_detached(
+    name: str,
+    timeout: float | None,
+    cleanup_grace: float,
+    body: Callable[[OpState], Awaitable[T]],
+    track: Callable[[asyncio.Task[Any]], None] | None = None,
+) -> T:
+    """Run ``body`` in a task of its own and wait for it under ``timeout``.
+
+    The task's deadline is ``timeout + cleanup_grace``. ``track`` is given the task (the
+    client keeps a set of them, to wait for their cleanup on close).
+
+    Raises:
+        LMCacheTimeoutError: ``timeout`` passed; the task goes on, abandoned, to clean up.
+
+    Cancellation: the task is marked abandoned and goes on to clean up; the caller's
+    ``CancelledError`` propagates.
+    """
+    start = time.monotonic()
+    op = OpState(None if timeout is None else start + timeout + cleanup_grace)
+    task = asyncio.ensure_future(body(op))
+    if track is not None:
+        track(task)
+    try:
+        async with asyncio.timeout(timeout) as cm:
+            return await asyncio.shield(task)
+    except TimeoutError:
+        if not cm.expired():
+            raise
+        op.abandoned = True
+        raise LMCacheTimeoutError(name, time.monotonic() - start) from None
+    except asyncio.CancelledError:
+        op.abandoned = True
+        raise
+
+
+def fill_slots(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each ``(target, source)`` pair: chunks into reserved SHM slots (store), or
+    source slots into target slots (SHM remap)."""
+    for target, source in pairs:
+        target.copy_(source)
+
+
+def copy_chunks_out(
+    target: torch.Tensor, chunks: Sequence[torch.Tensor], chunk_size: int, token_axis: int
+) -> None:
+    """Copy ``chunks`` (SHM slot views, or decoded inline tensors) into consecutive
+    chunks of ``target`` along ``token_axis`` (retrieve)."""
+    for i, chunk in enumerate(chunks):
+        target.narrow(token_axis, i * chunk_size, chunk_size).copy_(chunk)
+
+
+async def _maybe_in_thread(nbytes: int, fn: Callable[[], None]) -> None:
+    if nbytes >= THREAD_COPY_BYTES:
+        await asyncio.to_thread(fn)
+    else:
+        fn()
+
+
+class Operations:
+    """The RPC sequences of every operation, for one :class:`Registration`, over one
+    :class:`Channel`.
+
+    Args:
+        channel: where requests go.
+        reg: the registration the keys, slots and payloads are for.
+        cleanup_grace: the deadline of each cleanup call (and of draining a prefetch).
+        gates: per key identity, a lock and its user count: shared by the operations of
+            one client, so that two of them never overlap on one key (the server keys
+            pending SHM transfers by instance and key, without the request id).
+    """
+
+    def __init__(
+        self,
+        channel: Channel,
+        reg: Registration,
+        *,
+        cleanup_grace: float = 10.0,
+        gates: dict[tuple[Any, ...], list[Any]] | None = None,
+    ) -> None:
+        self.channel = channel
+        self.reg = reg
+        self.cleanup_grace = cleanup_grace
+        self._gates: dict[tuple[Any, ...], list[Any]] = {} if gates is None else gates
+
+    # ------------------------------------------------------------------ the interface
+
+    async def call(self, op: OpState, opcode: Op, *args: Any) -> Any:
+        """One request under the operation's deadline; its reply's value."""
+        return await self.channel.call(opcode, args, op.remaining())
+
+    async def pipeline(self, op: OpState, *calls: tuple[Any, ...]) -> list[Any]:
+        """Send several requests back to back (in order) and wait for all replies.
+
+        Raises the first error after every reply (or error) is in.
+        """
+        tasks = [asyncio.ensure_future(self.call(op, *c)) for c in calls]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    async def cleanup_call(self, opcode: Op, *args: Any) -> Any:
+        """A cleanup RPC: its own short deadline; errors are logged, not raised."""
+        if not self.channel.usable:
+            return None
+        try:
+            return await self.channel.call(opcode, args, self.cleanup_grace)
+        except LMCacheError as exc:
+            log.warning("cleanup %s failed: %s", opcode.name.lower(), exc)
+            return None
+
+    # ------------------------------------------------------------------ operations
+
+    async def lookup(self, op: OpState, toks: list[int], end: int, salt: str, configs: Configs = None) -> int:
+        """Tokens of the longest cached prefix of ``toks[:end]`` (``end`` chunk-aligned);
+        locks released and session ended before returning."""
+        if end == 0:
+            return 0
+        rid = request_id("lookup")
+        key = self._key(toks, end, rid, salt, worker=False, configs=configs)
+        return await self._lookup_locked(op, key, rid, release=True)
+
+    async def retrieve(
+        self,
+        op: OpState,
+        toks: list[int],
+        end: int,
+        salt: str,
+        configs: Configs = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """The KV of the longest cached prefix of ``toks[:end]``, or ``None``; copied into
+        ``out`` when given (a view of it is returned)."""
+        if end == 0:
+            return None
+        geom = self.reg.geometry
+        rid = request_id("retrieve")
+        key = self._key(toks, end, rid, salt, worker=False, configs=configs)
+        hit = 0
+        state = _RetrieveState()
+        try:
+            hit = await self._lookup_locked(op, key, rid, release=False)
+            if hit == 0:
+                return None
+            rkey = self._key(toks, hit, rid, salt, worker=True, configs=configs)
+            target = out.narrow(geom.token_axis, 0, hit) if out is not None else None
+            if self.reg.pool is None:
+                return await self._retrieve_pickle(op, rkey, hit, target, state)
+            # The server keys pending SHM reads by (instance, key) without the request
+            # id: concurrent retrieves of one prefix must not overlap their pairs.
+            async with self._gate(("retrieve", salt, tuple(toks[:hit]))):
+                return await self._retrieve_shm(op, rkey, hit, target, state)
+        finally:
+            if hit and not state.prepared:
+                await self._free_locks(key, hit // self.reg.chunk_size)
+            await self.cleanup_call(Op.END_SESSION, rid)
+
+    async def store(
+        self, op: OpState, kv: torch.Tensor, toks: list[int], end: int, salt: str, configs: Configs = None
+    ) -> bool:
+        """Store ``kv`` (already validated) under ``toks[:end]``; False when all was cached."""
+        if end == 0:
+            return False
+        # One store per key at a time from this client: a concurrent twin would see
+        # the chunks "being written" and could not tell that from out-of-memory.
+        async with self._gate(("store", salt, tuple(toks[:end]))):
+            if self.reg.pool is not None:
+                return await self._store_shm(op, kv, toks, end, salt, configs)
+            return await self._store_pickle(op, kv, toks, end, salt, configs)
+
+    async def remap(
+        self, op: OpState, src: list[int], dst: list[int], n: int, salt: str, tsalt: str
+    ) -> RemapResult:
+        """SHM only: copy the source's slots straight into the target's (see
+        :meth:`_remap_shm`)."""
+        if self.reg.pool is None:
+            raise TransferError("an in-pool remap needs the SHM transport")
+        return await self._remap_shm(op, src, dst, n, salt, tsalt)
+
+    # ------------------------------------------------------------------ sequences
+
+    def _key(
+        self,
+        tokens: list[int],
+        end: int,
+        request_id: str,
+        cache_salt: str,
+        *,
+        start: int = 0,
+        worker: bool,
+        configs: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        geom = self.reg.geometry
+        return CacheKey(
+            model_name=self.reg.model_name,
+            world_size=geom.world_size,
+            worker_id=0 if worker else None,
+            token_ids=tokens[:end],
+            start=start,
+            end=end,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            request_configs=configs,
+            num_kv_readers=self.reg.num_kv_readers,
+        ).to_wire(self.reg.wire)
+
+    def _chunk(self, kv: torch.Tensor, index: int) -> torch.Tensor:
+        geom = self.reg.geometry
+        return kv.narrow(geom.token_axis, index * self.reg.chunk_size, self.reg.chunk_size)
+
+    async def _prefetch_result(self, op: OpState, request_id: str, first: Any = None) -> int:
+        """Consume the prefetch status of ``request_id``: hit length in chunks.
+
+        Asks at once (the usual case: the prefetch finished before the question arrives;
+        ``first`` is the answer to a question already asked), then waits server-side in
+        short slices, so no client-side polling delay is added and the server's shared
+        CPU worker is never held for long.
+        """
+        value = first if first is not None else await self.call(op, Op.QUERY_PREFETCH_STATUS, request_id)
+        while value is None:
+            remaining = op.remaining()
+            slice_ = PREFETCH_WAIT_SLICE if remaining is None else min(PREFETCH_WAIT_SLICE, remaining)
+            value = await self.call(op, Op.WAIT_PREFETCH_STATUS, request_id, float(slice_))
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ProtocolError(f"prefetch status {value!r} is not a chunk count")
+        return value
+
+    async def _lookup_locked(self, op: OpState, key: dict[str, Any], rid: str, *, release: bool) -> int:
+        """lookup + consume status; when ``release``, free the locks and end the session.
+
+        Returns tokens hit. Whatever happens, the status is consumed and (when
+        ``release``) locks and session are released.
+        """
+        geom = self.reg.geometry
+        chunks: int | None = None
+        ok = False
+        try:
+            if self.reg.fifo_cpu:
+                # One CPU worker on the server runs lookup-pool requests in arrival
+                # order, so the status question can follow the lookup without its ack.
+                _, first = await self.pipeline(
+                    op, (Op.LOOKUP, key, geom.world_size), (Op.QUERY_PREFETCH_STATUS, rid)
+                )
+                chunks = await self._prefetch_result(op, rid, first)
+            else:
+                await self.call(op, Op.LOOKUP, key, geom.world_size)  # the ack first (pitfall 6)
+                chunks = await self._prefetch_result(op, rid)
+            ok = True
+            return chunks * self.reg.chunk_size
+        finally:
+            if chunks is None:
+                chunks = await self._drain_prefetch(rid)
+            if release and self.reg.fifo_cpu:
+                await self._release_pipelined(key, rid, chunks)
+            else:
+                if release or not ok:
+                    await self._free_locks(key, chunks)
+                if release:
+                    await self.cleanup_call(Op.END_SESSION, rid)
+
+    async def _release_pipelined(self, key: dict[str, Any], rid: str, chunks: int) -> None:
+        """free_lookup_locks + end_session in one round trip (FIFO CPU worker only)."""
+        calls: list[tuple[Any, ...]] = []
+        if chunks:
+            end = chunks * self.reg.chunk_size
+            calls.append(
+                (
+                    Op.FREE_LOOKUP_LOCKS,
+                    self.reg.wire.key_prefix(key, end),
+                    key["world_size"],
+                )
+            )
+        calls.append((Op.END_SESSION, rid))
+        await asyncio.gather(*(self.cleanup_call(*c) for c in calls))
+
+    async def _drain_prefetch(self, rid: str) -> int:
+        deadline = time.monotonic() + self.cleanup_grace
+        while time.monotonic() < deadline:
+            value = await self.cleanup_call(Op.WAIT_PREFETCH_STATUS, rid, PREFETCH_WAIT_SLICE)
+            if value is not None:
+                return value if isinstance(value, int) else 0
+            if not self.channel.usable:
+                return 0
+        return 0
+
+    async def _free_locks(self, key: dict[str, Any], chunks: int) -> None:
+        """Release the read locks a lookup took on its first ``chunks`` chunks."""
+        if chunks:
+            end = chunks * self.reg.chunk_size
+            free_key = self.reg.wire.key_prefix(key, end)
+            await self.cleanup_call(Op.FREE_LOOKUP_LOCKS, free_key, key["world_size"])
+
+    async def _retrieve_shm(
+        self, op: OpState, rkey: dict[str, Any], hit: int, target: torch.Tensor | None, state: _RetrieveState
+    ) -> torch.Tensor | None:
+        geom = self.reg.geometry
+        assert self.reg.pool is not None
+        committed = False
+        try:
+            state.prepared = True
+            resp = await self.call(op, Op.PREPARE_RETRIEVE, rkey, self.reg.instance_id)
+            success, _data, slots = parse_prepare_retrieve(resp)
+            if not success:
+                committed = True  # nothing is pending on the server
+                return None  # evicted between lookup and prepare: a miss
+            n_chunks = hit // self.reg.chunk_size
+            if len(slots) != n_chunks:
+                raise ProtocolError(f"prepare_retrieve gave {len(slots)} slots for {n_chunks} chunks")
+            shape = geom.kv_shape(self.reg.chunk_size)
+            views = [self.reg.pool.view(s, shape, geom.dtype) for s in slots]
+            if op.abandoned:
+                return None
+            if target is None:
+                target = torch.empty(geom.kv_shape(hit), dtype=geom.dtype)
+            await self._copy_chunks(target, views)
+            committed = True
+            await self.call(op, Op.COMMIT_RETRIEVE, rkey, self.reg.instance_id)
+            return target
+        finally:
+            if not committed:
+                await self.cleanup_call(Op.COMMIT_RETRIEVE, rkey, self.reg.instance_id)
+
+    async def _retrieve_pickle(
+        self, op: OpState, rkey: dict[str, Any], hit: int, target: torch.Tensor | None, state: _RetrieveState
+    ) -> torch.Tensor | None:
+        geom = self.reg.geometry
+        if self.reg.server_has_shm:
+            raise TransferError("the server keeps its KV in SHM, which this client cannot map")
+        state.prepared = True  # the server releases the locks when it answers
+        resp = await self.call(op, Op.PREPARE_RETRIEVE, rkey, self.reg.instance_id)
+        success, data, _slots = parse_prepare_retrieve(resp)
+        if not success:
+            return None
+        n_chunks = hit // self.reg.chunk_size
+        shape = geom.kv_shape(self.reg.chunk_size)
+        tensors = decode_inline(self.reg.wire, data, count=n_chunks, shape=shape, dtype=geom.dtype)
+        if op.abandoned:
+            return None
+        if target is None:
+            target = torch.empty(geom.kv_shape(hit), dtype=geom.dtype)
+        await self._copy_chunks(target, tensors)
+        return target
+
+    @contextlib.asynccontextmanager
+    async def _gate(self, identity: tuple[Any, ...]) -> AsyncIterator[None]:
+        """Serialize operations on one key identity within this client."""
+        entry = self._gates.get(identity)
+        if entry is None:
+            entry = self._gates[identity] = [asyncio.Lock(), 0]
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._gates[identity]
+
+    async def _copy_chunks(self, target: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
+        total = sum(c.numel() for c in chunks) * target.element_size()
+        axis = self.reg.geometry.token_axis
+        await _maybe_in_thread(total, lambda: copy_chunks_out(target, chunks, self.reg.chunk_size, axis))
+
+    async def _store_shm(
+        self, op: OpState, kv: torch.Tensor, toks: list[int], end: int, salt: str, configs: Configs
+    ) -> bool:
+        geom = self.reg.geometry
+        assert self.reg.pool is not None
+        rid = request_id("store")
+        key = self._key(toks, end, rid, salt, worker=True, configs=configs)
+        try:
+            resp = await self.call(op, Op.PREPARE_STORE, key, self.reg.instance_id)
+            slots, indices = parse_prepare_store(resp)
+            if not slots:
+                # Nothing reservable: every chunk is cached (or being written), or the
+                # server is out of memory (it reserves a batch all-or-nothing). A lookup
+                # tells which; it only runs on this uncommon path.
+                await self._check_stored(op, toks, end, salt, "reserve memory for")
+                return False
+            n_chunks = end // self.reg.chunk_size
+            if max(indices) >= n_chunks:
+                raise ProtocolError(f"prepare_store asked for chunk {max(indices)} of {n_chunks}")
+            shape = geom.kv_shape(self.reg.chunk_size)
+            views = [self.reg.pool.view(s, shape, geom.dtype) for s in slots]
+            pairs = [(v, self._chunk(kv, j)) for v, j in zip(views, indices, strict=True)]
+            nbytes = sum(v.numel() for v in views) * kv.element_size()
+            await _maybe_in_thread(nbytes, lambda: fill_slots(pairs))
+            ok = await self.call(op, Op.COMMIT_STORE, key, self.reg.instance_id, b"")
+            if ok is not True:
+                raise TransferError("the server refused the SHM commit (registration lost?)")
+            return True
+        finally:
+            await self.cleanup_call(Op.END_SESSION, rid)
+
+    async def _store_pickle(
+        self, op: OpState, kv: torch.Tensor, toks: list[int], end: int, salt: str, configs: Configs
+    ) -> bool:
+        rid = request_id("store")
+        lookup_key = self._key(toks, end, rid, salt, worker=False)
+        try:
+            # The lookup tells which chunks are cached already; its locks are not needed.
+            hit = await self._lookup_locked(op, lookup_key, rid, release=False)
+            await self._free_locks(lookup_key, hit // self.reg.chunk_size)
+            if hit >= end:
+                return False
+            first = hit // self.reg.chunk_size
+            chunks = [self._chunk(kv, j) for j in range(first, end // self.reg.chunk_size)]
+            nbytes = sum(c.numel() for c in chunks) * kv.element_size()
+            if nbytes >= THREAD_COPY_BYTES:
+                frame = await asyncio.to_thread(encode_inline, self.reg.wire, chunks)
+            else:
+                frame = encode_inline(self.reg.wire, chunks)
+            key = self._key(toks, end, rid, salt, start=hit, worker=True, configs=configs)
+            ok = await self.call(op, Op.COMMIT_STORE, key, self.reg.instance_id, PreEncoded(frame))
+            if ok is not True:
+                raise TransferError("the server could not store every chunk (out of memory?)")
+        finally:
+            await self.cleanup_call(Op.END_SESSION, rid)
+        # A pickle commit the server found no memory for still answers True: verify.
+        await self._check_stored(op, toks, end, salt, "store")
+        return True
+
+    async def _check_stored(self, op: OpState, toks: list[int], end: int, salt: str, what: str) -> None:
+        """Raise TransferError unless all of ``toks[:end]`` is cached (re-checked briefly,
+        in case another writer is committing the same chunks right now)."""
+        cached = 0
+        for delay in (0.0, 0.02, 0.1):
+            await asyncio.sleep(delay)
+            rid = request_id("store-check")
+            key = self._key(toks, end, rid, salt, worker=False)
+            cached = await self._lookup_locked(op, key, rid, release=True)
+            if cached >= end:
+                return
+        raise TransferError(
+            f"the server could not {what} {(end - cached) // self.reg.chunk_size} chunks "
+            "(L1 full of locked or reserved objects?)"
+        )
+
+    async def _remap_shm(
+        self, op: OpState, src: list[int], dst: list[int], n: int, salt: str, tsalt: str
+    ) -> RemapResult:
+        """Remap inside the SHM pool: the source's slots are copied straight into the
+        target's reserved slots (one copy, no client-side buffer).
+
+        Cancellation/timeout: once the target's slots are reserved the copy and commit are
+        completed (as for :meth:`store`); every lock, pending read and session is released.
+        """
+        if n == 0:
+            return RemapResult(0, 0, False)
+        assert self.reg.pool is not None
+        rid = request_id("remap")
+        key = self._key(src, n, rid, salt, worker=False)
+        hit = 0
+        state = _RetrieveState()
+        try:
+            hit = await self._lookup_locked(op, key, rid, release=False)
+            if hit == 0:
+                return RemapResult(0, 0, False)
+            rkey = self._key(src, hit, rid, salt, worker=True)
+            # Gates always in this order (retrieve, then store): no cycle between remaps.
+            async with (
+                self._gate(("retrieve", salt, tuple(src[:hit]))),
+                self._gate(("store", tsalt, tuple(dst[:hit]))),
+            ):
+                return await self._remap_slots(op, rkey, dst, hit, tsalt, state)
+        finally:
+            if hit and not state.prepared:
+                await self._free_locks(key, hit // self.reg.chunk_size)
+            await self.cleanup_call(Op.END_SESSION, rid)
+
+    async def _remap_slots(
+        self, op: OpState, rkey: dict[str, Any], dst: list[int], hit: int, tsalt: str, state: _RetrieveState
+    ) -> RemapResult:
+        geom = self.reg.geometry
+        assert self.reg.pool is not None
+        shape = geom.kv_shape(self.reg.chunk_size)
+        n_chunks = hit // self.reg.chunk_size
+        committed = False
+        try:
+            state.prepared = True
+            resp = await self.call(op, Op.PREPARE_RETRIEVE, rkey, self.reg.instance_id)
+            success, _data, rslots = parse_prepare_retrieve(resp)
+            if not success:
+                committed = True
+                return RemapResult(0, 0, False)  # evicted between lookup and prepare
+            if len(rslots) != n_chunks:
+                raise ProtocolError(f"prepare_retrieve gave {len(rslots)} slots for {n_chunks} chunks")
+            sources = [self.reg.pool.view(s, shape, geom.dtype) for s in rslots]
+            if op.abandoned:  # the caller left before the store half began: skip it
+                return RemapResult(hit, 0, False)
+            srid = request_id("remap-store")
+            skey = self._key(dst, hit, srid, tsalt, worker=True)
+            try:
+                sresp = await self.call(op, Op.PREPARE_STORE, skey, self.reg.instance_id)
+                wslots, indices = parse_prepare_store(sresp)
+                if not wslots:
+                    await self._check_stored(op, dst, hit, tsalt, "reserve memory for")
+                    return RemapResult(hit, hit, False)
+                if max(indices) >= n_chunks:
+                    raise ProtocolError(f"prepare_store asked for chunk {max(indices)} of {n_chunks}")
+                pairs = [
+                    (self.reg.pool.view(w, shape, geom.dtype), sources[j])
+                    for w, j in zip(wslots, indices, strict=True)
+                ]
+                await _maybe_in_thread(
+                    len(pairs) * _shape_bytes(shape, geom.dtype), lambda: fill_slots(pairs)
+                )
+                # The target is written: the source's pending read can go with its commit.
+                committed = True
+                ok, _ = await self.pipeline(
+                    op,
+                    (Op.COMMIT_STORE, skey, self.reg.instance_id, b""),
+                    (Op.COMMIT_RETRIEVE, rkey, self.reg.instance_id),
+                )
+                if ok is not True:
+                    raise TransferError("the server refused the SHM commit (registration lost?)")
+                return RemapResult(hit, hit, True)
+            finally:
+                await self.cleanup_call(Op.END_SESSION, srid)
+        finally:
+            if not committed:
+                await self.cleanup_call(Op.COMMIT_RETRIEVE, rkey, self.reg.instance_id)
+
+
+def request_id(kind: str) -> str:
+    """A fresh session id (the server keys sessions by it; never reused)."""
+    return f"lmca-{kind}-{uuid.uuid4().hex}"
+
+
+def _shape_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of one tensor of ``shape`` x ``dtype``."""
+    return math.prod(shape) * dtype.itemsize
