@@ -105,3 +105,16 @@ def test_blocking_client_and_drop_in_take_tokens_longer_than_the_kv(server: Any)
             lmc_sdk.store(ctx, kv=prefix, tokens=target2[:CS])
     finally:
         lmc_sdk.close(ctx)
+
+
+async def test_store_many_counts_the_tokens_the_kv_covers(client: AsyncClient) -> None:
+    source = fresh_tokens(2 * CS + 5)
+    kv = random_kv(SMALL_GEOMETRY, len(source))
+    assert await client.store(kv, source) is True
+    retrieved = await client.retrieve(source)
+    assert retrieved is not None
+    target = [3, *source[1:], *fresh_tokens(CS)]  # a whole chunk longer than the KV
+    result = await client.store_many([(retrieved, target)])
+    assert [(r.stored_tokens, r.stored_new, r.error) for r in result.results] == [(2 * CS, True, None)]
+    got = await client.retrieve(target)
+    assert got is not None and torch.equal(got, kv[:, :, : 2 * CS])
