@@ -10,7 +10,7 @@ TOOLS  := constraints/tools.txt
 STAMP  := $(VENV)/.installed
 PIP    := $(BIN)/pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test check venv lmcache-venv redis lint typecheck pytest smoke bench clean
+.PHONY: demo test check venv lmcache-venv redis lint typecheck pytest smoke bench experiment clean
 
 # torch is named again in the second install so that pip can never move it.
 $(STAMP): pyproject.toml $(TOOLS)
@@ -59,6 +59,11 @@ pytest: venv lmcache-venv redis
 ## The issue-2 smoke run: real LMCache server, our client, chunk size + noop RTT.
 smoke: venv lmcache-venv
 	$(BIN)/python benchmarks/smoke_real_server.py
+
+## The KV-edit experiment with a real transformers model (docs/hf.md), on an embedded
+## server; pass ARGS="--url tcp://host:5555 --http-url http://host:8080" for a running one.
+experiment: venv
+	$(BIN)/python examples/kv_edit_experiment.py $(ARGS)
 
 ## Benchmarks against the official SDK (see docs/benchmarks.md).
 bench: venv lmcache-venv
