@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from lmcache_async.client import _DEFAULT
+from lmcache_async._defaults import DEFAULT, DefaultType
 from lmcache_async.geometry import KVGeometry, dtype_from_name
 from lmcache_async.wire import validate_cache_salt, validate_tokens
 
@@ -545,7 +545,7 @@ async def prefill_and_store(
     tokens: Sequence[int],
     cache_salt: str = "",
     *,
-    timeout: float | None = _DEFAULT,
+    timeout: float | DefaultType | None = DEFAULT,
 ) -> StoredPrompt:
     """Run the prompt through ``model`` and store the whole chunks of its KV in LMCache.
 
@@ -589,7 +589,7 @@ async def generate_with_cache(
     max_new_tokens: int = 16,
     keep_kv: bool = False,
     eos_token_id: int | None = None,
-    timeout: float | None = _DEFAULT,
+    timeout: float | DefaultType | None = DEFAULT,
 ) -> Generation:
     """Serve ``tokens`` from LMCache: retrieve the cached prefix, rebuild the model's cache
     from it, compute only the uncached tail (at the positions that follow the prefix) and
@@ -632,7 +632,7 @@ async def store_cache(
     tokens: Sequence[int],
     cache_salt: str = "",
     *,
-    timeout: float | None = _DEFAULT,
+    timeout: float | DefaultType | None = DEFAULT,
 ) -> bool:
     """Store a transformers cache (batch 1) under ``tokens`` (:meth:`AsyncClient.store`).
 
