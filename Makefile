@@ -6,8 +6,9 @@ BIN    := $(VENV)/bin
 # torch==2.13.0 resolves to the CPU build on local disk; a bare `torch` pulls CUDA.
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.bench-installed
 
-.PHONY: demo test venv lmcache-venv lint typecheck pytest smoke bench clean
+.PHONY: demo test venv lmcache-venv lint typecheck pytest smoke bench bench-quick bench-render clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,9 +42,23 @@ pytest: venv lmcache-venv
 smoke: venv lmcache-venv
 	$(BIN)/python benchmarks/smoke_real_server.py
 
-## Benchmarks against the official SDK (see docs/benchmarks.md).
-bench: venv lmcache-venv
-	$(BIN)/python benchmarks/bench_client.py
+## The whole benchmark suite against the official SDK: starts the real servers, writes
+## benchmarks/results/*.json, renders docs/benchmarks.md + docs/img/*.png (see there).
+## `make bench-quick` (or BENCH_QUICK=1) is a few-minute subset; BENCH_ARGS passes options,
+## e.g. BENCH_ARGS='--generation 0.5.7' or BENCH_ARGS='--sections concurrent fresh'.
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH) -e '.[test,bench]'
+	touch $(BENCH_STAMP)
+
+bench: venv lmcache-venv $(BENCH_STAMP)
+	$(BIN)/python benchmarks/suite.py $(BENCH_ARGS)
+
+bench-quick:
+	BENCH_QUICK=1 $(MAKE) bench
+
+## Re-render docs/benchmarks.md from the JSON already in benchmarks/results/.
+bench-render: $(BENCH_STAMP)
+	$(BIN)/python benchmarks/render.py
 
 clean:
 	rm -rf $(VENV) .lmcache-venv .mypy_cache .ruff_cache .pytest_cache

@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/bench_facade.py [--iters 2000] [--rounds 5] [--json]
     .venv/bin/python benchmarks/bench_facade.py --url tcp://h:p --http-url http://h:p
 
+(``make bench`` runs this as the ``facade`` section, on the suite's SHM server: chunk 256.)
+
 Without ``--url`` it starts a real LMCache 0.5.6 server itself (``--mode shm`` or
 ``pickle``, chunk size 16, from ``.lmcache-venv``). One blocking :class:`Client` and one
 :class:`AsyncClient` are open on the same server at once, with the same small geometry
@@ -169,6 +171,12 @@ async def run(args: argparse.Namespace, url: str, http_url: str) -> dict[str, An
         "python": sys.version.split()[0],
         "cases": cases,
     }
+
+
+def section(url: str, http_url: str, *, iters: int, rounds: int) -> dict[str, Any]:
+    """Every facade case against the running server at ``url``; blocks until done (each
+    call has the client's default 60 s deadline)."""
+    return asyncio.run(run(argparse.Namespace(iters=iters, rounds=rounds), url, http_url))
 
 
 def _print_table(result: dict[str, Any]) -> None:
