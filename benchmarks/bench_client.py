@@ -10,7 +10,7 @@ clients copy through it; ``pickle``: no SHM, the KV travels inline in the ZMQ fr
 registers a vLLM-style layout (32 layers x 8 KV heads x 128 head dim, bf16, block 16;
 chunk 256 tokens = 32 MiB) with the fake engine worker so that the official SDK can
 connect, and for each payload of ``--chunks`` chunks alternates (the order rotates from
-round to round) the SDK (in the lmcache venv, timed inside its own process) and
+round to round; the client's background SHM warm-up, if any, has finished first) the SDK (in the lmcache venv, timed inside its own process) and
 lmcache_async (timed in this process):
 
 * ``store``: each iteration stores fresh tokens;
@@ -19,7 +19,7 @@ lmcache_async (timed in this process):
   figure is its ``retrieve`` of the same round; plus ``copy_`` of the same bytes into a
   warm buffer (the physical floor of a copy on this machine);
 * ``pair_tiny``: store of fresh tokens + retrieve of a 1-layer, 1-head x 16 geometry
-  (2 KiB per chunk): the fixed cost of the protocol exchange.
+  (16 KiB per 256-token chunk): the fixed cost of the protocol exchange.
 
 Each side's figure per round is the median over ``--iters`` iterations; reported: the
 median of the round figures with their range, the SDK/ours ratio per round (its median and
@@ -45,9 +45,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import (
     SDKBench,
+    check_client_supports,
     clear_l1,
     require_generation,
+    sdk_call,
     server_python,
+    settle,
     spread,
 )
 
@@ -150,6 +153,7 @@ async def _measure(
                 if c_big.transfer != mode:
                     raise SystemExit(f"asked for {mode}, but the client chose {c_big.transfer}")
                 await require_generation(c_big, generation)
+                settled = await settle()
                 base = 1_000_000
                 for rnd in range(rounds + 1):  # round 0 warms the pool and the buffers
                     for c in chunk_list:
@@ -161,18 +165,13 @@ async def _measure(
                         for side in sides:
                             base += 100_000
                             if side == "sdk":
-                                reply = await asyncio.to_thread(
-                                    sdk_big.request,
-                                    "bench",
-                                    case="retrieve",
-                                    chunks=c,
-                                    iters=iters,
-                                    base=base,
+                                reply = await sdk_call(
+                                    sdk_big, "bench", case="retrieve", chunks=c, iters=iters, base=base
                                 )
                                 sdk_retrieve = (statistics.median(reply["times"]), reply["cpu"] / iters)
                             elif side == "store-sdk":
-                                reply = await asyncio.to_thread(
-                                    sdk_big.request, "bench", case="store", chunks=c, iters=iters, base=base
+                                reply = await sdk_call(
+                                    sdk_big, "bench", case="store", chunks=c, iters=iters, base=base
                                 )
                                 if rnd:
                                     raw[("store", c)]["sdk"].append(
@@ -188,13 +187,13 @@ async def _measure(
                             raw[("retrieve", c)]["sdk"].append(sdk_retrieve)
                             raw[("retrieve_out", c)]["sdk"].append(sdk_retrieve)
                             anchors[c].append(statistics.median(copy_anchor(c, iters)))
-                    # the fixed cost: a 2 KiB store + retrieve
+                    # the fixed cost: a 16 KiB store + retrieve
                     order = ["sdk", "ours"] if rnd % 2 == 0 else ["ours", "sdk"]
                     for who in order:
                         base += 100_000
                         if who == "sdk":
-                            reply = await asyncio.to_thread(
-                                sdk_tiny.request, "bench", case="pair", chunks=1, iters=iters * 4, base=base
+                            reply = await sdk_call(
+                                sdk_tiny, "bench", case="pair", chunks=1, iters=iters * 4, base=base
                             )
                             fig = (statistics.median(reply["times"]), reply["cpu"] / (iters * 4))
                         else:
@@ -233,6 +232,7 @@ async def _measure(
         "geometry": "32 layers x 8 KV heads x 128, bf16, block 16; chunk 256 tokens = 32 MiB",
         "iters": iters,
         "rounds": rounds,
+        "prefault_wait_s": settled,
         "rows": rows,
     }
 
@@ -277,6 +277,7 @@ def main() -> None:
     parser.add_argument("--generation", choices=["0.5.6", "0.5.7"], default="0.5.6")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    check_client_supports(args.generation)
     python = server_python(args.generation)
     with RealLMCacheServer(args.mode, venv_python=python, chunk_size=CS, l1_size_gb=args.l1_gb) as srv:
         result = section(

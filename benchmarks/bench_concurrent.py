@@ -18,7 +18,8 @@ worker, and runs ``--prompts`` one-chunk operations:
 ``store`` writes fresh prompts each run. Throughput = prompts / elapsed. Client CPU per
 operation = ``time.process_time()`` of the client's process over the run / prompts (the
 whole process: the event loop and any worker thread it uses, not the server). The order of
-the runs rotates from round to round; round 0 warms up and is not counted. Per round:
+the runs rotates from round to round; round 0 warms up and is not counted; the client's
+background SHM warm-up (if any) has finished before the first round (harness.settle). Per round:
 ours / the SDK's best thread count (throughput), ours / the SDK at that thread count (CPU).
 """
 
@@ -36,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import SDKBench, clear_l1, server_python, spread
+from harness import SDKBench, clear_l1, sdk_call, server_python, settle, spread
 
 import lmcache_async as lmc
 from tests.support.real_server import RealLMCacheServer
@@ -91,6 +92,7 @@ async def _measure(
         async with lmc.AsyncClient(srv.url, srv.http_url, MODEL, timeout=300) as client:
             assert client.geometry == GEOM, client.geometry
             assert client.transfer == srv.mode, client.transfer
+            settled = await settle()
             base = 100_000_000
             for rnd in range(rounds + 1):
                 await asyncio.to_thread(clear_l1, srv.http_url)
@@ -107,8 +109,8 @@ async def _measure(
                         if run.startswith("ours"):
                             fig = await ours(client, op, starts, kv, int(run.removeprefix("ours_c")))
                         else:
-                            reply = await asyncio.to_thread(
-                                sdk.request, "concurrent", op=op, starts=starts, tokens=CS,
+                            reply = await sdk_call(
+                                sdk, "concurrent", op=op, starts=starts, tokens=CS,
                                 threads=int(run.removeprefix("sdk_t")), deadline=600,
                             )  # fmt: skip
                             assert reply["done"] == prompts, reply
@@ -147,6 +149,7 @@ async def _measure(
         "chunk_bytes": CS * GEOM.bytes_per_token,
         "geometry": "2 layers x 1 KV head x 128, bf16, block 16; chunk 256 tokens = 256 KiB",
         "rounds": rounds,
+        "prefault_wait_s": settled,
         "rows": rows,
     }
 

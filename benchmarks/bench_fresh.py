@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import SDKBench, server_python, spread
+from harness import SDKBench, sdk_call, server_python, spread
 
 import lmcache_async as lmc
 from tests.support.real_server import RealLMCacheServer
@@ -98,8 +98,8 @@ async def _measure(
                 if who == "ours":
                     ours.append(await _ours(srv, tokens, buf, settle))
                 elif who == "sdk":
-                    reply = await asyncio.to_thread(
-                        sdk_w.request, "fresh", url=srv.url, http_url=srv.http_url, model_name=MODEL,
+                    reply = await sdk_call(
+                        sdk_w, "fresh", url=srv.url, http_url=srv.http_url, model_name=MODEL,
                         start=START, tokens=n, deadline=600,
                     )  # fmt: skip
                     sdk.append({k: reply[k] for k in ("connect_s", "first_s", "second_s")})

@@ -116,9 +116,13 @@ class Bench:
         await self.reset()
         targets = self._targets()
         pairs = [[source_start(i % SOURCES), targets[i]] for i in range(self.pairs)]
-        reply = await asyncio.to_thread(
-            self.sdk.request, "remap", deadline=900, pairs=pairs, num_tokens=TOKENS
-        )
+        try:
+            reply = await asyncio.to_thread(
+                self.sdk.request, "remap", deadline=900, pairs=pairs, num_tokens=TOKENS
+            )
+        except asyncio.CancelledError:  # Ctrl-C: end the thread's wait now, not at the deadline
+            self.sdk._kill()
+            raise
         assert (reply["hits"], reply["stored"]) == (self.pairs, self.pairs), reply
         await self.verify(targets)
         return float(reply["elapsed"])

@@ -63,6 +63,25 @@ def server_python(generation: str = "0.5.6") -> Path:
     raise SystemExit(f"unknown server generation {generation!r}; choose one of {', '.join(GENERATIONS)}")
 
 
+def check_client_supports(generation: str) -> None:
+    """Refuse at once, before any server starts, when this lmcache_async predates ``generation``.
+
+    Support for 0.5.7 shows as ``AsyncClient.server_version`` (the version the client found
+    at connect); without it every operation against a 0.5.7 server would wait out its
+    timeout (the server drops 0.5.6-style requests silently).
+
+    Raises:
+        SystemExit: naming the missing support.
+    """
+    import lmcache_async
+
+    if generation != "0.5.6" and not hasattr(lmcache_async.AsyncClient, "server_version"):
+        raise SystemExit(
+            f"lmcache_async ({git_commit()}) cannot speak the {generation} wire yet: AsyncClient has "
+            "no server_version (the 0.5.7 support of issue 10 is not in this tree); nothing was run"
+        )
+
+
 async def require_generation(client: Any, generation: str, timeout: float = 10.0) -> None:
     """Fail clearly when ``client`` (an open AsyncClient) cannot speak ``generation``.
 
@@ -225,3 +244,37 @@ def clear_l1(http_url: str, timeout: float = 60.0) -> None:
     )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         resp.read()
+
+
+async def settle(timeout: float = 300.0) -> float:
+    """Wait until no client background warm-up thread runs; returns the seconds waited.
+
+    A new SHM client maps the server's pool in a background thread (its threads are named
+    ``lmcache-shm-prefault ...``); the steady-state sections wait for it so that its CPU is
+    not charged to the operations they time (the ``fresh`` section measures exactly that
+    overlap instead). Threads are found by name, so this keeps working (waits for nothing)
+    if the client stops using such a thread. Raises TimeoutError after ``timeout`` s.
+    """
+    import threading
+    import time
+
+    t0 = time.monotonic()
+    async with asyncio.timeout(timeout):
+        for t in threading.enumerate():
+            if t.name.startswith("lmcache-shm-prefault"):
+                await asyncio.to_thread(t.join)
+    return round(time.monotonic() - t0, 3)
+
+
+async def sdk_call(worker: _JsonLinesWorker, cmd: str, **params: Any) -> dict[str, Any]:
+    """``worker.request(cmd, **params)`` in a thread, so that this process's event loop (and
+    the keep-alive of its clients) runs while the SDK measures in its own process.
+
+    Cancellation (e.g. Ctrl-C under ``asyncio.run``) SIGKILLs the worker process, which ends
+    the thread's wait at once (instead of after the request's deadline), then re-raises.
+    """
+    try:
+        return await asyncio.to_thread(worker.request, cmd, **params)
+    except asyncio.CancelledError:
+        worker._kill()
+        raise

@@ -19,7 +19,7 @@ Sections (module, what):
 * ``concurrent`` (bench_concurrent.py): 256 one-chunk (256 KiB) retrieves and stores, one
   AsyncClient at concurrency 1/8/64 vs one SDK context on 1/8 threads; ops/s, CPU/op;
 * ``single_shm`` / ``single_pickle`` (bench_client.py): store, retrieve, retrieve into
-  ``out=`` at 1/4/16 chunks of 32 MiB, plus the 2 KiB store + retrieve;
+  ``out=`` at 1/4/16 chunks of 32 MiB, plus the store + retrieve of a tiny (16 KiB) chunk;
 * ``fresh`` (bench_fresh.py): the 16-chunk retrieve into ``out=`` right after connect;
 * ``remap`` (bench_remap_batch.py): ``remap_many`` vs the SDK's retrieve + store loop.
 
@@ -49,7 +49,7 @@ import bench_facade
 import bench_fresh
 import bench_remap_batch
 import bench_rtt
-from harness import GENERATIONS, RESULTS_DIR, server_python, stamp, start_servers
+from harness import GENERATIONS, RESULTS_DIR, check_client_supports, server_python, stamp, start_servers
 
 from tests.support.real_server import RealLMCacheServer
 
@@ -58,21 +58,22 @@ ALL_SECTIONS = (*SHM_SECTIONS, "single_pickle")
 GEN057_SECTIONS = ("single_shm", "single_pickle")
 
 PROFILES: dict[str, dict[str, Any]] = {
-    "quick": {
+    "quick": {  # proves the pipeline in a few minutes: fewer cases, one counted round
         "shm_l1_gb": 4,
         "pickle_l1_gb": 4,
         "rtt": {"n": 200, "rounds": 2},
-        "facade": {"iters": 200, "rounds": 2},
+        "facade": {"iters": 100, "rounds": 2},
         "concurrent": {
             "prompts": 256,
             "rounds": 1,
             "concurrency": [1, 8, 64],
             "threads": [1, 8],
-            "ops": ["retrieve", "store"],
+            "ops": ["retrieve"],
         },
-        "single": {"chunks": [1, 4, 16], "iters": 3, "rounds": 1},
+        "single": {"chunks": [1, 16], "iters": 2, "rounds": 1},
+        "single_pickle": {"chunks": [1, 4], "iters": 2, "rounds": 1},
         "fresh": {"reps": 2, "settle": 0.0},
-        "remap": {"pairs": 16, "rounds": 1},
+        "remap": {"pairs": 8, "rounds": 1},
     },
     "full": {
         "shm_l1_gb": 10,
@@ -87,6 +88,7 @@ PROFILES: dict[str, dict[str, Any]] = {
             "ops": ["retrieve", "store"],
         },
         "single": {"chunks": [1, 4, 16], "iters": 8, "rounds": 3},
+        "single_pickle": {"chunks": [1, 4, 16], "iters": 8, "rounds": 3},
         "fresh": {"reps": 5, "settle": 6.0},
         "remap": {"pairs": 64, "rounds": 3},
     },
@@ -97,7 +99,7 @@ def _run_section(name: str, shm: RealLMCacheServer | None, pickle: RealLMCacheSe
                  python: Path, prof: dict[str, Any], generation: str) -> dict[str, Any]:  # fmt: skip
     if name == "single_pickle":
         assert pickle is not None
-        return bench_client.section(pickle, python=python, generation=generation, **prof["single"])
+        return bench_client.section(pickle, python=python, generation=generation, **prof["single_pickle"])
     assert shm is not None
     if name == "single_shm":
         return bench_client.section(shm, python=python, generation=generation, **prof["single"])
@@ -136,6 +138,7 @@ def main() -> int:
         parser.error(f"--generation {gen} runs only {', '.join(GEN057_SECTIONS)}, not {', '.join(bad)}")
     profile = "quick" if args.quick else "full"
     prof = PROFILES[profile]
+    check_client_supports(gen)
     python = server_python(gen)
     args.out.mkdir(parents=True, exist_ok=True)
 
