@@ -52,6 +52,7 @@ from harness import (
     server_python,
     settle,
     spread,
+    workers,
 )
 
 import lmcache_async as lmc
@@ -132,81 +133,88 @@ async def _measure(
     }
     anchors: dict[int, list[float]] = {c: [] for c in chunk_list}
     big_model, tiny_model = f"bench-big-{mode}", f"bench-tiny-{mode}"
-    with EngineWorker(srv.url, python=python) as eng_big, EngineWorker(srv.url, python=python) as eng_tiny:
+    with workers(
+        EngineWorker(srv.url, python=python),
+        EngineWorker(srv.url, python=python),
+        SDKBench(python=python, request_timeout=600),
+        SDKBench(python=python, request_timeout=600),
+    ) as (eng_big, eng_tiny, sdk_big, sdk_tiny):
         eng_big.register(big_model, 32, 8, 128, block_size=16, num_blocks=32)
         eng_tiny.register(tiny_model, 1, 1, 16, block_size=16, num_blocks=32)
-        with (
-            SDKBench(python=python, request_timeout=600) as sdk_big,
-            SDKBench(python=python, request_timeout=600) as sdk_tiny,
+        sdk_big.request(
+            "connect", url=srv.url, http_url=srv.http_url, model_name=big_model, geometry=[32, 1024]
+        )
+        sdk_tiny.request(
+            "connect", url=srv.url, http_url=srv.http_url, model_name=tiny_model, geometry=[1, 16]
+        )
+        async with (
+            lmc.AsyncClient(srv.url, srv.http_url, big_model, timeout=300) as c_big,
+            lmc.AsyncClient(srv.url, srv.http_url, tiny_model, timeout=300) as c_tiny,
         ):
-            sdk_big.request(
-                "connect", url=srv.url, http_url=srv.http_url, model_name=big_model, geometry=[32, 1024]
-            )
-            sdk_tiny.request(
-                "connect", url=srv.url, http_url=srv.http_url, model_name=tiny_model, geometry=[1, 16]
-            )
-            async with (
-                lmc.AsyncClient(srv.url, srv.http_url, big_model, timeout=300) as c_big,
-                lmc.AsyncClient(srv.url, srv.http_url, tiny_model, timeout=300) as c_tiny,
-            ):
-                assert c_big.geometry == BIG and c_tiny.geometry == TINY, (c_big.geometry, c_tiny.geometry)
-                if c_big.transfer != mode:
-                    raise SystemExit(f"asked for {mode}, but the client chose {c_big.transfer}")
-                await require_generation(c_big, generation)
-                settled = await settle()
-                base = 1_000_000
-                for rnd in range(rounds + 1):  # round 0 warms the pool and the buffers
-                    for c in chunk_list:
-                        base += 1_000_000
-                        # the SDK's retrieve serves both "retrieve" and "retrieve_out"
-                        sides = ["sdk", "retrieve", "retrieve_out", "store-sdk", "store"]
-                        sides = sides[rnd % len(sides) :] + sides[: rnd % len(sides)]
-                        sdk_retrieve: tuple[float, float] | None = None
-                        for side in sides:
-                            base += 100_000
-                            if side == "sdk":
-                                reply = await sdk_call(
-                                    sdk_big, "bench", case="retrieve", chunks=c, iters=iters, base=base
-                                )
-                                sdk_retrieve = (statistics.median(reply["times"]), reply["cpu"] / iters)
-                            elif side == "store-sdk":
-                                reply = await sdk_call(
-                                    sdk_big, "bench", case="store", chunks=c, iters=iters, base=base
-                                )
-                                if rnd:
-                                    raw[("store", c)]["sdk"].append(
-                                        (statistics.median(reply["times"]), reply["cpu"] / iters)
-                                    )
-                            else:
-                                t, cpu = await ours(c_big, side, c, iters, base)
-                                if rnd:
-                                    raw[(side, c)]["ours"].append((statistics.median(t), cpu))
-                            await asyncio.to_thread(clear_l1, srv.http_url)
-                        assert sdk_retrieve is not None
-                        if rnd:
-                            raw[("retrieve", c)]["sdk"].append(sdk_retrieve)
-                            raw[("retrieve_out", c)]["sdk"].append(sdk_retrieve)
-                            anchors[c].append(statistics.median(copy_anchor(c, iters)))
-                    # the fixed cost: a 16 KiB store + retrieve
-                    order = ["sdk", "ours"] if rnd % 2 == 0 else ["ours", "sdk"]
-                    for who in order:
+            assert c_big.geometry == BIG and c_tiny.geometry == TINY, (c_big.geometry, c_tiny.geometry)
+            if c_big.transfer != mode:
+                raise SystemExit(f"asked for {mode}, but the client chose {c_big.transfer}")
+            await require_generation(c_big, generation)
+            settled = await settle()
+            base = 1_000_000
+            for rnd in range(rounds + 1):  # round 0 warms the pool and the buffers
+                for c in chunk_list:
+                    base += 1_000_000
+                    # the SDK's retrieve serves both "retrieve" and "retrieve_out"
+                    sides = ["sdk", "retrieve", "retrieve_out", "store-sdk", "store"]
+                    sides = sides[rnd % len(sides) :] + sides[: rnd % len(sides)]
+                    sdk_retrieve: tuple[float, float] | None = None
+                    for side in sides:
                         base += 100_000
-                        if who == "sdk":
+                        if side == "sdk":
                             reply = await sdk_call(
-                                sdk_tiny, "bench", case="pair", chunks=1, iters=iters * 4, base=base
+                                sdk_big,
+                                "bench",
+                                server=srv,
+                                case="retrieve",
+                                chunks=c,
+                                iters=iters,
+                                base=base,
                             )
-                            fig = (statistics.median(reply["times"]), reply["cpu"] / (iters * 4))
+                            sdk_retrieve = (statistics.median(reply["times"]), reply["cpu"] / iters)
+                        elif side == "store-sdk":
+                            reply = await sdk_call(
+                                sdk_big, "bench", server=srv, case="store", chunks=c, iters=iters, base=base
+                            )
+                            if rnd:
+                                raw[("store", c)]["sdk"].append(
+                                    (statistics.median(reply["times"]), reply["cpu"] / iters)
+                                )
                         else:
-                            t, cpu = await ours(c_tiny, "pair", 1, iters * 4, base)
-                            fig = (statistics.median(t), cpu)
-                        if rnd:
-                            raw[("pair_tiny", 1)][who].append(fig)
-                    await asyncio.to_thread(clear_l1, srv.http_url)
-                    print(
-                        f"  single {mode}: round {rnd}{' (warm-up)' if rnd == 0 else ''} done",
-                        file=sys.stderr,
-                    )
-                server_version = srv.get_json("/lmc_version")
+                            t, cpu = await ours(c_big, side, c, iters, base)
+                            if rnd:
+                                raw[(side, c)]["ours"].append((statistics.median(t), cpu))
+                        await asyncio.to_thread(clear_l1, srv.http_url)
+                    assert sdk_retrieve is not None
+                    if rnd:
+                        raw[("retrieve", c)]["sdk"].append(sdk_retrieve)
+                        raw[("retrieve_out", c)]["sdk"].append(sdk_retrieve)
+                        anchors[c].append(statistics.median(copy_anchor(c, iters)))
+                # the fixed cost: a 16 KiB store + retrieve
+                order = ["sdk", "ours"] if rnd % 2 == 0 else ["ours", "sdk"]
+                for who in order:
+                    base += 100_000
+                    if who == "sdk":
+                        reply = await sdk_call(
+                            sdk_tiny, "bench", server=srv, case="pair", chunks=1, iters=iters * 4, base=base
+                        )
+                        fig = (statistics.median(reply["times"]), reply["cpu"] / (iters * 4))
+                    else:
+                        t, cpu = await ours(c_tiny, "pair", 1, iters * 4, base)
+                        fig = (statistics.median(t), cpu)
+                    if rnd:
+                        raw[("pair_tiny", 1)][who].append(fig)
+                await asyncio.to_thread(clear_l1, srv.http_url)
+                print(
+                    f"  single {mode}: round {rnd}{' (warm-up)' if rnd == 0 else ''} done",
+                    file=sys.stderr,
+                )
+            server_version = srv.get_json("/lmc_version")
     rows = []
     for (op, c), data in raw.items():
         geom = TINY if op == "pair_tiny" else BIG

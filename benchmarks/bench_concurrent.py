@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import SDKBench, clear_l1, sdk_call, server_python, settle, spread
+from harness import SDKBench, clear_l1, sdk_call, server_python, settle, spread, workers
 
 import lmcache_async as lmc
 from tests.support.real_server import RealLMCacheServer
@@ -86,7 +86,10 @@ async def _measure(
     raw: dict[str, dict[str, list[tuple[float, float]]]] = {op: {r: [] for r in runs} for op in ops}
     kv = torch.randn(GEOM.kv_shape(CS), dtype=torch.float32).to(GEOM.dtype)
     stored = [10_000_000 + i * 1000 for i in range(prompts)]
-    with EngineWorker(srv.url, python=python) as eng, SDKBench(python=python, request_timeout=600) as sdk:
+    with workers(EngineWorker(srv.url, python=python), SDKBench(python=python, request_timeout=600)) as (
+        eng,
+        sdk,
+    ):
         eng.register(MODEL, 2, 1, 128, block_size=16, num_blocks=32)
         sdk.request("connect", url=srv.url, http_url=srv.http_url, model_name=MODEL, geometry=[2, 128])
         async with lmc.AsyncClient(srv.url, srv.http_url, MODEL, timeout=300) as client:
@@ -110,7 +113,7 @@ async def _measure(
                             fig = await ours(client, op, starts, kv, int(run.removeprefix("ours_c")))
                         else:
                             reply = await sdk_call(
-                                sdk, "concurrent", op=op, starts=starts, tokens=CS,
+                                sdk, "concurrent", server=srv, op=op, starts=starts, tokens=CS,
                                 threads=int(run.removeprefix("sdk_t")), deadline=600,
                             )  # fmt: skip
                             assert reply["done"] == prompts, reply

@@ -47,6 +47,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from harness import settle  # noqa: E402
+
 import lmcache_async as lmc  # noqa: E402
 from lmcache_async.sync_client import Client  # noqa: E402
 
@@ -111,6 +115,7 @@ async def run(args: argparse.Namespace, url: str, http_url: str) -> dict[str, An
             cs = aclient.chunk_size
             tokens = list(range(10_000, 10_000 + cs))
             await aclient.store(torch.randn(GEOM.kv_shape(cs)).to(GEOM.dtype), tokens)
+            await settle()  # both clients' background SHM warm-up, if any, is over
             lt = sync._lt
 
             sync_cases: dict[str, Callable[[], object]] = {

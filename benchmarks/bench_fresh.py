@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import SDKBench, sdk_call, server_python, spread
+from harness import SDKBench, sdk_call, server_python, spread, workers
 
 import lmcache_async as lmc
 from tests.support.real_server import RealLMCacheServer
@@ -86,7 +86,10 @@ async def _measure(
     ours: list[dict[str, float]] = []
     sdk: list[dict[str, float]] = []
     copies: list[float] = []
-    with EngineWorker(srv.url, python=python) as eng, SDKBench(python=python, request_timeout=600) as sdk_w:
+    with workers(EngineWorker(srv.url, python=python), SDKBench(python=python, request_timeout=600)) as (
+        eng,
+        sdk_w,
+    ):
         eng.register(MODEL, 32, 8, 128, block_size=16, num_blocks=32)
         async with lmc.AsyncClient(srv.url, srv.http_url, MODEL, timeout=300) as keeper:
             assert keeper.geometry == GEOM and keeper.transfer == "shm", (keeper.geometry, keeper.transfer)
@@ -99,7 +102,7 @@ async def _measure(
                     ours.append(await _ours(srv, tokens, buf, settle))
                 elif who == "sdk":
                     reply = await sdk_call(
-                        sdk_w, "fresh", url=srv.url, http_url=srv.http_url, model_name=MODEL,
+                        sdk_w, "fresh", server=srv, url=srv.url, http_url=srv.http_url, model_name=MODEL,
                         start=START, tokens=n, deadline=600,
                     )  # fmt: skip
                     sdk.append({k: reply[k] for k in ("connect_s", "first_s", "second_s")})

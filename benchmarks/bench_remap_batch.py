@@ -51,6 +51,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from harness import settle, workers  # noqa: E402
+
 import lmcache_async as lmc  # noqa: E402
 from tests.support.real_server import RealLMCacheServer, lmcache_venv_python  # noqa: E402
 from tests.support.workers import EngineWorker, _JsonLinesWorker  # noqa: E402
@@ -147,15 +151,13 @@ async def measure(srv: RealLMCacheServer, python: Path, rounds: int, pairs: int 
     """Every round on the running server ``srv`` (SHM, L1 >= 1 GiB + pairs x 128 MiB)."""
     times: dict[str, list[float]] = {"sdk": [], **{f"ours_c{c}": [] for c in CONCURRENCY}}
     ratios: dict[str, list[float]] = {f"ours_c{c}": [] for c in CONCURRENCY}
-    with (
-        EngineWorker(srv.url, python=python) as eng,
-        SDKRemap(python=python, request_timeout=900) as sdk,
-    ):
+    with workers(EngineWorker(srv.url, python=python), SDKRemap(python=python, request_timeout=900)) as (eng, sdk):
         eng.register(MODEL, 32, 8, 128, block_size=16, num_blocks=32)
         sdk.request("connect", url=srv.url, http_url=srv.http_url, model_name=MODEL)
         async with lmc.AsyncClient(srv.url, srv.http_url, MODEL, timeout=300) as client:
             assert client.geometry == GEOMETRY, client.geometry  # from /status
             assert client.transfer == "shm"
+            await settle()  # the background SHM warm-up, if any, is over
             bench = Bench(srv, client, sdk, pairs)
             names = ["sdk", *(f"ours_c{c}" for c in CONCURRENCY)]
             for rnd in range(rounds + 1):  # round 0 warms up

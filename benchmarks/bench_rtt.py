@@ -25,7 +25,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import spread
+from harness import settle, spread
 
 import lmcache_async as lmc
 from lmcache_async import wire
@@ -53,6 +53,7 @@ def blocking(url: str, op: Op, args: tuple[Any, ...], n: int) -> float:
 async def ours(url: str, http_url: str, op: Op, args: tuple[Any, ...], n: int) -> float:
     geometry = lmc.KVGeometry(1, 1, 16)
     async with lmc.AsyncClient(url, http_url, "bench-rtt", geometry=geometry, timeout=10) as client:
+        await settle()  # the background SHM warm-up, if any, is over
         times = []
         for _ in range(n):
             t0 = time.perf_counter()

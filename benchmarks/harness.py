@@ -16,13 +16,14 @@ Nothing here times anything; every section module (``bench_client.py``,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import os
 import platform
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.support.real_server import RealLMCacheServer, lmcache_venv_python  # noqa: E402
+from tests.support.real_server import LMCacheServerError, RealLMCacheServer, lmcache_venv_python  # noqa: E402
 from tests.support.workers import _JsonLinesWorker  # noqa: E402
 
 GENERATIONS = ("0.5.6", "0.5.7")
@@ -266,15 +267,41 @@ async def settle(timeout: float = 300.0) -> float:
     return round(time.monotonic() - t0, 3)
 
 
-async def sdk_call(worker: _JsonLinesWorker, cmd: str, **params: Any) -> dict[str, Any]:
+async def sdk_call(
+    worker: _JsonLinesWorker, cmd: str, *, server: RealLMCacheServer | None = None, **params: Any
+) -> dict[str, Any]:
     """``worker.request(cmd, **params)`` in a thread, so that this process's event loop (and
     the keep-alive of its clients) runs while the SDK measures in its own process.
 
-    Cancellation (e.g. Ctrl-C under ``asyncio.run``) SIGKILLs the worker process, which ends
-    the thread's wait at once (instead of after the request's deadline), then re-raises.
+    With ``server``, its process is watched meanwhile: if it dies (e.g. killed for memory),
+    the worker is killed and :class:`LMCacheServerError` raised with the server's log tail,
+    instead of waiting out the request's deadline. Cancellation SIGKILLs the worker too,
+    which ends the thread's wait at once, then re-raises.
     """
+    task = asyncio.ensure_future(asyncio.to_thread(worker.request, cmd, **params))
     try:
-        return await asyncio.to_thread(worker.request, cmd, **params)
-    except asyncio.CancelledError:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            if done:
+                return task.result()
+            if server is not None and not server.is_running():
+                worker._kill()
+                raise LMCacheServerError(
+                    f"the LMCache server died during the SDK's {cmd!r}\n{server.log_tail(20)}"
+                )
+    except BaseException:
         worker._kill()
         raise
+
+
+@contextlib.contextmanager
+def workers(*ws: _JsonLinesWorker) -> Iterator[tuple[Any, ...]]:
+    """Spawn every helper process at once (each takes seconds to import lmcache), wait for
+    each to be ready (its own startup deadline), and close them all on exit."""
+    with contextlib.ExitStack() as stack:
+        for w in ws:
+            stack.callback(w.close)
+            w.spawn()
+        for w in ws:
+            w.start()
+        yield ws
