@@ -294,7 +294,7 @@ class Page:
         if section.startswith("single_"):
             worst = min(res["rows"], key=lambda r: r["ratio"]["median"])
             self.target(
-                f"every single-operation case ≥ 1.0x the SDK ({res['transfer']})",
+                f"every single-operation case ≥ 1.0x the SDK ({res['transfer']}, server {res['server_version']})",
                 f"worst: {worst['op']} {worst['chunks']} chunk(s) {worst['ratio']['median']:.2f}x",
                 worst["ratio"]["median"] >= 1.0,
             )

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
 from _worker_loop import WorkerExit, error_reply, send, serve, take_protocol_stdout
+from sdk_worker_ready import ready_line
 
 PROTO = take_protocol_stdout()
 
@@ -134,5 +135,5 @@ def quit_(req: dict[str, Any]) -> dict[str, Any]:
     raise WorkerExit({})
 
 
-send(PROTO, {"ok": True, "ready": True, "worker": "sdk-bench"})
+send(PROTO, ready_line("sdk-bench"))
 sys.exit(serve(PROTO, {"connect": connect, "bench": bench, "concurrent": concurrent, "fresh": fresh, "quit": quit_}))

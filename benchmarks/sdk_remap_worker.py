@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
 from _worker_loop import WorkerExit, error_reply, send, serve, take_protocol_stdout
+from sdk_worker_ready import ready_line
 
 PROTO = take_protocol_stdout()
 
@@ -61,7 +62,7 @@ def quit_(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> int:
-    send(PROTO, {"ok": True, "ready": True, "worker": "sdk-remap"})
+    send(PROTO, ready_line("sdk-remap"))
     return serve(PROTO, {"connect": connect, "remap": remap, "quit": quit_})
 
 
