@@ -624,7 +624,10 @@ def render(results: Path, doc_path: Path, img_dir: Path) -> str:
         "SHM for the inline/pickle transport), runs the official SDK (`lmcache.sdk.kvcache`, in the lmcache "
         "venv, timed inside its own process) and lmcache_async side by side in the same run, alternating "
         "the order, writes `benchmarks/results/*.json` and renders this page with `benchmarks/render.py`. "
-        "`make bench-quick` (or `BENCH_QUICK=1 make bench`) runs a few-minute subset. Every ratio reads the "
+        "`make bench-quick` (or `BENCH_QUICK=1 make bench`) runs a few-minute subset; "
+        "`make bench BENCH_ARGS='--generation 0.5.7'` adds the single-operation sections against LMCache "
+        "0.5.7 (venv `.lmcache-venv-057`; refused at once while lmcache_async cannot speak 0.5.7). "
+        "Each section's own script (named in its stamp) runs it alone. Every ratio reads the "
         "same way: above 1.0 lmcache_async is ahead, below 1.0 it is **behind** (and the page says so).\n\n"
     )
     if stamps:
