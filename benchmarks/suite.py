@@ -157,10 +157,14 @@ def main() -> int:
         start_servers(servers)
         for s in servers:
             stack.callback(s.stop)
-        for name in sections:
+        for i, name in enumerate(sections):
+            todo = sections[i:]
             t0 = time.monotonic()
             print(f"[{name}] ...", file=sys.stderr)
             head = stamp(gen, profile=profile)
+            if shm in servers and not any(n in SHM_SECTIONS for n in todo):
+                shm.stop()  # no SHM section left: give its pool's memory back before the inline one
+                servers.remove(shm)
             for s in servers:
                 if not s.is_running():  # e.g. killed for memory during the previous section
                     print(f"[{name}] restarting the {s.mode} server (it died)", file=sys.stderr)
@@ -176,7 +180,7 @@ def main() -> int:
             doc = {
                 "section": name,
                 "stamp": head,
-                "params": prof.get(name.split("_")[0], {}),
+                "params": prof.get(name, prof.get(name.split("_")[0], {})),
                 "result": result,
             }
             path = result_path(args.out, name, gen)
