@@ -222,11 +222,13 @@ class Page:
         self.parts: list[str] = []
         self.behind: list[str] = []  # "section: case" where a ratio < 1
         self.targets: list[tuple[str, str, str]] = []
+        self.placed: set[str] = set()
 
     def add(self, text: str) -> None:
         self.parts.append(text)
 
     def keep_block(self, name: str, default: str) -> None:
+        self.placed.add(name)
         body = self.keep.get(name, default)
         if body and not body.endswith("\n"):
             body += "\n"
@@ -247,6 +249,7 @@ class Page:
         self.add(f"\n## {title}\n\n")
         if doc is None:
             self.add(f"Not measured in this run (`{COMMANDS.get(section, 'make bench')}`).\n")
+            self.keep_block(f"notes-{section}", NOTES_PLACEHOLDER)
             return
         res = doc["result"]
         self.add(stamp_line(doc) + "\n")
@@ -313,6 +316,7 @@ class Page:
         self.add("\n## Many small operations at once (throughput and client CPU vs concurrency)\n\n")
         if doc is None:
             self.add(f"Not measured in this run (`{COMMANDS['concurrent']}`).\n")
+            self.keep_block("notes-concurrent", NOTES_PLACEHOLDER)
             self.target("concurrent small retrieves: CPU/op ≤ 0.5x the SDK, throughput ≥ 1.2x", "", None)
             return
         res = doc["result"]
@@ -373,6 +377,7 @@ class Page:
         self.add("\n## A fresh client (the first call after connect)\n\n")
         if doc is None:
             self.add(f"Not measured in this run (`{COMMANDS['fresh']}`).\n")
+            self.keep_block("notes-fresh", NOTES_PLACEHOLDER)
             self.target("16-chunk retrieve into out= from the first call: ≥ 2x SDK, ≤ 1.3x copy_", "", None)
             return
         res = doc["result"]
@@ -415,6 +420,7 @@ class Page:
         self.add("\n## Bulk remapping (`remap_many`)\n\n")
         if doc is None:
             self.add(f"Not measured in this run (`{COMMANDS['remap']}`).\n")
+            self.keep_block("notes-remap", NOTES_PLACEHOLDER)
             return
         res = doc["result"]
         self.add(stamp_line(doc) + "\n")
@@ -456,6 +462,7 @@ class Page:
         self.add("\n## The blocking facade (`Client` vs `AsyncClient`)\n\n")
         if doc is None:
             self.add(f"Not measured in this run (`{COMMANDS['facade']}`).\n")
+            self.keep_block("notes-facade", NOTES_PLACEHOLDER)
             self.target("facade hand-over (noop) < 100 µs", "", None)
             return
         res = doc["result"]
@@ -494,6 +501,7 @@ class Page:
         self.add("\n## Round trips: the floor (a bare blocking DEALER)\n\n")
         if doc is None:
             self.add(f"Not measured in this run (`{COMMANDS['rtt']}`).\n")
+            self.keep_block("notes-rtt", NOTES_PLACEHOLDER)
             return
         res = doc["result"]
         self.add(stamp_line(doc) + "\n")
@@ -670,6 +678,11 @@ def render(results: Path, doc_path: Path, img_dir: Path) -> str:
     summary.append(table(["target", "measured", ""], page.targets) if page.targets else "No results.\n")
     if page.behind:
         summary.append("\nBehind the official SDK:\n\n" + "".join(f"* {b}\n" for b in page.behind))
+    orphans = {n: b for n, b in keep.items() if n not in page.placed and b.strip() and b != WHY_PLACEHOLDER}
+    if orphans:  # never drop what a human wrote: e.g. a "why" whose case is now ahead
+        page.add("\n## Notes kept from an earlier render (their section no longer shows them)\n\n")
+        for n, b in orphans.items():
+            page.keep_block(n, b)
     if page.plots.error:
         summary.append(f"\n_Plots not rendered: {page.plots.error}._\n")
     page.parts[body_start:body_start] = summary
