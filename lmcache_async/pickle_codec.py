@@ -237,16 +237,19 @@ _TO_NEWLINE: Final = frozenset(
 )
 _PUT, _BINPUT, _LONG_BINPUT, _STOP = b"p"[0], b"q"[0], b"r"[0], b"."[0]
 _TWO_LINES: Final = frozenset(b"ci")
-_MAX_LINE: Final = 4096  # the longest text argument (a global's name, a decimal int)
+_MAX_LINE: Final = 4096
+#: Opcodes one tensor may take in the outer pickle (torch's own: ~45, ours: <= ~120).
+_OPS_PER_TENSOR: Final = 256  # the longest text argument (a global's name, a decimal int)
 
 
-def _scan_pickle(data: memoryview, pos: int = 0) -> int:
+def _scan_pickle(data: memoryview, pos: int = 0, max_ops: int | None = None) -> int:
     """Walk the opcodes of the pickle at ``data[pos:]`` without building anything;
     return the position after its STOP.
 
     Raises :class:`UnsafePayloadError` for an unknown opcode, a counted argument longer
     than the bytes left, or a memo index beyond the opcodes seen (each of which would
-    make CPython's unpickler allocate what the payload claims before reading it).
+    make CPython's unpickler allocate what the payload claims before reading it), or
+    more than ``max_ops`` opcodes (one byte each can build an object of ~70 bytes).
     """
     end = len(data)
     seen = 0
@@ -254,6 +257,8 @@ def _scan_pickle(data: memoryview, pos: int = 0) -> int:
         code = data[pos]
         pos += 1
         seen += 1
+        if max_ops is not None and seen > max_ops:
+            raise UnsafePayloadError(f"pickle payload has more than {max_ops} opcodes")
         if code in _COUNTED:
             width, signed = _COUNTED[code]
             if pos + width > end:
@@ -457,7 +462,9 @@ def decode_tensor_list(
         ProtocolError: the decoded list does not match ``count``/``shape``/``dtype``.
     """
     try:
-        _scan_pickle(memoryview(data).cast("B"))
+        _scan_pickle(
+            memoryview(data).cast("B"), max_ops=None if count is None else _OPS_PER_TENSOR * count + 64
+        )
         obj = _RestrictedUnpickler(io.BytesIO(data)).load()
     except UnsafePayloadError:
         raise

@@ -416,6 +416,14 @@ def test_regression_a_storage_claim_is_checked_before_torch_allocates_it() -> No
     assert str(got) == f"storage blob claims {1 << 30} bytes of data but holds 24"
 
 
+def test_regression_opcodes_that_each_build_an_object_are_bounded_by_the_count() -> None:
+    # 200,000 one-byte EMPTY_LISTs built ~70 bytes of objects each (14 MiB from 200 kB).
+    payload = b"\x80\x04" + b"]" * 200_000 + b"."
+    got = bounded(lambda: decode_tensor_list(payload, count=1), len(payload))
+    assert isinstance(got, UnsafePayloadError)
+    assert str(got) == "pickle payload has more than 320 opcodes"
+
+
 def test_the_pre_scan_reads_torchs_own_pickles() -> None:
     tensors = _tensors(3, torch.bfloat16, 7)
     for protocol in (2, 3, 4, 5):
