@@ -19,10 +19,14 @@ without the pre-scan in ``pickle_codec``.
 
 from __future__ import annotations
 
+import asyncio
+import os
 import pickle
+import secrets
 import struct
+import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import msgpack
@@ -33,9 +37,14 @@ from hypothesis import strategies as st
 
 from lmcache_async import pickle_codec, wire
 from lmcache_async.envelope_codec import encode_tensor_envelope
-from lmcache_async.errors import ProtocolError, UnsafePayloadError
+from lmcache_async.errors import LMCacheError, LMCacheTimeoutError, ProtocolError, UnsafePayloadError
+from lmcache_async.geometry import dtype_name
 from lmcache_async.inline_codec import decode_inline
+from lmcache_async.operations import Operations, OpState, Registration, RemapResult
 from lmcache_async.pickle_codec import decode_tensor_list, encode_tensor_list
+from lmcache_async.shm import ShmPool
+from lmcache_async.testing import InProcessServer, NoReply
+from tests.conftest import SMALL_GEOMETRY
 
 T = TypeVar("T")
 
@@ -429,3 +438,125 @@ def test_the_pre_scan_reads_torchs_own_pickles() -> None:
     for protocol in (2, 3, 4, 5):
         got = decode_tensor_list(pickle.dumps(tensors, protocol=protocol), count=3, shape=SHAPE)
         assert all(torch.equal(a, b) for a, b in zip(got, tensors, strict=True))
+
+
+# --------------------------------------------------------------------------- operations
+
+
+class TamperingChannel:
+    """The operations' channel over an in-process engine, with the reply to request
+    number ``tamper_at`` replaced by ``replace(reply)`` (what a wrong server sends)."""
+
+    def __init__(self, srv: InProcessServer, generation: wire.WireGeneration) -> None:
+        self.srv = srv
+        self.wire = generation
+        self.sent = 0
+        self.tamper_at: int | None = None
+        self.replace: Callable[[Any], Any] = lambda value: value
+
+    @property
+    def usable(self) -> bool:
+        return True
+
+    async def call(self, opcode: wire.Op, args: Sequence[Any], timeout: float | None) -> Any:
+        self.sent += 1
+        try:
+            value = await self.srv.handle(opcode, list(self.wire.request_args(opcode, args)))
+        except NoReply as exc:  # the real server would answer nothing: a timeout
+            raise LMCacheTimeoutError(opcode.name.lower(), 0.0) from exc
+        if self.sent == self.tamper_at:
+            value = self.replace(value)
+        return value
+
+
+OPS_CS = 16
+OPS_END = 3 * OPS_CS
+
+
+async def _run_tampered(
+    mode: str, generation: wire.WireGeneration, case: str, tamper_at: int, replace: Callable[[Any], Any]
+) -> object:
+    name = f"lmca_fuzz_{os.getpid()}_{secrets.token_hex(4)}" if mode == "shm" else None
+    srv = InProcessServer(
+        chunk_size=OPS_CS, mode=mode, protocol=generation.name, size_bytes=4 << 20, shm_name=name
+    )
+    pool: ShmPool | None = None
+    try:
+        geom = SMALL_GEOMETRY
+        payload = wire.RegisterPayload(
+            instance_id=7,
+            model_name="m",
+            world_size=1,
+            block_size=geom.block_size,
+            num_layers=geom.num_layers,
+            hidden_dim_size=geom.hidden_dim,
+            dtype_str=dtype_name(geom.dtype),
+            use_mla=False,
+            num_physical_slots=OPS_CS,
+        )
+        shm_name, pool_size = wire.parse_register_response(
+            await srv.handle(wire.Op.REGISTER_ENGINE_DRIVEN, [payload.to_wire()])
+        )
+        pool = ShmPool(shm_name, pool_size) if shm_name else None
+        reg = Registration("m", geom, OPS_CS, generation, 7, pool=pool, server_has_shm=bool(shm_name))
+        channel = TamperingChannel(srv, generation)
+        ops = Operations(channel, reg, cleanup_grace=1.0)
+        toks, other = list(range(100, 100 + OPS_END)), list(range(900, 900 + OPS_END))
+        kv = torch.randn(geom.kv_shape(OPS_END), generator=torch.Generator().manual_seed(1)).to(geom.dtype)
+        assert await ops.store(OpState(None), kv, toks, OPS_END, "") is True
+        channel.sent, channel.tamper_at, channel.replace = 0, tamper_at, replace
+        op = OpState(time.monotonic() + 5)
+        body = {
+            "lookup": lambda: ops.lookup(op, toks, OPS_END, ""),
+            "retrieve": lambda: ops.retrieve(op, toks, OPS_END, ""),
+            "store": lambda: ops.store(op, kv, other, OPS_END, ""),
+            "remap": lambda: ops.remap(op, toks, other, OPS_END, "", ""),
+        }[case]
+        try:
+            return await asyncio.wait_for(body(), 10)
+        except LMCacheError as exc:  # ProtocolError, a timeout, a TransferError ...
+            return exc
+    finally:
+        if pool is not None:
+            pool.close()
+        srv.close()
+
+
+@pytest.mark.parametrize("mode", ["shm", "pickle"])
+@GENERATIONS
+@pytest.mark.parametrize("case", ["lookup", "retrieve", "store", "remap"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), tamper_at=st.integers(1, 8))
+def test_operations_given_one_wrong_reply(
+    mode: str, generation: wire.WireGeneration, case: str, data: st.DataObject, tamper_at: int
+) -> None:
+    """One reply of an operation replaced by any object or a mutation of the real one:
+    the operation returns a well-typed result or raises an LMCacheError (ProtocolError,
+    a timeout), never another exception, and never hangs."""
+
+    def replace(value: Any) -> Any:
+        if isinstance(value, dict | list) and data.draw(st.booleans()):
+            return mutate(value, data.draw)
+        return data.draw(st.one_of(objects, huge_ints))
+
+    got = asyncio.run(_run_tampered(mode, generation, case, tamper_at, replace))
+    if isinstance(got, LMCacheError):
+        return
+    if case == "lookup":
+        assert type(got) is int and 0 <= got <= OPS_END
+    elif case == "retrieve":
+        assert got is None or (isinstance(got, torch.Tensor) and got.dtype == SMALL_GEOMETRY.dtype)
+    elif case == "store":
+        assert type(got) is bool
+    else:
+        assert isinstance(got, RemapResult)
+
+
+@pytest.mark.parametrize("count", [4, 2**31, 2**63 - 1])
+def test_regression_a_prefetch_status_beyond_the_chunks_asked_is_refused(count: int) -> None:
+    # Request 2 of a lookup is its query_prefetch_status. Before: a hit of 2**31 chunks
+    # was returned as 34,359,738,352 tokens for a 48-token query, and 2**63 - 1 made the
+    # free_lookup_locks key unencodable (a raw OverflowError; no lock released).
+    got = asyncio.run(_run_tampered("pickle", wire.GEN_0_5_6, "lookup", 2, lambda value: count))
+    assert isinstance(got, ProtocolError)
+    assert str(got) == f"prefetch status {count} is not a chunk count in [0, 3]"
