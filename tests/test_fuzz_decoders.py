@@ -26,8 +26,8 @@ import secrets
 import struct
 import time
 import tracemalloc
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal, TypeVar, cast
 
 import msgpack
 import pytest
@@ -44,6 +44,7 @@ from lmcache_async.operations import Operations, OpState, Registration, RemapRes
 from lmcache_async.pickle_codec import decode_tensor_list, encode_tensor_list
 from lmcache_async.shm import ShmPool
 from lmcache_async.testing import InProcessServer, NoReply
+from lmcache_async.testing.dialect import Protocol
 from tests.conftest import SMALL_GEOMETRY
 
 T = TypeVar("T")
@@ -474,11 +475,15 @@ OPS_END = 3 * OPS_CS
 
 
 async def _run_tampered(
-    mode: str, generation: wire.WireGeneration, case: str, tamper_at: int, replace: Callable[[Any], Any]
+    mode: Literal["shm", "pickle"],
+    generation: wire.WireGeneration,
+    case: str,
+    tamper_at: int,
+    replace: Callable[[Any], Any],
 ) -> object:
     name = f"lmca_fuzz_{os.getpid()}_{secrets.token_hex(4)}" if mode == "shm" else None
     srv = InProcessServer(
-        chunk_size=OPS_CS, mode=mode, protocol=generation.name, size_bytes=4 << 20, shm_name=name
+        chunk_size=OPS_CS, mode=mode, protocol=cast(Protocol, generation.name), size_bytes=4 << 20, shm_name=name
     )
     pool: ShmPool | None = None
     try:
@@ -506,7 +511,7 @@ async def _run_tampered(
         assert await ops.store(OpState(None), kv, toks, OPS_END, "") is True
         channel.sent, channel.tamper_at, channel.replace = 0, tamper_at, replace
         op = OpState(time.monotonic() + 5)
-        body = {
+        body: Callable[[], Awaitable[object]] = {
             "lookup": lambda: ops.lookup(op, toks, OPS_END, ""),
             "retrieve": lambda: ops.retrieve(op, toks, OPS_END, ""),
             "store": lambda: ops.store(op, kv, other, OPS_END, ""),
@@ -528,7 +533,7 @@ async def _run_tampered(
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), tamper_at=st.integers(1, 8))
 def test_operations_given_one_wrong_reply(
-    mode: str, generation: wire.WireGeneration, case: str, data: st.DataObject, tamper_at: int
+    mode: Literal["shm", "pickle"], generation: wire.WireGeneration, case: str, data: st.DataObject, tamper_at: int
 ) -> None:
     """One reply of an operation replaced by any object or a mutation of the real one:
     the operation returns a well-typed result or raises an LMCacheError (ProtocolError,
