@@ -26,12 +26,12 @@ import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
 import torch
 
 from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
-from lmcache_async.connection import Connection
+from lmcache_async.connection import DEFAULT_MAX_IN_FLIGHT, Connection
 from lmcache_async.errors import (
     ClientClosedError,
     ClientNotOpenError,
@@ -48,6 +48,8 @@ from lmcache_async.geometry import KVGeometry, dtype_name
 from lmcache_async.metadata import Metadata
 from lmcache_async.operations import Operations, OpState, Registration, RemapResult, run_detached
 from lmcache_async.shm import ShmPool
+from lmcache_async.task_cancel import cancel_and_wait
+from lmcache_async.tensor_checks import check_tensor_storage
 from lmcache_async.wire import (
     GEN_0_5_6,
     Op,
@@ -72,6 +74,8 @@ T = TypeVar("T")
 TransferMode = Literal["auto", "shm", "pickle"]
 Configs = dict[str, Any] | None
 
+#: Longest wait for the ``unregister`` reply when closing.
+UNREGISTER_TIMEOUT: Final = 2.0
 
 
 class _Lifecycle(enum.Enum):
@@ -96,7 +100,7 @@ class _ConnectionChannel:
 
     @property
     def usable(self) -> bool:
-        return self._conn.connected and not self._conn.closed
+        return self._conn.usable
 
     async def call(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> Any:
         reply = await self._conn.call(opcode, args, timeout=timeout)
@@ -117,6 +121,7 @@ async def connect(
     metadata_ttl: float = 5.0,
     prefault_shm: bool = True,
     api_key: str | None = None,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
 ) -> AsyncClient:
     """Create an :class:`AsyncClient` and open it (see there for the arguments).
 
@@ -140,6 +145,7 @@ async def connect(
         metadata_ttl=metadata_ttl,
         prefault_shm=prefault_shm,
         api_key=api_key,
+        max_in_flight=max_in_flight,
     )
     await client.open()
     return client
@@ -162,7 +168,8 @@ class AsyncClient:
         transfer: ``"auto"`` (SHM when the server offers it and the segment maps),
             ``"shm"`` or ``"pickle"`` to insist.
         num_kv_readers: read locks a lookup reserves per object (>= 1).
-        ping_interval: seconds between keep-alive pings of the registration (<= 30).
+        ping_interval: seconds between keep-alive refreshes of the registration (<= 30);
+            a refresh is also made at once when the connection comes back after a loss.
         cleanup_grace: extra seconds an abandoned operation may spend cleaning up.
         metadata_ttl: seconds ``/config`` and ``/status`` stay cached.
         prefault_shm: map the whole SHM pool into this process in a background thread
@@ -171,6 +178,9 @@ class AsyncClient:
         api_key: sent as ``Authorization: Bearer KEY`` on every HTTP call (servers
             started with an API key answer 401 without it); default: the
             ``LMCACHE_API_KEY`` environment variable. The ZMQ side has no keys.
+        max_in_flight: most requests on the wire at once (default 1024); a request
+            beyond that waits for a free place under its operation's deadline, so an
+            unanswering server makes calls time out instead of growing the pending table.
     """
 
     def __init__(
@@ -188,6 +198,7 @@ class AsyncClient:
         metadata_ttl: float = 5.0,
         prefault_shm: bool = True,
         api_key: str | None = None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ) -> None:
         if not isinstance(url, str) or "://" not in url:
             raise ValueError(f"url must look like tcp://host:port, got {url!r}")
@@ -217,14 +228,19 @@ class AsyncClient:
         self._meta = Metadata(http_url, ttl=metadata_ttl, api_key=api_key)
         self._wire: WireGeneration = GEN_0_5_6
         self._server_version: str | None = None
-        self._conn = Connection(url)
+        self._conn = Connection(url, max_in_flight=max_in_flight)
         self._channel = _ConnectionChannel(self._conn)
         self._state = _Lifecycle.NEW
         self._pid = os.getpid()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._chunk_size = 0
         self._fifo_cpu = False
+        self._write_ttl: float | None = None
+        self._expected_pool: tuple[str, int] | None = None  # from /config, when it says
         self._instance_id = secrets.randbits(63)
+        self._registered_id: int | None = None  # the id the server knows this client by
+        self._pool_identity: tuple[str, int] = ("", 0)  # (shm name, pool size) registered with
+        self._retired_ids: list[int] = []
         self._server_instance: object = None
         self._pool: ShmPool | None = None
         self._transfer: Literal["shm", "pickle"] | None = None
@@ -236,6 +252,7 @@ class AsyncClient:
         self._ops: set[asyncio.Task[Any]] = set()
         self._gates: dict[tuple[Any, ...], list[Any]] = {}
         self._keepalive: asyncio.Task[None] | None = None
+        self._closed_event: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ properties
 
@@ -324,10 +341,11 @@ class AsyncClient:
                     f"chunk size {self._chunk_size} is not a multiple of the block size "
                     f"{self._geometry.block_size}"
                 )
-            await self._conn.open()
+            await self._conn.open(_remaining(deadline))
             reply = await self._conn.call(Op.NOOP, (), timeout=_remaining(deadline))
             if reply.value() != "OK":
                 raise ProtocolError(f"noop answered {reply.value()!r}")
+            await self._check_chunk_size_over_zmq(_remaining(deadline))
             await self._register(_remaining(deadline))
             self._keepalive = asyncio.create_task(self._keepalive_loop(), name="lmcache-keepalive")
             self._state = _Lifecycle.OPEN
@@ -337,37 +355,96 @@ class AsyncClient:
             raise
 
     async def aclose(self) -> None:
-        """Close the client: refuse new calls, let abandoned operations finish their
-        cleanup (bounded by ``cleanup_grace``), unregister, close socket and session.
+        """Close the client: refuse new calls, let running operations (abandoned ones
+        finishing their server-side cleanup) end, unregister, close socket and session.
 
-        Idempotent. Cancellation midway still closes the socket and session.
+        What it waits for, in order: the operations still running, at most
+        ``cleanup_grace`` seconds (those left are cancelled, and the registration is then
+        retired rather than unregistered: a cancelled store may hold reserved slots that
+        unregistering would admit); the keep-alive task's end; the ``unregister`` reply,
+        at most :data:`UNREGISTER_TIMEOUT` seconds (skipped while disconnected).
+
+        Idempotent; a call while another ``aclose()`` runs waits for that one. In a
+        process forked from the one that opened the client it only drops the inherited
+        socket, context and session, without touching them (they are the parent's).
+
+        Cancellation: ``CancelledError`` propagates, and the client still ends CLOSED:
+        operations cancelled, keep-alive stopped, socket and session closed (the
+        unregister is skipped).
         """
-        if self._state in (_Lifecycle.CLOSED, _Lifecycle.CLOSING):
+        if os.getpid() != self._pid:
+            self._drop_inherited()
+            return
+        self._check_loop()
+        if self._state is _Lifecycle.CLOSED:
+            return
+        if self._state is _Lifecycle.CLOSING:
+            assert self._closed_event is not None
+            await self._closed_event.wait()
             return
         opened = self._state is _Lifecycle.OPEN
         self._state = _Lifecycle.CLOSING
-        if self._ops:
-            _done, pending = await asyncio.wait(set(self._ops), timeout=self.cleanup_grace)
-            for task in pending:
-                task.cancel()
-        await self._shutdown(unregister=opened)
+        self._closed_event = asyncio.Event()
+        unregister = opened
+        try:
+            if self._ops:
+                await asyncio.wait(set(self._ops), timeout=self.cleanup_grace)
+        except asyncio.CancelledError:
+            unregister = False
+            raise
+        finally:
+            left = [t for t in self._ops if not t.done()]
+            if left:
+                self._retire_registration(
+                    self._instance_id, f"{len(left)} operations were still running at close"
+                )
+                for task in left:
+                    task.cancel()
+            await self._shutdown(unregister=unregister)
 
     async def _shutdown(self, *, unregister: bool) -> None:
         try:
             if self._keepalive is not None:
-                self._keepalive.cancel()
-                with contextlib.suppress(BaseException):
-                    await self._keepalive
-            if unregister and self._conn.connected and os.getpid() == self._pid:
+                await cancel_and_wait(self._keepalive, "the keep-alive")
+            registered = self._registered_id is not None and self._registered_id == self._instance_id
+            if unregister and registered and self._conn.usable:
                 with contextlib.suppress(LMCacheError):
-                    await self._conn.call(Op.UNREGISTER_ENGINE_DRIVEN, (self._instance_id,), timeout=5.0)
+                    await self._conn.call(
+                        Op.UNREGISTER_ENGINE_DRIVEN, (self._instance_id,), timeout=UNREGISTER_TIMEOUT
+                    )
         finally:
-            if self._pool is not None:
-                self._pool.close()
-                self._pool = None
-            await self._conn.close()
-            await self._meta.close()
-            self._state = _Lifecycle.CLOSED
+            try:
+                if self._pool is not None:
+                    self._pool.close()
+                    self._pool = None
+                await self._conn.close()
+            finally:
+                try:
+                    await self._meta.close()
+                finally:
+                    self._state = _Lifecycle.CLOSED
+                    if self._closed_event is not None:
+                        self._closed_event.set()
+
+    def _drop_inherited(self) -> None:
+        """In a forked child: forget the parent's socket, context, session and pool
+        without closing them (closing would unregister the parent's file descriptors
+        from the event-loop selector both processes share)."""
+        if self._state is _Lifecycle.CLOSED:
+            return
+        self._state = _Lifecycle.CLOSED
+        self._conn.drop_inherited()
+        self._meta.drop_inherited()
+        self._pool = None
+        self._keepalive = None
+        self._ops = set()
+
+    def _check_loop(self) -> None:
+        """Refuse a call from an event loop other than the one that opened the client."""
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            raise WrongEventLoopError(
+                "the client is used from an event loop other than the one that opened it"
+            )
 
     async def _detect_generation(self, timeout: float | None) -> None:
         """Ask ``/lmc_version`` which generation the server is and speak its wire.
@@ -410,13 +487,30 @@ class AsyncClient:
                 "go unanswered (start it with --supported-transfer-mode auto or engine_driven)"
             )
         self._chunk_size = chunk_size
+        self._expected_pool = _expected_pool(config)
         self._server_instance = mp.get("instance_id")
         self._fifo_cpu = mp.get("max_cpu_workers") == 1
+        ttl = _find_number(config, "write_ttl_seconds")
+        grace = mp.get("worker_registration_grace_seconds")
+        self._write_ttl = ttl
+        if (
+            ttl is not None
+            and isinstance(grace, int | float)
+            and not isinstance(grace, bool)
+            and grace <= ttl
+        ):
+            log.warning(
+                "the server reaps silent registrations after %gs, before write reservations expire "
+                "(%gs): a reservation this client cannot fill could be admitted when its "
+                "retired registration is reaped (see docs/design.md)",
+                grace,
+                ttl,
+            )
 
-    async def _register(self, timeout: float | None) -> None:
+    def _register_payload(self) -> RegisterPayload:
         geom = self._geometry
         assert geom is not None
-        payload = RegisterPayload(
+        return RegisterPayload(
             instance_id=self._instance_id,
             model_name=self.model_name,
             world_size=geom.world_size,
@@ -427,9 +521,41 @@ class AsyncClient:
             use_mla=geom.use_mla,
             num_physical_slots=self._chunk_size,
         )
+
+    async def _check_chunk_size_over_zmq(self, timeout: float | None) -> None:
+        """On 0.5.6 (where ``get_chunk_size`` is a pure query; on 0.5.7 it would freeze
+        the chunk size) check that the ZMQ endpoint has the chunk size ``/config`` gave.
+
+        Raises:
+            ServerError: the two endpoints are not the same server.
+        """
+        if self._wire.chunk_size_from != "config":
+            return
+        reply = await self._conn.call(Op.GET_CHUNK_SIZE, (), timeout=timeout)
+        zmq_chunk = reply.value()
+        if zmq_chunk != self._chunk_size:
+            raise ServerError(
+                f"{self.url} and {self.http_url} are not the same LMCache server: the ZMQ endpoint "
+                f"has chunk size {zmq_chunk!r}, the HTTP endpoint's /config {self._chunk_size}"
+            )
+
+    async def _register(self, timeout: float | None) -> None:
+        payload = self._register_payload()
         generation = self._conn.generation
         reply = await self._conn.call(Op.REGISTER_ENGINE_DRIVEN, (payload.to_wire(),), timeout=timeout)
         shm_name, pool_size = parse_register_response(reply.value())
+        self._registered_id = payload.instance_id
+        self._pool_identity = (shm_name, pool_size)
+        if self._expected_pool is not None and self._expected_pool != (shm_name, pool_size):
+            # Another server than the one whose /config was read: undo the registration.
+            with contextlib.suppress(LMCacheError):
+                await self._conn.call(Op.UNREGISTER_ENGINE_DRIVEN, (payload.instance_id,), timeout=timeout)
+            self._registered_id = None
+            raise ServerError(
+                f"{self.url} and {self.http_url} are not the same LMCache server: the ZMQ endpoint "
+                f"serves the SHM pool {shm_name!r} ({pool_size} bytes), the HTTP endpoint's /config "
+                f"describes {self._expected_pool[0]!r} ({self._expected_pool[1]} bytes)"
+            )
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -463,17 +589,47 @@ class AsyncClient:
         self._stale = False
 
     async def _keepalive_loop(self) -> None:
+        """Every ``ping_interval`` seconds, and at once when the connection comes back
+        after a loss: check that the server is the one registered with (``/config``
+        instance id) and refresh the registration, or register again (and re-map SHM)
+        with the new server.
+
+        The refresh is a re-registration of the same id, which the server answers as a
+        liveness refresh. It is deliberately not a ``ping``: a pinged instance is reaped
+        120 s after its last message and reaping admits its pending write reservations,
+        while a never-pinged one is reaped only after ``--worker-registration-grace-seconds``
+        (3600 s), by which time such reservations expired and are dropped, never admitted
+        (see :meth:`_retire_registration`).
+        """
+        reconnected = self._conn.reconnected
+        assert reconnected is not None
         while True:
-            await asyncio.sleep(self._ping_interval)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._ping_interval):
+                    await reconnected.wait()
+            if reconnected.is_set():
+                reconnected.clear()
+                log.info("reconnected to %s; registering again", self.url)
             try:
-                await self._conn.call(Op.PING, (self._instance_id,), timeout=min(10.0, self._ping_interval))
-                config = await self._meta.config(max_age=0, timeout=10.0)
-                if Metadata.mp_section(config).get("instance_id") != self._server_instance:
-                    log.info("server restarted (instance id changed); re-registering")
-                    self._stale = True
-                    await self._ensure_registered(30.0)
+                await self._refresh_registration()
             except LMCacheError as exc:
                 log.debug("keep-alive failed: %s", exc)
+
+    async def _refresh_registration(self) -> None:
+        config = await self._meta.config(max_age=0, timeout=10.0)
+        if Metadata.mp_section(config).get("instance_id") != self._server_instance:
+            log.info("server restarted (instance id changed); re-registering")
+            self._stale = True
+        if self._stale or self._reg_generation != self._conn.generation:
+            await self._ensure_registered(30.0)
+            return
+        reply = await self._conn.call(
+            Op.REGISTER_ENGINE_DRIVEN, (self._register_payload().to_wire(),), timeout=10.0
+        )
+        if parse_register_response(reply.value()) != self._pool_identity:
+            log.info("the server's SHM pool changed; re-registering")
+            self._stale = True
+            await self._ensure_registered(30.0)
 
     async def _ensure_registered(self, timeout: float | None) -> None:
         """Re-register (and re-map SHM) after a reconnect or a server restart."""
@@ -484,7 +640,16 @@ class AsyncClient:
             if self._reg_generation == self._conn.generation and not self._stale:
                 return
             log.info("re-registering %s with %s", self.model_name, self.url)
+            before = self._chunk_size
             await self._load_config(timeout)
+            assert self._geometry is not None
+            if self._chunk_size % self._geometry.block_size:
+                raise ServerError(
+                    f"the server now has chunk size {self._chunk_size}, not a multiple of the block "
+                    f"size {self._geometry.block_size}"
+                )
+            if self._chunk_size != before:
+                log.warning("the server's chunk size changed from %d to %d", before, self._chunk_size)
             await self._register(timeout)
 
     def _require_open(self) -> None:
@@ -505,12 +670,12 @@ class AsyncClient:
         """Run ``body`` over this client's operations in a task of its own (see
         :func:`~lmcache_async.operations.run_detached`), re-registering first if needed."""
         self._require_open()
-        if asyncio.get_running_loop() is not self._loop:
-            raise WrongEventLoopError(
-                "the client is used from an event loop other than the one that opened it"
-            )
+        self._check_loop()
 
         async def run(op: OpState) -> T:
+            # Started while the server is away: wait briefly for the reconnection (then the
+            # new server is registered with first), or fail fast with a connection error.
+            await self._conn.wait_usable(op.remaining())
             await self._ensure_registered(op.remaining())
             if op.abandoned:  # the caller left before anything was sent
                 raise _Abandoned
@@ -549,8 +714,42 @@ class AsyncClient:
             pool=self._pool,
             server_has_shm=self._server_has_shm,
             fifo_cpu=self._fifo_cpu,
+            write_ttl=self._write_ttl,
         )
-        return Operations(self._channel, reg, cleanup_grace=self.cleanup_grace, gates=self._gates)
+        return Operations(
+            self._channel,
+            reg,
+            cleanup_grace=self.cleanup_grace,
+            gates=self._gates,
+            on_unfilled=self._retire_registration,
+        )
+
+    def _retire_registration(
+        self, instance_id: int, reason: str = "a store's reserved slots could not be filled"
+    ) -> None:
+        """Stop using ``instance_id``: a reservation of it may hold anything but KV.
+
+        The LMCache server has no operation that drops a write reservation: committing
+        it, unregistering its instance, or the server reaping a silent instance that has
+        *pinged* (120 s) all admit the reserved slots as valid KV, whatever they hold.
+        Only a reservation whose write lock expired (``--l1-write-ttl-seconds``, 600 s)
+        is never admitted. So the retired id is never unregistered and never refreshed
+        again; as it never pinged (this client keeps alive by re-registering, see
+        :meth:`_keepalive_loop`), the server reaps it only after
+        ``--worker-registration-grace-seconds`` (3600 s) of silence, after its write
+        locks expired. This client registers a fresh id before its next operation.
+        """
+        if instance_id != self._instance_id:
+            return  # already retired
+        log.warning(
+            "retiring registration %d (%s): reservations it may hold stay invisible and expire "
+            "on the server; registering a new id",
+            instance_id,
+            reason,
+        )
+        self._retired_ids.append(instance_id)
+        self._instance_id = secrets.randbits(63)
+        self._stale = True
 
     # ------------------------------------------------------------------ helpers
 
@@ -572,6 +771,7 @@ class AsyncClient:
             raise ValueError(f"kv has shape {list(kv.shape)}, expected {list(want)} for {num_tokens} tokens")
         if kv.dtype != geom.dtype:
             raise TypeError(f"kv has dtype {kv.dtype}, the geometry says {geom.dtype}")
+        check_tensor_storage(kv, "kv")
         return kv
 
     # ------------------------------------------------------------------ operations
@@ -601,10 +801,14 @@ class AsyncClient:
         validate_cache_salt(cache_salt)
         configs = validate_request_configs(request_configs)
         timeout = self._timeout(timeout)
-        end = self._aligned(len(toks))
+        self._require_open()
 
+        # Aligned with the chunk size of the registration the operation runs under (a
+        # server restarted with another chunk size is registered with first).
         return await self._run(
-            "lookup", timeout, lambda ops, op: ops.lookup(op, toks, end, cache_salt, configs)
+            "lookup",
+            timeout,
+            lambda ops, op: ops.lookup(op, toks, _align(len(toks), ops.reg.chunk_size), cache_salt, configs),
         )
 
     async def retrieve(
@@ -652,12 +856,18 @@ class AsyncClient:
         end = self._aligned(len(toks))
         if out is not None:
             self._check_out(out, end)
+        axis = self.geometry.token_axis
 
         if self._cannot_retrieve is not None:  # before anything is sent: never a silent miss
             raise TransferError(self._cannot_retrieve)
-        return await self._run(
-            "retrieve", timeout, lambda ops, op: ops.retrieve(op, toks, end, cache_salt, configs, out)
-        )
+
+        def body(ops: Operations, op: OpState) -> Awaitable[torch.Tensor | None]:
+            n = _align(len(toks), ops.reg.chunk_size)
+            if out is not None:  # a new chunk size may align further than ``out`` reaches
+                n = min(n, _align(out.shape[axis], ops.reg.chunk_size))
+            return ops.retrieve(op, toks, n, cache_salt, configs, out)
+
+        return await self._run("retrieve", timeout, body)
 
     def _check_out(self, out: object, end: int) -> None:
         geom = self._geometry
@@ -671,6 +881,7 @@ class AsyncClient:
             raise ValueError(f"out has shape {got}, expected {want} (token axis may be longer)")
         if out.dtype != geom.dtype:
             raise TypeError(f"out has dtype {out.dtype}, the geometry says {geom.dtype}")
+        check_tensor_storage(out, "out", writable=True)
 
     async def store(
         self,
@@ -719,10 +930,13 @@ class AsyncClient:
                 )
             toks = toks[:covered]
         kv = self._check_kv(kv, len(toks))
-        end = self._aligned(len(toks))
 
         return await self._run(
-            "store", timeout, lambda ops, op: ops.store(op, kv, toks, end, cache_salt, configs)
+            "store",
+            timeout,
+            lambda ops, op: ops.store(
+                op, kv, toks, _align(len(toks), ops.reg.chunk_size), cache_salt, configs
+            ),
         )
 
     async def remap(
@@ -752,11 +966,17 @@ class AsyncClient:
             else validate_cache_salt(target_cache_salt, "target_cache_salt")
         )
         timeout = self._timeout(timeout)
-        n = self._aligned(min(len(src), len(dst)))  # the target takes no more than this
+        self._require_open()
         if self._pool is not None:
+            # The target takes no more than its whole chunks (of the live chunk size).
             return await self._run(
-                "remap", timeout, lambda ops, op: ops.remap(op, src, dst, n, cache_salt, tsalt)
+                "remap",
+                timeout,
+                lambda ops, op: ops.remap(
+                    op, src, dst, _align(min(len(src), len(dst)), ops.reg.chunk_size), cache_salt, tsalt
+                ),
             )
+        n = self._aligned(min(len(src), len(dst)))
         start = time.monotonic()
         kv = await self.retrieve(src[:n], cache_salt, timeout=timeout)
         if kv is None:
@@ -771,6 +991,7 @@ class AsyncClient:
     async def noop(self, *, timeout: float | DefaultType | None = DEFAULT) -> float:
         """Round-trip a ``noop``; returns the round-trip time in seconds."""
         self._require_open()
+        self._check_loop()
         t0 = time.perf_counter()
         reply = await self._conn.call(Op.NOOP, (), timeout=self._timeout(timeout))
         if reply.value() != "OK":
@@ -785,6 +1006,7 @@ class AsyncClient:
         Cancellation: a fetch shared with other callers keeps running for them.
         """
         self._require_open()
+        self._check_loop()
         return await self._meta.status(max_age=max_age, timeout=self._timeout(timeout))
 
     async def config(
@@ -795,6 +1017,7 @@ class AsyncClient:
         Cancellation: a fetch shared with other callers keeps running for them.
         """
         self._require_open()
+        self._check_loop()
         return await self._meta.config(max_age=max_age, timeout=self._timeout(timeout))
 
     async def drain(self, timeout: float | DefaultType | None = DEFAULT) -> bool:
@@ -805,6 +1028,7 @@ class AsyncClient:
         the wait does not cancel the cleanups.
         """
         timeout = self._timeout(timeout)
+        self._check_loop()
         pending = set(self._ops)
         if not pending:
             return True
@@ -843,6 +1067,9 @@ class AsyncClient:
         """
         from lmcache_async import bulk
 
+        _check_iterable(pairs, "pairs")
+        self._require_open()
+        self._check_loop()
         return await bulk.remap_many(
             self,
             pairs,
@@ -870,6 +1097,9 @@ class AsyncClient:
         """
         from lmcache_async import bulk
 
+        _check_iterable(items, "items")
+        self._require_open()
+        self._check_loop()
         return await bulk.store_many(
             self,
             items,
@@ -898,6 +1128,9 @@ class AsyncClient:
         """
         from lmcache_async import bulk
 
+        _check_iterable(token_lists, "token_lists")
+        self._require_open()
+        self._check_loop()
         return await bulk.retrieve_many(
             self,
             token_lists,
@@ -912,6 +1145,66 @@ class AsyncClient:
 
     def _timeout(self, timeout: float | DefaultType | None) -> float | None:
         return resolve_timeout(timeout, self.timeout)
+
+
+def _check_iterable(value: object, name: str) -> None:
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be an iterable of items, got {type(value).__name__}")
+
+
+#: The prefix the server gives its SHM pool's name (``engine_context._compute_shm_pool_info``).
+_POOL_PREFIX: Final = "lmcache_l1_pool_"
+
+
+def _expected_pool(config: object) -> tuple[str, int] | None:
+    """The ``(shm_name, pool_size)`` a registration with the server whose ``/config`` this
+    is answers, or ``None`` when ``/config`` does not say (then nothing is checked)."""
+    if not isinstance(config, dict):
+        return None
+    sm = config.get("storage_manager")
+    if not isinstance(sm, dict):
+        return None
+    configs = sm.get("l1_manager_configs")
+    if isinstance(configs, list) and len(configs) != 1:
+        return ("", 0)
+    l1 = sm.get("l1_manager_config")
+    mem = l1.get("memory_config") if isinstance(l1, dict) else None
+    if not isinstance(mem, dict):
+        return None
+    name = mem.get("shm_name") or ""
+    if not isinstance(name, str):
+        return None
+    if not name or mem.get("use_lazy") or mem.get("devdax_path"):
+        return ("", 0)
+    size = mem.get("size_in_bytes")
+    if isinstance(size, bool) or not isinstance(size, int):
+        return None
+    if not name.lstrip("/").startswith(_POOL_PREFIX):
+        name = _POOL_PREFIX + name.lstrip("/")
+    return (name, size)
+
+
+def _find_number(doc: object, name: str) -> float | None:
+    """The first number under key ``name`` anywhere in a JSON document (depth first)."""
+    if isinstance(doc, dict):
+        value = doc.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        for v in doc.values():
+            found = _find_number(v, name)
+            if found is not None:
+                return found
+    elif isinstance(doc, list):
+        for v in doc:
+            found = _find_number(v, name)
+            if found is not None:
+                return found
+    return None
+
+
+def _align(n: int, chunk_size: int) -> int:
+    """``n`` rounded down to whole chunks."""
+    return n // chunk_size * chunk_size
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -13,7 +13,14 @@ Design (see docs/design.md):
 * a socket monitor watches for disconnects: in-flight calls fail at once with
   :class:`~lmcache_async.errors.LMCacheConnectionError` instead of waiting out their
   deadlines, and :attr:`Connection.generation` increases when the peer comes back so
-  the client knows to re-register.
+  the client knows to re-register (:attr:`Connection.reconnected` is set as well);
+* ``ZMQ_IMMEDIATE``: nothing is queued for a peer that is not connected, and a call made
+  while disconnected fails at once with :class:`~lmcache_async.errors.LMCacheConnectionError`
+  (never replayed on a restarted server);
+* :meth:`Connection.open` waits for the TCP connection (bounded): a refused or wrong
+  endpoint is reported as such within seconds;
+* when the reader task stops (the event loop is shutting down, or a bug) every pending
+  call fails at once and new calls are refused: nothing waits for a reply nobody reads.
 
 The server never sends error replies, so every call has a deadline.
 """
@@ -40,6 +47,7 @@ from lmcache_async.errors import (
     LMCacheTimeoutError,
     ProtocolError,
 )
+from lmcache_async.task_cancel import cancel_and_wait
 from lmcache_async.wire import GEN_0_5_6, Op, Reply, WireGeneration, decode_reply, encode_request, op_name
 
 __all__ = ["Connection", "PendingTable"]
@@ -47,6 +55,15 @@ __all__ = ["Connection", "PendingTable"]
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_MS = 5000
+#: How long :meth:`Connection.open` waits for the first TCP connection at most.
+CONNECT_WAIT_S = 10.0
+#: Once connection attempts were refused, how long open() keeps trying before it says so.
+REFUSED_WAIT_S = 1.5
+#: Default bound on requests in flight per connection (a call beyond it waits).
+DEFAULT_MAX_IN_FLIGHT = 1024
+#: How long an operation started while disconnected waits for the reconnection (a server
+#: that is healthy again is reconnected to within RECONNECT_IVL_MAX_MS).
+RECONNECT_WAIT_S = 1.5
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 1000
 
@@ -114,8 +131,15 @@ class Connection:
     that loop.
     """
 
-    def __init__(self, url: str, wire: WireGeneration = GEN_0_5_6) -> None:
+    def __init__(
+        self, url: str, wire: WireGeneration = GEN_0_5_6, *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    ) -> None:
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
         self.url = url
+        #: Most requests in flight at once; further calls wait (under their deadlines).
+        self.max_in_flight = max_in_flight
+        self._slots = asyncio.Semaphore(max_in_flight)
         #: The server generation's wire: which trailing argument frames requests get.
         self.wire = wire
         self.generation = 0  # increases each time the peer (re)connects after a loss
@@ -128,13 +152,28 @@ class Connection:
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ever_connected = False
+        self._reader_alive = False
+        self._refused = 0
+        self._first_connect: asyncio.Event | None = None
+        #: Set each time the peer comes back after a loss (the client re-registers at once).
+        self.reconnected: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def open(self) -> None:
-        """Create the socket and start the reader and monitor tasks (does not wait for
-        the TCP connection: zmq connects in the background and queues sends)."""
+    async def open(self, timeout: float | None = None) -> None:
+        """Create the socket, start the reader and monitor tasks and wait for the TCP
+        connection (at most ``min(timeout, CONNECT_WAIT_S)`` seconds).
+
+        Raises:
+            LMCacheConnectionError: the endpoint refused the connection ("refused",
+                within about :data:`REFUSED_WAIT_S` seconds), or no connection was made
+                in time. The socket is closed again.
+
+        Cancellation: the socket is closed again.
+        """
         self._loop = asyncio.get_running_loop()
+        self._first_connect = asyncio.Event()
+        self.reconnected = asyncio.Event()
         try:
             ctx = zmq.asyncio.Context()
             sock = ctx.socket(zmq.DEALER)
@@ -144,16 +183,79 @@ class Connection:
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
-            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            # Queue only to a connected peer: nothing sent while the server is down is
+            # replayed on the server that comes back.
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            monitor = sock.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+            )
             sock.connect(self.url)
         except zmq.ZMQError as exc:
             raise LMCacheConnectionError(f"cannot open a ZMQ connection to {self.url}: {exc}") from exc
         self._ctx, self._sock, self._monitor = ctx, sock, monitor
-        self.connected = True  # optimistic until the monitor reports a disconnect
-        self._tasks = [
-            asyncio.create_task(self._read_loop(), name=f"lmcache-reader {self.url}"),
-            asyncio.create_task(self._monitor_loop(), name=f"lmcache-monitor {self.url}"),
-        ]
+        reader = asyncio.create_task(self._read_loop(), name=f"lmcache-reader {self.url}")
+        self._reader_alive = True
+        reader.add_done_callback(self._reader_stopped)
+        self._tasks = [reader, asyncio.create_task(self._monitor_loop(), name=f"lmcache-monitor {self.url}")]
+        try:
+            await self._wait_first_connect(timeout)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _wait_first_connect(self, timeout: float | None) -> None:
+        assert self._first_connect is not None
+        limit = CONNECT_WAIT_S if timeout is None else min(timeout, CONNECT_WAIT_S)
+        start = time.monotonic()
+        while not self._first_connect.is_set():
+            waited = time.monotonic() - start
+            if self._refused and waited >= min(REFUSED_WAIT_S, limit):
+                raise LMCacheConnectionError(
+                    f"cannot connect to {self.url}: connection refused ({self._refused} attempts in "
+                    f"{waited:.1f}s; is the server's ZMQ port right?)"
+                )
+            if waited >= limit:
+                raise LMCacheConnectionError(
+                    f"cannot connect to {self.url}: no connection after {waited:.1f}s"
+                )
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.05):
+                    await self._first_connect.wait()
+
+    async def wait_usable(self, timeout: float | None) -> None:
+        """Return at once when connected; otherwise wait for the reconnection at most
+        ``min(timeout, RECONNECT_WAIT_S)`` seconds.
+
+        Raises:
+            ClientClosedError: the connection is closed.
+            LMCacheConnectionError: still not connected (the server is down), or the
+                reader stopped.
+        """
+        limit = RECONNECT_WAIT_S if timeout is None else min(timeout, RECONNECT_WAIT_S)
+        end = time.monotonic() + limit
+        while True:
+            if self._closed:
+                raise ClientClosedError("the connection is closed")
+            if not self._reader_alive:
+                raise LMCacheConnectionError("the connection's reader stopped (event loop closing?)")
+            if self.connected:
+                return
+            if time.monotonic() >= end:
+                raise LMCacheConnectionError(
+                    f"not connected to {self.url} (the server is down or restarting; "
+                    f"no reconnection within {limit:.1f}s)"
+                )
+            await asyncio.sleep(0.01)
+
+    def _reader_stopped(self, task: asyncio.Task[None]) -> None:
+        """The reader ended (cancelled at loop shutdown, or a bug): nobody will read
+        another reply, so fail every pending call now and refuse new ones."""
+        self._reader_alive = False
+        if not task.cancelled() and task.exception() is not None:
+            log.error("the ZMQ reader of %s failed: %r", self.url, task.exception())
+        self._table.fail_all(
+            lambda op: LMCacheConnectionError(f"{op_name(op)}: the connection's reader stopped")
+        )
 
     async def close(self) -> None:
         """Fail in-flight calls with ClientClosedError, stop the tasks, close the socket
@@ -162,25 +264,44 @@ class Connection:
             return
         self._closed = True
         self._table.fail_all(lambda op: ClientClosedError(f"{op_name(op)}: the connection was closed"))
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks = []
-        if self._sock is not None:
-            with contextlib.suppress(Exception):
-                self._sock.disable_monitor()
-            self._sock.close(linger=0)
-        if self._monitor is not None:
-            self._monitor.close(linger=0)
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)  # never blocks: every socket is closed first
+        tasks, self._tasks = self._tasks, []
+        try:
+            await cancel_and_wait(tasks, "a connection task")
+        finally:  # also when the closer is cancelled: the socket is closed all the same
+            if self._sock is not None:
+                with contextlib.suppress(Exception):
+                    self._sock.disable_monitor()
+                self._sock.close(linger=0)
+            if self._monitor is not None:
+                self._monitor.close(linger=0)
+            if self._ctx is not None:
+                self._ctx.destroy(linger=0)  # never blocks: every socket is closed first
+            self._sock = self._monitor = self._ctx = None
+
+    def drop_inherited(self) -> None:
+        """In a forked child: forget the parent's socket, monitor and context without
+        closing them (pyzmq's asyncio close unregisters the descriptor from the event
+        loop's selector, which the child shares with the parent; libzmq's own close is
+        already a no-op in another pid). They are marked as shadows, so garbage
+        collection does not close them either."""
+        self._closed = True
+        self._reader_alive = False
+        for obj in (self._sock, self._monitor, self._ctx):
+            if obj is not None:
+                with contextlib.suppress(AttributeError, TypeError):
+                    obj._shadow = True
         self._sock = self._monitor = self._ctx = None
+        self._tasks = []
+        self._table = PendingTable()
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def usable(self) -> bool:
+        """Whether a call can be sent now (open, connected, reader running)."""
+        return not self._closed and self.connected and self._reader_alive
 
     @property
     def in_flight(self) -> int:
@@ -207,22 +328,42 @@ class Connection:
             LMCacheConnectionError: the connection was lost while waiting.
             ClientClosedError: the connection is closed.
 
+        Backpressure: at most ``max_in_flight`` requests are in flight; a call beyond that
+        waits for a free place, under its deadline (a timeout then names no request id:
+        nothing was sent).
+
         Cancellation: the entry is removed; a later reply is dropped.
         """
-        if self._closed or self._sock is None or self._loop is None:
-            raise ClientClosedError(f"{op_name(op)}: the connection is closed")
-        uid, fut = self._table.register(op, self._loop)
+        self._check_sendable(op)
         start = time.monotonic()
+        uid: int | None = None
+        fut: asyncio.Future[Reply] | None = None
         try:
-            frames = encode_request(uid, op, args, self.wire)
             async with asyncio.timeout(timeout):
-                await self._send(frames, op)
-                return await fut
+                async with self._slots:
+                    self._check_sendable(op)  # the connection may have changed meanwhile
+                    assert self._loop is not None
+                    uid, fut = self._table.register(op, self._loop)
+                    frames = encode_request(uid, op, args, self.wire)
+                    await self._send(frames, op)
+                    return await fut
         except TimeoutError:
             raise LMCacheTimeoutError(op_name(op), time.monotonic() - start, uid) from None
         finally:
-            if not fut.done():
+            if fut is not None and not fut.done():
                 fut.cancel()
+
+    def _check_sendable(self, op: Op) -> None:
+        if self._closed or self._sock is None or self._loop is None:
+            raise ClientClosedError(f"{op_name(op)}: the connection is closed")
+        if not self._reader_alive:
+            raise LMCacheConnectionError(
+                f"{op_name(op)}: the connection's reader stopped (event loop closing?)"
+            )
+        if not self.connected:
+            raise LMCacheConnectionError(
+                f"{op_name(op)}: not connected to {self.url} (the server is down or restarting)"
+            )
 
     async def _send(self, frames: list[Any], op: Op) -> None:
         assert self._sock is not None
@@ -266,11 +407,17 @@ class Connection:
             msg = await self._monitor.recv_multipart()
             event = parse_monitor_message(msg)["event"]
             if event == zmq.EVENT_CONNECTED:
+                self.connected = True
                 if self._ever_connected:
                     self.generation += 1
                     log.info("reconnected to %s (generation %d)", self.url, self.generation)
+                    assert self.reconnected is not None
+                    self.reconnected.set()
                 self._ever_connected = True
-                self.connected = True
+                assert self._first_connect is not None
+                self._first_connect.set()
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                self._refused += 1
             elif event == zmq.EVENT_DISCONNECTED:
                 self.connected = False
                 n = self._table.fail_all(

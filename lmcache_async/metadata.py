@@ -33,6 +33,7 @@ from lmcache_async.errors import (
     LMCacheTimeoutError,
     ProtocolError,
 )
+from lmcache_async.task_cancel import cancel_and_wait
 
 __all__ = ["API_KEY_ENV", "Metadata", "resolve_api_key"]
 
@@ -94,15 +95,30 @@ class Metadata:
 
     async def close(self) -> None:
         """Cancel shared fetches and close the HTTP session. Idempotent."""
+        fetches = [e.inflight for e in self._cache.values() if e.inflight is not None]
         for entry in self._cache.values():
-            if entry.inflight is not None:
-                entry.inflight.cancel()
-                with contextlib.suppress(BaseException):
-                    await entry.inflight
-                entry.inflight = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+            entry.inflight = None
+        try:
+            await cancel_and_wait(fetches, "a shared HTTP fetch")
+        finally:  # also when the closer is cancelled: the session is closed all the same
+            session, self._session = self._session, None
+            if session is not None:
+                await session.close()
+
+    def drop_inherited(self) -> None:
+        """In a forked child: forget the parent's HTTP session without closing it
+        (closing would unregister the parent's sockets from the selector both processes
+        share), and without aiohttp's "Unclosed client session" warnings later."""
+        session, self._session = self._session, None
+        for entry in self._cache.values():
+            entry.inflight = None
+        if session is None:
+            return
+        connector = session.connector
+        with contextlib.suppress(AttributeError):
+            if connector is not None:
+                connector._closed = True  # its __del__ then neither warns nor closes
+            session._connector = None  # ``closed`` is now True: no warning at collection
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:

@@ -61,8 +61,10 @@ __all__ = [
     "Operations",
     "Registration",
     "RemapResult",
+    "UnfilledReservation",
     "copy_chunks_out",
     "fill_slots",
+    "refill_slots",
     "run_detached",
 ]
 
@@ -75,6 +77,10 @@ Configs = dict[str, Any] | None
 THREAD_COPY_BYTES: Final = 8 << 20
 #: Longest single wait_prefetch_status: it blocks one of the server's CPU workers.
 PREFETCH_WAIT_SLICE: Final = 0.05
+#: How long a store whose chunks another writer reserved waits for them at most (without
+#: a deadline of its own); with one, it stops WRITER_MARGIN seconds before it.
+WRITER_WAIT: Final = 10.0
+WRITER_MARGIN: Final = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +137,7 @@ class Registration:
         server_has_shm: the server keeps its KV in SHM (an inline client cannot read it).
         fifo_cpu: the server runs lookup-pool requests one at a time in arrival order,
             so a status question may follow its lookup without waiting for the ack.
+        write_ttl: the server's write-reservation lifetime in seconds (``/config``), if known.
     """
 
     model_name: str
@@ -142,21 +149,39 @@ class Registration:
     pool: ShmPool | None = None
     server_has_shm: bool = False
     fifo_cpu: bool = False
+    write_ttl: float | None = None
 
 
 class OpState:
-    """Shared state between a caller and the task running its operation."""
+    """Shared state between a caller and the task running its operation.
 
-    __slots__ = ("abandoned", "deadline")
+    Attributes:
+        deadline: when the task must be done (the caller's deadline plus cleanup grace).
+        caller_deadline: when the caller stops waiting (``None``: never).
+        abandoned: the caller left (timed out or cancelled).
+    """
 
-    def __init__(self, deadline: float | None) -> None:
+    __slots__ = ("abandoned", "caller_deadline", "deadline")
+
+    def __init__(self, deadline: float | None, caller_deadline: float | None = None) -> None:
         self.deadline = deadline
+        self.caller_deadline = caller_deadline if caller_deadline is not None else deadline
         self.abandoned = False
 
     def remaining(self) -> float | None:
         if self.deadline is None:
             return None
         return max(self.deadline - time.monotonic(), 0.0)
+
+
+class _Reserved:
+    """Whether a store half sent its ``prepare_store`` and filled what it reserved."""
+
+    __slots__ = ("filled", "sent")
+
+    def __init__(self) -> None:
+        self.sent = False
+        self.filled = False
 
 
 class _RetrieveState:
@@ -185,7 +210,10 @@ async def run_detached(
     ``CancelledError`` propagates.
     """
     start = time.monotonic()
-    op = OpState(None if timeout is None else start + timeout + cleanup_grace)
+    op = OpState(
+        None if timeout is None else start + timeout + cleanup_grace,
+        None if timeout is None else start + timeout,
+    )
     task = asyncio.ensure_future(body(op))
     if track is not None:
         track(task)
@@ -209,6 +237,14 @@ def fill_slots(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         target.copy_(source)
 
 
+def refill_slots(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The repair path of :func:`fill_slots`: copy each pair again, each source first
+    materialised as a fresh CPU tensor of its own (so a failure of the direct copy path,
+    e.g. of a device-to-host copy into a strided view, is not repeated)."""
+    for target, source in pairs:
+        target.copy_(source.detach().to("cpu", copy=True).contiguous())
+
+
 def copy_chunks_out(
     target: torch.Tensor, chunks: Sequence[torch.Tensor], chunk_size: int, token_axis: int
 ) -> None:
@@ -225,6 +261,33 @@ async def _maybe_in_thread(nbytes: int, fn: Callable[[], None]) -> None:
         fn()
 
 
+async def _copy_to_the_end(nbytes: int, fn: Callable[[], None]) -> None:
+    """Run a copy into reserved slots (in a thread when large) and, if the awaiting task
+    is cancelled meanwhile, still wait for the thread to finish before re-raising: the
+    slots are never left half-written by a copy still running after its task ended."""
+    if nbytes < THREAD_COPY_BYTES:
+        fn()
+        return
+    fut = asyncio.ensure_future(asyncio.to_thread(fn))
+    try:
+        await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        # A thread cannot be interrupted: wait for the memcpy (bounded by its size).
+        await asyncio.wait({fut})
+        if not fut.cancelled() and fut.exception() is not None:
+            log.debug("a copy into reserved slots failed after its task was cancelled: %r", fut.exception())
+        raise
+
+
+class UnfilledReservation(TransferError):
+    """Slots the server reserved for a store could not be filled with the caller's data.
+
+    The reservation stays pending on the server, invisible to readers; the registration
+    that holds it is retired (never unregistered) so that it is never admitted: see
+    docs/design.md, "A store that fails after prepare_store".
+    """
+
+
 class Operations:
     """The RPC sequences of every operation, for one :class:`Registration`, over one
     :class:`Channel`.
@@ -236,6 +299,10 @@ class Operations:
         gates: per key identity, a lock and its user count: shared by the operations of
             one client, so that two of them never overlap on one key (the server keys
             pending SHM transfers by instance and key, without the request id).
+        on_unfilled: called with the instance id when a ``prepare_store`` was sent and
+            its slots may hold anything but the caller's data (the copy failed twice,
+            the operation was cancelled or lost its connection before the copy ended):
+            the client retires that registration so the server never admits the slots.
     """
 
     def __init__(
@@ -245,11 +312,13 @@ class Operations:
         *,
         cleanup_grace: float = 10.0,
         gates: dict[tuple[Any, ...], list[Any]] | None = None,
+        on_unfilled: Callable[[int], None] | None = None,
     ) -> None:
         self.channel = channel
         self.reg = reg
         self.cleanup_grace = cleanup_grace
         self._gates: dict[tuple[Any, ...], list[Any]] = {} if gates is None else gates
+        self._on_unfilled = on_unfilled
 
     # ------------------------------------------------------------------ the interface
 
@@ -541,10 +610,13 @@ class Operations:
         assert self.reg.pool is not None
         rid = request_id("store")
         key = self._key(toks, end, rid, salt, worker=True, configs=configs)
+        reserved = _Reserved()
         try:
+            reserved.sent = True
             resp = await self.call(op, Op.PREPARE_STORE, key, self.reg.instance_id)
             slots, indices = parse_prepare_store(resp)
             if not slots:
+                reserved.sent = False  # nothing reserved: no pending entry on the server
                 # Nothing reservable: every chunk is cached (or being written), or the
                 # server is out of memory (it reserves a batch all-or-nothing). A lookup
                 # tells which; it only runs on this uncommon path.
@@ -557,13 +629,43 @@ class Operations:
             views = [self.reg.pool.view(s, shape, geom.dtype) for s in slots]
             pairs = [(v, self._chunk(kv, j)) for v, j in zip(views, indices, strict=True)]
             nbytes = sum(v.numel() for v in views) * kv.element_size()
-            await _maybe_in_thread(nbytes, lambda: fill_slots(pairs))
+            await self._fill_reserved(pairs, nbytes)
+            reserved.filled = True
             ok = await self.call(op, Op.COMMIT_STORE, key, self.reg.instance_id, b"")
             if ok is not True:
                 raise TransferError("the server refused the SHM commit (registration lost?)")
             return True
         finally:
+            self._settle(reserved)
             await self.cleanup_call(Op.END_SESSION, rid)
+
+    async def _fill_reserved(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], nbytes: int) -> None:
+        """Fill reserved slots; when the copy fails midway, fill them all again through
+        :func:`refill_slots` (the slots then hold exactly the caller's data).
+
+        Raises:
+            UnfilledReservation: the repair failed too (the slots hold anything).
+
+        Cancellation: a copy running in a thread is waited for before re-raising.
+        """
+        try:
+            await _copy_to_the_end(nbytes, lambda: fill_slots(pairs))
+            return
+        except Exception as exc:
+            log.warning("copy into reserved SHM slots failed (%r); filling them again from CPU copies", exc)
+        try:
+            await _copy_to_the_end(nbytes, lambda: refill_slots(pairs))
+        except Exception as exc:
+            raise UnfilledReservation(
+                f"could not write {len(pairs)} reserved chunks ({exc!r}); nothing was committed "
+                "and the slots stay invisible to readers (this client's registration that holds "
+                "them is retired and never unregistered)"
+            ) from exc
+
+    def _settle(self, reserved: _Reserved) -> None:
+        """After a store half: report a reservation that may hold anything but the data."""
+        if reserved.sent and not reserved.filled and self._on_unfilled is not None:
+            self._on_unfilled(self.reg.instance_id)
 
     async def _store_pickle(
         self, op: OpState, kv: torch.Tensor, toks: list[int], end: int, salt: str, configs: Configs
@@ -594,19 +696,34 @@ class Operations:
         return True
 
     async def _check_stored(self, op: OpState, toks: list[int], end: int, salt: str, what: str) -> None:
-        """Raise TransferError unless all of ``toks[:end]`` is cached (re-checked briefly,
-        in case another writer is committing the same chunks right now)."""
+        """Return once all of ``toks[:end]`` is cached; raise TransferError if it is not
+        by the caller's deadline (at most :data:`WRITER_WAIT` seconds without one).
+
+        The server reserved nothing for chunks that are not cached: either another writer
+        holds them (it commits soon, or its reservation expires after the server's write
+        TTL) or L1 has no memory. Waiting (with backoff) for the other writer turns the
+        first case into "already stored" (the store answers False).
+        """
         cached = 0
-        for delay in (0.0, 0.02, 0.1):
+        give_up = time.monotonic() + WRITER_WAIT
+        if op.caller_deadline is not None:
+            give_up = min(give_up, op.caller_deadline - WRITER_MARGIN)
+        delay = 0.0
+        while True:
             await asyncio.sleep(delay)
             rid = request_id("store-check")
             key = self._key(toks, end, rid, salt, worker=False)
             cached = await self._lookup_locked(op, key, rid, release=True)
             if cached >= end:
                 return
+            delay = min(max(delay * 2, 0.02), 0.5)
+            if op.abandoned or time.monotonic() + delay > give_up:
+                break
+        ttl = f"{self.reg.write_ttl:g} s" if self.reg.write_ttl is not None else "unknown"
         raise TransferError(
-            f"the server could not {what} {(end - cached) // self.reg.chunk_size} chunks "
-            "(L1 full of locked or reserved objects?)"
+            f"the server could not {what} {(end - cached) // self.reg.chunk_size} chunks that are not "
+            "cached: they are reserved by another writer (until it commits, or until its reservation "
+            f"expires after the server's write TTL of {ttl}), or L1 is out of memory"
         )
 
     async def _remap_shm(
@@ -663,10 +780,13 @@ class Operations:
                 return RemapResult(hit, 0, False)
             srid = request_id("remap-store")
             skey = self._key(dst, hit, srid, tsalt, worker=True)
+            reserved = _Reserved()
             try:
+                reserved.sent = True
                 sresp = await self.call(op, Op.PREPARE_STORE, skey, self.reg.instance_id)
                 wslots, indices = parse_prepare_store(sresp)
                 if not wslots:
+                    reserved.sent = False
                     await self._check_stored(op, dst, hit, tsalt, "reserve memory for")
                     return RemapResult(hit, hit, False)
                 if max(indices) >= n_chunks:
@@ -675,9 +795,8 @@ class Operations:
                     (self.reg.pool.view(w, shape, geom.dtype), sources[j])
                     for w, j in zip(wslots, indices, strict=True)
                 ]
-                await _maybe_in_thread(
-                    len(pairs) * _shape_bytes(shape, geom.dtype), lambda: fill_slots(pairs)
-                )
+                await self._fill_reserved(pairs, len(pairs) * _shape_bytes(shape, geom.dtype))
+                reserved.filled = True
                 # The target is written: the source's pending read can go with its commit.
                 committed = True
                 ok, _ = await self.pipeline(
@@ -689,6 +808,7 @@ class Operations:
                     raise TransferError("the server refused the SHM commit (registration lost?)")
                 return RemapResult(hit, hit, True)
             finally:
+                self._settle(reserved)
                 await self.cleanup_call(Op.END_SESSION, srid)
         finally:
             if not committed:

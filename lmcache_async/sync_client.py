@@ -63,6 +63,7 @@ import torch
 
 from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
 from lmcache_async.client import AsyncClient, RemapResult, TransferMode
+from lmcache_async.connection import DEFAULT_MAX_IN_FLIGHT
 from lmcache_async.errors import (
     ClientClosedError,
     ForkedSyncClientError,
@@ -87,10 +88,12 @@ LOOP_THREAD_NAME: Final = "lmcache-async-loop"
 _WAIT_SLICE: Final = 0.1
 #: Seconds the loop thread stays alive with no open client (read at each release).
 _IDLE_LINGER = 30.0
-#: ``aclose()`` beyond ``cleanup_grace``: unregister (5 s) and closing socket/session.
+#: ``aclose()`` beyond ``cleanup_grace``: unregister (2 s) and closing socket/session.
 _CLOSE_EXTRA: Final = 10.0
-#: Longest wait for a retiring loop thread to finish, and for the loop at exit.
+#: Longest wait for a retiring loop thread to finish.
 _JOIN_TIMEOUT: Final = 10.0
+#: Longest wait at interpreter exit for clients left open to close (issue 12, defect 10).
+_EXIT_WAIT: Final = 3.0
 
 
 _tls = threading.local()
@@ -409,10 +412,18 @@ def _at_exit() -> None:
     lt = _LoopThread._current
     if lt is None or not lt.alive():
         return
-    deadline = time.monotonic() + _JOIN_TIMEOUT + max(
-        (c._grace for c in list(_live)), default=0.0
-    )
-    for call in list(lt.background):
+    # Bounded (a hung server must not hold the exit for cleanup_grace + unregister): what
+    # is not done by then expires on the server (sessions, locks, the registration).
+    deadline = time.monotonic() + _EXIT_WAIT
+    pending = [call for call in list(lt.background) if not call.done.is_set()]
+    if pending:
+        log.warning(
+            "lmcache-async: at exit, waiting up to %.0f s for %d client close(s) "
+            "(operation cleanups, unregister)",
+            _EXIT_WAIT,
+            len(pending),
+        )
+    for call in pending:
         call.done.wait(max(deadline - time.monotonic(), 0.0))
     lt.shutdown(max(deadline - time.monotonic(), 0.1))
 
@@ -486,6 +497,7 @@ class Client:
         metadata_ttl: float = 5.0,
         prefault_shm: bool = True,
         api_key: str | None = None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ) -> None:
         self._pid = os.getpid()
         self._closed = True  # until opened
@@ -507,6 +519,7 @@ class Client:
                 metadata_ttl=metadata_ttl,
                 prefault_shm=prefault_shm,
                 api_key=api_key,
+                max_in_flight=max_in_flight,
             )
             await client.open()
             return client
@@ -545,6 +558,7 @@ class Client:
         metadata_ttl: float = 5.0,
         prefault_shm: bool = True,
         api_key: str | None = None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ) -> Client:
         """Create and open a :class:`Client` (the same as calling the class)."""
         return cls(
@@ -560,6 +574,7 @@ class Client:
             metadata_ttl=metadata_ttl,
             prefault_shm=prefault_shm,
             api_key=api_key,
+            max_in_flight=max_in_flight,
         )
 
     # ------------------------------------------------------------------ plumbing

@@ -27,6 +27,7 @@ import array
 import enum
 import logging
 import math
+import operator
 import re
 import struct
 import sys
@@ -350,9 +351,11 @@ def validate_cache_salt(cache_salt: object, name: str = "cache_salt") -> str:
 def validate_tokens(tokens: object, name: str = "tokens") -> list[int]:
     """Return ``tokens`` as a list of ints, each in ``[0, 2**32)``.
 
-    Accepts any sequence of ints (a list, a tuple, a 1-D integer tensor via ``tolist()``).
+    Accepts any sequence of ints (a list, a tuple, a 1-D integer tensor or array via
+    ``tolist()``; numpy integers too). Refused: str, bytes, bytearray and memoryview
+    (bytes are not token ids), bools (``True`` is not token 1), non-integers.
     """
-    if isinstance(tokens, str | bytes | bytearray) or tokens is None:
+    if isinstance(tokens, str | bytes | bytearray | memoryview) or tokens is None:
         raise TypeError(f"{name} must be a sequence of ints, got {type(tokens).__name__}")
     tolist = getattr(tokens, "tolist", None)
     if callable(tolist) and not isinstance(tokens, list | tuple):
@@ -361,18 +364,25 @@ def validate_tokens(tokens: object, name: str = "tokens") -> list[int]:
         tokens = tolist()
     if not isinstance(tokens, Sequence):
         raise TypeError(f"{name} must be a sequence of ints, got {type(tokens).__name__}")
-    try:
-        # C speed: array('I') refuses non-integers and anything outside [0, 2**32); the
-        # list it gives back holds exact ints (numpy scalars, IntEnums, bools converted).
-        return array.array("I", tokens).tolist()
-    except (TypeError, OverflowError):
-        pass
-    out = list(tokens)
-    for t in out:
-        if type(t) is not int and (isinstance(t, bool) or not isinstance(t, int)):
-            raise TypeError(f"{name} must contain ints, found {type(t).__name__}")
-    bad = next(t for t in out if t < 0 or t >= MAX_TOKEN)
-    raise ValueError(f"{name}: token id {bad} is outside [0, 2**32)")
+    kinds = set(map(type, tokens))  # C speed; few distinct types
+    if kinds <= {int}:
+        try:
+            # C speed: array('I') refuses anything outside [0, 2**32).
+            return array.array("I", tokens).tolist()
+        except OverflowError:
+            pass
+    out: list[int] = []
+    for t in tokens:
+        if isinstance(t, bool) or type(t).__name__ == "bool_":
+            raise TypeError(f"{name} must contain ints, found bool")
+        try:
+            out.append(operator.index(t))  # ints, numpy integers, IntEnums
+        except TypeError:
+            raise TypeError(f"{name} must contain ints, found {type(t).__name__}") from None
+    bad = next((t for t in out if t < 0 or t >= MAX_TOKEN), None)
+    if bad is not None:
+        raise ValueError(f"{name}: token id {bad} is outside [0, 2**32)")
+    return out
 
 
 def validate_request_configs(configs: object, name: str = "request_configs") -> dict[str, Any] | None:
