@@ -45,8 +45,8 @@ check: venv lint typecheck
 	$(BIN)/python -m pytest -q -m "not real_server"
 
 lint: venv
-	$(BIN)/ruff check lmcache_async tests benchmarks
-	$(BIN)/ruff format --check lmcache_async tests benchmarks
+	$(BIN)/ruff check lmcache_async tests benchmarks examples
+	$(BIN)/ruff format --check lmcache_async tests benchmarks examples
 
 # mypy strict over lmcache_async and tests (pyproject.toml [tool.mypy]).
 typecheck: venv
