@@ -9,8 +9,9 @@ TORCH  := torch==2.13.0
 TOOLS  := constraints/tools.txt
 STAMP  := $(VENV)/.installed
 PIP    := $(BIN)/pip install --quiet --disable-pip-version-check
+BENCH_STAMP := $(VENV)/.bench-installed
 
-.PHONY: demo test check venv lmcache-venv redis lint typecheck pytest smoke bench clean
+.PHONY: demo test check venv lmcache-venv redis lint typecheck pytest smoke bench bench-quick bench-render experiment clean
 
 # torch is named again in the second install so that pip can never move it.
 $(STAMP): pyproject.toml $(TOOLS)
@@ -44,8 +45,8 @@ check: venv lint typecheck
 	$(BIN)/python -m pytest -q -m "not real_server"
 
 lint: venv
-	$(BIN)/ruff check lmcache_async tests benchmarks
-	$(BIN)/ruff format --check lmcache_async tests benchmarks
+	$(BIN)/ruff check lmcache_async tests benchmarks examples
+	$(BIN)/ruff format --check lmcache_async tests benchmarks examples
 
 # mypy strict over lmcache_async and tests (pyproject.toml [tool.mypy]).
 typecheck: venv
@@ -60,9 +61,28 @@ pytest: venv lmcache-venv redis
 smoke: venv lmcache-venv
 	$(BIN)/python benchmarks/smoke_real_server.py
 
-## Benchmarks against the official SDK (see docs/benchmarks.md).
-bench: venv lmcache-venv
-	$(BIN)/python benchmarks/bench_client.py
+## The KV-edit experiment with a real transformers model (docs/hf.md), on an embedded
+## server; pass ARGS="--url tcp://host:5555 --http-url http://host:8080" for a running one.
+experiment: venv
+	$(BIN)/python examples/kv_edit_experiment.py $(ARGS)
+
+## The whole benchmark suite against the official SDK: starts the real servers, writes
+## benchmarks/results/*.json, renders docs/benchmarks.md + docs/img/*.png (see there).
+## `make bench-quick` (or BENCH_QUICK=1) is a few-minute subset; BENCH_ARGS passes options,
+## e.g. BENCH_ARGS='--generation 0.5.7' or BENCH_ARGS='--sections concurrent fresh'.
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) -c $(TOOLS) $(TORCH) -e '.[test,bench]'
+	touch $(BENCH_STAMP)
+
+bench: venv lmcache-venv $(BENCH_STAMP)
+	$(BIN)/python benchmarks/suite.py $(BENCH_ARGS)
+
+bench-quick:
+	BENCH_QUICK=1 $(MAKE) bench
+
+## Re-render docs/benchmarks.md from the JSON already in benchmarks/results/.
+bench-render: $(BENCH_STAMP)
+	$(BIN)/python benchmarks/render.py
 
 clean:
 	rm -rf $(VENV) .lmcache-venv .lmcache-venv-057 .mypy_cache .ruff_cache .pytest_cache .coverage

@@ -1,25 +1,31 @@
-"""AsyncClient vs the official SDK on the same real LMCache server, in the same run.
+"""Single operations: AsyncClient vs the official SDK on the same real LMCache server, same run.
 
-    .venv/bin/python benchmarks/bench_client.py [--iters 12] [--rounds 3] [--json] [--generation 0.5.7]
+    .venv/bin/python benchmarks/bench_client.py [--mode shm|pickle] [--chunks 1 4 16]
+        [--iters 8] [--rounds 3] [--generation 0.5.6|0.5.7] [--json]
 
-Starts a real LMCache server (0.5.6 from .lmcache-venv, or with ``--generation 0.5.7``
-0.5.7rc3 from .lmcache-venv-057, whose own official SDK is then the comparison; SHM,
-chunk 256), registers a
-vLLM-style layout (32 layers x 8 KV heads x 128 head dim, bf16, block 16) with the fake
-engine worker so that the official SDK can connect, and alternates rounds of the SDK
-(in the lmcache venv, timed inside its own process) and of lmcache_async:
+(``make bench`` runs this as the ``single_shm`` and ``single_pickle`` sections.)
 
-* ``retrieve16_out``: SHM retrieve of 16 chunks (512 MiB); ours into a reused ``out=``,
-  the SDK's into fresh memory (it has no ``out=``); plus ``copy_`` of the same bytes
-  into a warm buffer as the physical anchor;
-* ``pair1``: store of fresh tokens + retrieve, 1 chunk (32 MiB): the fixed cost of a call
-  with a realistic payload;
-* ``pair1_tiny``: the same with a 1-layer, 1-head x 16 geometry (2 KiB per chunk): the
-  pure fixed cost of the protocol exchange;
-* ``store1``/``store4``/``store16`` and ``retrieve1``/``retrieve4``: for the tables.
+Starts a real LMCache server (``--mode shm``: the L1 is a POSIX SHM segment and both
+clients copy through it; ``pickle``: no SHM, the KV travels inline in the ZMQ frames),
+registers a vLLM-style layout (32 layers x 8 KV heads x 128 head dim, bf16, block 16;
+chunk 256 tokens = 32 MiB) with the fake engine worker so that the official SDK can
+connect, and for each payload of ``--chunks`` chunks alternates (the order rotates from
+round to round; the client's background SHM warm-up, if any, has finished first) the SDK (in the lmcache venv, timed inside its own process) and
+lmcache_async (timed in this process):
 
-Medians over ``--iters`` iterations per round; the reported figure is the median of the
-round medians, with the range over rounds.
+* ``store``: each iteration stores fresh tokens;
+* ``retrieve``: one stored prompt retrieved into a fresh tensor, ``--iters`` times;
+* ``retrieve_out``: ours into a reused ``out=`` buffer; the SDK has no ``out=``, its
+  figure is its ``retrieve`` of the same round; plus ``copy_`` of the same bytes into a
+  warm buffer (the physical floor of a copy on this machine);
+* ``pair_tiny``: store of fresh tokens + retrieve of a 1-layer, 1-head x 16 geometry
+  (16 KiB per 256-token chunk): the fixed cost of the protocol exchange.
+
+Each side's figure per round is the median over ``--iters`` iterations; reported: the
+median of the round figures with their range, the SDK/ours ratio per round (its median and
+range; > 1 means lmcache_async is faster), and the client CPU per operation
+(``time.process_time`` of the measuring process over the timed iterations). Round 0 warms
+the pool and is not counted. The L1 is cleared between cases.
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -36,29 +41,43 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import lmcache_async as lmc  # noqa: E402
-from lmcache_async.wire import Op  # noqa: E402
-from tests.support.real_server import RealLMCacheServer, lmcache_venv_python  # noqa: E402
-from tests.support.workers import EngineWorker, _JsonLinesWorker  # noqa: E402
+from harness import (
+    SDKBench,
+    check_client_supports,
+    clear_l1,
+    require_generation,
+    sdk_call,
+    server_python,
+    settle,
+    spread,
+    workers,
+)
+
+import lmcache_async as lmc
+from tests.support.real_server import RealLMCacheServer
+from tests.support.workers import EngineWorker
 
 CS = 256
 BIG = lmc.KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
 TINY = lmc.KVGeometry(num_layers=1, num_kv_heads=1, head_dim=16, dtype=torch.bfloat16, block_size=16)
+OPS = ("store", "retrieve", "retrieve_out")
 
-
-class SDKBench(_JsonLinesWorker):
-    SCRIPT = "../../benchmarks/sdk_bench_worker.py"
-    KIND = "sdk-bench"
+_KV: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def _kv(geom: lmc.KVGeometry, n: int) -> torch.Tensor:
-    return torch.randn(geom.kv_shape(n), dtype=torch.float32).to(geom.dtype)
+    key = (geom.bytes_per_token, n)
+    if key not in _KV:  # 512 MiB of randn costs seconds: make each size once
+        _KV[key] = torch.randn(geom.kv_shape(n), dtype=torch.float32).to(geom.dtype)
+    return _KV[key]
 
 
-async def ours(client: lmc.AsyncClient, case: str, chunks: int, iters: int, base: int) -> list[float]:
+async def ours(
+    client: lmc.AsyncClient, case: str, chunks: int, iters: int, base: int
+) -> tuple[list[float], float]:
+    """Time ``iters`` calls of ``case``; returns (seconds per call, CPU seconds per call)."""
     geom = client.geometry
     n = chunks * CS
     kv = _kv(geom, n)
@@ -66,29 +85,32 @@ async def ours(client: lmc.AsyncClient, case: str, chunks: int, iters: int, base
     if case.startswith("retrieve"):
         tokens = list(range(base, base + n))
         await client.store(kv, tokens)
-        out = torch.empty(geom.kv_shape(n), dtype=geom.dtype) if case.endswith("_out") else None
+        out = torch.empty(geom.kv_shape(n), dtype=geom.dtype) if case == "retrieve_out" else None
         got = await client.retrieve(tokens, out=out)
         assert got is not None and torch.equal(got, kv)
+        cpu0 = time.process_time()
         for _ in range(iters):
             t0 = time.perf_counter()
             got = await client.retrieve(tokens, out=out)
             times.append(time.perf_counter() - t0)
             assert got is not None
             del got
-        return times
+        return times, (time.process_time() - cpu0) / iters
+    cpu0 = time.process_time()
     for i in range(iters):
         tokens = list(range(base + (i + 1) * n, base + (i + 2) * n))
         t0 = time.perf_counter()
         ok = await client.store(kv, tokens)
-        if case.startswith("pair"):
+        if case == "pair":
             got = await client.retrieve(tokens)
             assert got is not None
         times.append(time.perf_counter() - t0)
         assert ok
-    return times
+    return times, (time.process_time() - cpu0) / iters
 
 
 def copy_anchor(chunks: int, iters: int) -> list[float]:
+    """``dst.copy_(src)`` of ``chunks`` chunks into a warm buffer, ``iters`` times."""
     src = _kv(BIG, chunks * CS)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -100,117 +122,184 @@ def copy_anchor(chunks: int, iters: int) -> list[float]:
     return times
 
 
-CASES = [
-    # (name, geometry, sdk case, our case, chunks)
-    ("retrieve16_out", "big", "retrieve", "retrieve_out", 16),
-    ("pair1", "big", "pair", "pair", 1),
-    ("pair1_tiny", "tiny", "pair", "pair", 1),
-    ("store1", "big", "store", "store", 1),
-    ("store4", "big", "store", "store", 4),
-    ("store16", "big", "store", "store", 16),
-    ("retrieve1", "big", "retrieve", "retrieve", 1),
-    ("retrieve4", "big", "retrieve", "retrieve", 4),
-]
-
-
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    python = lmcache_venv_python(generation=args.generation)
-    results: dict[str, dict[str, list[float]]] = {c[0]: {"sdk": [], "ours": []} for c in CASES}
-    results["copy16"] = {"anchor": []}
-    with RealLMCacheServer(
-        "shm", venv_python=python, chunk_size=CS, l1_size_gb=args.l1_gb, generation=args.generation
-    ) as srv:
-        with (
-            EngineWorker(srv.url, python=python) as eng_big,
-            EngineWorker(srv.url, python=python) as eng_tiny,
+async def _measure(
+    srv: RealLMCacheServer, python: Path, chunk_list: list[int], iters: int, rounds: int, generation: str
+) -> dict[str, Any]:
+    mode = srv.mode
+    # raw[(op, chunks)][who] -> per-round (median seconds, cpu seconds per op)
+    keys = [(op, c) for c in chunk_list for op in OPS] + [("pair_tiny", 1)]
+    raw: dict[tuple[str, int], dict[str, list[tuple[float, float]]]] = {
+        k: {"sdk": [], "ours": []} for k in keys
+    }
+    anchors: dict[int, list[float]] = {c: [] for c in chunk_list}
+    big_model, tiny_model = f"bench-big-{mode}", f"bench-tiny-{mode}"
+    with workers(
+        EngineWorker(srv.url, python=python),
+        EngineWorker(srv.url, python=python),
+        SDKBench(python=python, request_timeout=600),
+        SDKBench(python=python, request_timeout=600),
+    ) as (eng_big, eng_tiny, sdk_big, sdk_tiny):
+        eng_big.register(big_model, 32, 8, 128, block_size=16, num_blocks=32)
+        eng_tiny.register(tiny_model, 1, 1, 16, block_size=16, num_blocks=32)
+        sdk_big.request(
+            "connect", url=srv.url, http_url=srv.http_url, model_name=big_model, geometry=[32, 1024]
+        )
+        sdk_tiny.request(
+            "connect", url=srv.url, http_url=srv.http_url, model_name=tiny_model, geometry=[1, 16]
+        )
+        async with (
+            lmc.AsyncClient(srv.url, srv.http_url, big_model, timeout=300) as c_big,
+            lmc.AsyncClient(srv.url, srv.http_url, tiny_model, timeout=300) as c_tiny,
         ):
-            eng_big.register("bench-big", 32, 8, 128, block_size=16, num_blocks=32)
-            eng_tiny.register("bench-tiny", 1, 1, 16, block_size=16, num_blocks=32)
-            with SDKBench(python=python) as sdk_big, SDKBench(python=python) as sdk_tiny:
-                sdk_big.request("connect", url=srv.url, http_url=srv.http_url, model_name="bench-big",
-                                geometry=[32, 1024])  # fmt: skip
-                sdk_tiny.request("connect", url=srv.url, http_url=srv.http_url, model_name="bench-tiny",
-                                 geometry=[1, 16])  # fmt: skip
-                sdks = {"big": sdk_big, "tiny": sdk_tiny}
-                async with (
-                    lmc.AsyncClient(srv.url, srv.http_url, "bench-big", timeout=120) as c_big,
-                    lmc.AsyncClient(srv.url, srv.http_url, "bench-tiny", timeout=120) as c_tiny,
-                ):
-                    assert c_big.geometry == BIG and c_tiny.geometry == TINY, (
-                        c_big.geometry,
-                        c_tiny.geometry,
-                    )
-                    assert c_big.transfer == "shm"
-                    assert c_big.wire_generation == args.generation, c_big.server_version
-                    clients = {"big": c_big, "tiny": c_tiny}
-                    base = 1000
-                    for rnd in range(args.rounds + 1):  # round 0 warms the pool
-                        for name, geom, sdk_case, our_case, chunks in CASES:
-                            if args.only and name not in args.only:
-                                continue
-                            base += 100_000
-                            order = ["sdk", "ours"] if rnd % 2 == 0 else ["ours", "sdk"]
-                            for who in order:
-                                if who == "sdk":
-                                    reply = sdks[geom].request(
-                                        "bench", deadline=600, case=sdk_case, chunks=chunks,
-                                        iters=args.iters, base=base,
-                                    )  # fmt: skip
-                                    t = reply["times"]
-                                else:
-                                    t = await ours(clients[geom], our_case, chunks, args.iters, base + 50_000)
-                                if rnd:
-                                    results[name][who].append(statistics.median(t))
-                                # keep the L1 from filling up (the server evicts lazily)
-                                await c_big._conn.call(Op.CLEAR, (True,), timeout=60)
-                            print(f"round {rnd} {name} done", file=sys.stderr)
-                        if rnd:
-                            results["copy16"]["anchor"].append(statistics.median(copy_anchor(16, args.iters)))
-    return {k: v for k, v in results.items() if all(v.values())}
-
-
-def summarize(results: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]]:
+            assert c_big.geometry == BIG and c_tiny.geometry == TINY, (c_big.geometry, c_tiny.geometry)
+            if c_big.transfer != mode:
+                raise SystemExit(f"asked for {mode}, but the client chose {c_big.transfer}")
+            await require_generation(c_big, generation)
+            settled = await settle()
+            base = 1_000_000
+            for rnd in range(rounds + 1):  # round 0 warms the pool and the buffers
+                for c in chunk_list:
+                    base += 1_000_000
+                    # the SDK's retrieve serves both "retrieve" and "retrieve_out"
+                    sides = ["sdk", "retrieve", "retrieve_out", "store-sdk", "store"]
+                    sides = sides[rnd % len(sides) :] + sides[: rnd % len(sides)]
+                    sdk_retrieve: tuple[float, float] | None = None
+                    for side in sides:
+                        base += 100_000
+                        if side == "sdk":
+                            reply = await sdk_call(
+                                sdk_big,
+                                "bench",
+                                server=srv,
+                                case="retrieve",
+                                chunks=c,
+                                iters=iters,
+                                base=base,
+                            )
+                            sdk_retrieve = (statistics.median(reply["times"]), reply["cpu"] / iters)
+                        elif side == "store-sdk":
+                            reply = await sdk_call(
+                                sdk_big, "bench", server=srv, case="store", chunks=c, iters=iters, base=base
+                            )
+                            if rnd:
+                                raw[("store", c)]["sdk"].append(
+                                    (statistics.median(reply["times"]), reply["cpu"] / iters)
+                                )
+                        else:
+                            t, cpu = await ours(c_big, side, c, iters, base)
+                            if rnd:
+                                raw[(side, c)]["ours"].append((statistics.median(t), cpu))
+                        await asyncio.to_thread(clear_l1, srv.http_url)
+                    assert sdk_retrieve is not None
+                    if rnd:
+                        raw[("retrieve", c)]["sdk"].append(sdk_retrieve)
+                        raw[("retrieve_out", c)]["sdk"].append(sdk_retrieve)
+                        anchors[c].append(statistics.median(copy_anchor(c, iters)))
+                # the fixed cost: a 16 KiB store + retrieve
+                order = ["sdk", "ours"] if rnd % 2 == 0 else ["ours", "sdk"]
+                for who in order:
+                    base += 100_000
+                    if who == "sdk":
+                        reply = await sdk_call(
+                            sdk_tiny, "bench", server=srv, case="pair", chunks=1, iters=iters * 4, base=base
+                        )
+                        fig = (statistics.median(reply["times"]), reply["cpu"] / (iters * 4))
+                    else:
+                        t, cpu = await ours(c_tiny, "pair", 1, iters * 4, base)
+                        fig = (statistics.median(t), cpu)
+                    if rnd:
+                        raw[("pair_tiny", 1)][who].append(fig)
+                await asyncio.to_thread(clear_l1, srv.http_url)
+                print(
+                    f"  single {mode}: round {rnd}{' (warm-up)' if rnd == 0 else ''} done",
+                    file=sys.stderr,
+                )
+            server_version = srv.get_json("/lmc_version")
     rows = []
-    anchor = statistics.median(results["copy16"]["anchor"]) if "copy16" in results else None
-    for name, data in results.items():
-        if name == "copy16":
-            continue
-        sdk, ours_ = statistics.median(data["sdk"]), statistics.median(data["ours"])
-        row = {
-            "case": name,
-            "sdk_ms": round(sdk * 1e3, 2),
-            "sdk_range_ms": [round(min(data["sdk"]) * 1e3, 2), round(max(data["sdk"]) * 1e3, 2)],
-            "ours_ms": round(ours_ * 1e3, 2),
-            "ours_range_ms": [round(min(data["ours"]) * 1e3, 2), round(max(data["ours"]) * 1e3, 2)],
-            "speedup": round(sdk / ours_, 2),
+    for (op, c), data in raw.items():
+        geom = TINY if op == "pair_tiny" else BIG
+        sdk_t = [x[0] for x in data["sdk"]]
+        our_t = [x[0] for x in data["ours"]]
+        row: dict[str, Any] = {
+            "op": op,
+            "chunks": c,
+            "bytes": c * CS * geom.bytes_per_token,
+            "sdk_s": spread(sdk_t, digits=6),
+            "ours_s": spread(our_t, digits=6),
+            "sdk_cpu_s": spread([x[1] for x in data["sdk"]], digits=6),
+            "ours_cpu_s": spread([x[1] for x in data["ours"]], digits=6),
+            "ratio": spread([s / o for s, o in zip(sdk_t, our_t, strict=True)], digits=3),
         }
-        if name == "retrieve16_out" and anchor:
-            row["copy_ms"] = round(anchor * 1e3, 2)
-            row["vs_copy"] = round(ours_ / anchor, 2)
+        if op == "retrieve_out":
+            row["copy_s"] = spread(anchors[c], digits=6)
+            row["vs_copy"] = spread([o / a for o, a in zip(our_t, anchors[c], strict=True)], digits=3)
         rows.append(row)
-    return rows
+    return {
+        "transfer": mode,
+        "server_version": server_version,
+        "geometry": "32 layers x 8 KV heads x 128, bf16, block 16; chunk 256 tokens = 32 MiB",
+        "iters": iters,
+        "rounds": rounds,
+        "prefault_wait_s": settled,
+        "rows": rows,
+    }
+
+
+def section(
+    srv: RealLMCacheServer,
+    *,
+    python: Path,
+    chunks: list[int],
+    iters: int,
+    rounds: int,
+    generation: str = "0.5.6",
+) -> dict[str, Any]:
+    """Measure every single-operation case on the running server ``srv`` (its mode decides
+    SHM or inline). Blocks until done; every server call has a 300 s deadline and every
+    SDK request a 600 s one."""
+    return asyncio.run(_measure(srv, python, chunks, iters, rounds, generation))
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"single operations, {result['transfer']}, server {result['server_version']}")
+    print(f"{'op':<14}{'chunks':>7}{'SDK ms':>10}{'ours ms':>10}{'SDK/ours':>10}  notes")
+    for r in result["rows"]:
+        note = ""
+        if "copy_s" in r:
+            note = f"copy_ {r['copy_s']['median'] * 1e3:.2f} ms, ours/copy {r['vs_copy']['median']}"
+        print(
+            f"{r['op']:<14}{r['chunks']:>7}{r['sdk_s']['median'] * 1e3:>10.2f}"
+            f"{r['ours_s']['median'] * 1e3:>10.2f}{r['ratio']['median']:>9}x  {note}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--iters", type=int, default=12)
-    parser.add_argument("--generation", choices=["0.5.6", "0.5.7"], default="0.5.6")
+    parser.add_argument("--mode", choices=["shm", "pickle"], default="shm")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--l1-gb", type=int, default=8)
-    parser.add_argument("--only", nargs="*", help="run only these cases")
+    parser.add_argument("--generation", choices=["0.5.6", "0.5.7"], default="0.5.6")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    rows = summarize(asyncio.run(run(args)))
+    check_client_supports(args.generation)
+    python = server_python(args.generation)
+    with RealLMCacheServer(args.mode, venv_python=python, chunk_size=CS, l1_size_gb=args.l1_gb) as srv:
+        result = section(
+            srv,
+            python=python,
+            chunks=args.chunks,
+            iters=args.iters,
+            rounds=args.rounds,
+            generation=args.generation,
+        )
     if args.json:
-        print(json.dumps(rows, indent=2))
-        return
-    print(f"{'case':<16}{'SDK ms':>10}{'ours ms':>10}{'speedup':>9}  notes")
-    for r in rows:
-        note = f"copy_ {r['copy_ms']} ms, ours/copy {r['vs_copy']}" if "copy_ms" in r else ""
-        print(f"{r['case']:<16}{r['sdk_ms']:>10}{r['ours_ms']:>10}{r['speedup']:>8}x  {note}")
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
 
 
 if __name__ == "__main__":

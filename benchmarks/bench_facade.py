@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/bench_facade.py [--iters 2000] [--rounds 5] [--json]
     .venv/bin/python benchmarks/bench_facade.py --url tcp://h:p --http-url http://h:p
 
+(``make bench`` runs this as the ``facade`` section, on the suite's SHM server: chunk 256.)
+
 Without ``--url`` it starts a real LMCache 0.5.6 server itself (``--mode shm`` or
 ``pickle``, chunk size 16, from ``.lmcache-venv``). One blocking :class:`Client` and one
 :class:`AsyncClient` are open on the same server at once, with the same small geometry
@@ -44,6 +46,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from harness import settle  # noqa: E402
 
 import lmcache_async as lmc  # noqa: E402
 from lmcache_async.sync_client import Client  # noqa: E402
@@ -109,6 +115,7 @@ async def run(args: argparse.Namespace, url: str, http_url: str) -> dict[str, An
             cs = aclient.chunk_size
             tokens = list(range(10_000, 10_000 + cs))
             await aclient.store(torch.randn(GEOM.kv_shape(cs)).to(GEOM.dtype), tokens)
+            await settle()  # both clients' background SHM warm-up, if any, is over
             lt = sync._lt
 
             sync_cases: dict[str, Callable[[], object]] = {
@@ -169,6 +176,12 @@ async def run(args: argparse.Namespace, url: str, http_url: str) -> dict[str, An
         "python": sys.version.split()[0],
         "cases": cases,
     }
+
+
+def section(url: str, http_url: str, *, iters: int, rounds: int) -> dict[str, Any]:
+    """Every facade case against the running server at ``url``; blocks until done (each
+    call has the client's default 60 s deadline)."""
+    return asyncio.run(run(argparse.Namespace(iters=iters, rounds=rounds), url, http_url))
 
 
 def _print_table(result: dict[str, Any]) -> None:

@@ -1,13 +1,15 @@
 """remap_many vs the official SDK doing the same remaps in a loop, on one real server.
 
-    .venv/bin/python benchmarks/bench_remap_batch.py [--rounds 5] [--l1-gb 10] [--json]
+    .venv/bin/python benchmarks/bench_remap_batch.py [--rounds 5] [--pairs 64] [--l1-gb 10] [--json]
+
+(``make bench`` runs this as the ``remap`` section.)
 
 Starts a real LMCache 0.5.6 server (SHM, chunk 256, L1 ``--l1-gb`` GiB, from
 .lmcache-venv), registers a vLLM-style layout (32 layers x 8 KV heads x 128 head dim =
 1024 hidden, bf16, block 16) with the fake engine worker so that the official SDK can
 connect, and stores 8 source prompts of 4 chunks (1024 tokens, 128 MiB of KV each).
 
-A *run* remaps 64 pairs: pair i retrieves source ``i % 8`` and stores it under a target
+A *run* remaps ``--pairs`` pairs (default 64): pair i retrieves source ``i % 8`` and stores it under a target
 prompt of its own (fresh tokens every run, so every store really writes 128 MiB). Each
 round runs, in an order that rotates from round to round:
 
@@ -49,6 +51,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from harness import settle, workers  # noqa: E402
+
 import lmcache_async as lmc  # noqa: E402
 from tests.support.real_server import RealLMCacheServer, lmcache_venv_python  # noqa: E402
 from tests.support.workers import EngineWorker, _JsonLinesWorker  # noqa: E402
@@ -56,12 +62,11 @@ from tests.support.workers import EngineWorker, _JsonLinesWorker  # noqa: E402
 CS = 256
 GEOMETRY = lmc.KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
 MODEL = "bench-remap"
-PAIRS = 64
+PAIRS = 64  # the default; --pairs
 SOURCES = 8
 TOKENS = 4 * CS  # 4 chunks per prompt
 CONCURRENCY = (1, 4, 16)
 ITEM_BYTES = TOKENS * GEOMETRY.bytes_per_token  # 128 MiB
-RUN_BYTES = 2 * PAIRS * ITEM_BYTES  # retrieved + stored
 
 
 class SDKRemap(_JsonLinesWorker):
@@ -74,7 +79,8 @@ def source_start(k: int) -> int:
 
 
 class Bench:
-    def __init__(self, srv: RealLMCacheServer, client: lmc.AsyncClient, sdk: SDKRemap) -> None:
+    def __init__(self, srv: RealLMCacheServer, client: lmc.AsyncClient, sdk: SDKRemap, pairs: int = PAIRS) -> None:
+        self.pairs = pairs
         self.srv = srv
         self.client = client
         self.sdk = sdk
@@ -89,7 +95,7 @@ class Bench:
     def _targets(self) -> list[int]:
         self.run_id += 1
         base = 100_000_000 + self.run_id * 1_000_000
-        return [base + i * 10_000 for i in range(PAIRS)]
+        return [base + i * 10_000 for i in range(self.pairs)]
 
     async def reset(self) -> None:
         """Clear the L1 and store the sources again (untimed)."""
@@ -105,7 +111,7 @@ class Bench:
 
     async def verify(self, targets: list[int]) -> None:
         """The last four targets hold their sources' KV, bitwise."""
-        tail = list(range(PAIRS - 4, PAIRS))
+        tail = list(range(self.pairs - 4, self.pairs))
         got = await self.client.retrieve_many([list(range(targets[i], targets[i] + TOKENS)) for i in tail])
         for i, r in zip(tail, got, strict=True):
             assert r.kv is not None and torch.equal(r.kv, self.kvs[i % SOURCES]), f"target {i} differs"
@@ -113,11 +119,15 @@ class Bench:
     async def sdk_run(self) -> float:
         await self.reset()
         targets = self._targets()
-        pairs = [[source_start(i % SOURCES), targets[i]] for i in range(PAIRS)]
-        reply = await asyncio.to_thread(
-            self.sdk.request, "remap", deadline=900, pairs=pairs, num_tokens=TOKENS
-        )
-        assert (reply["hits"], reply["stored"]) == (PAIRS, PAIRS), reply
+        pairs = [[source_start(i % SOURCES), targets[i]] for i in range(self.pairs)]
+        try:
+            reply = await asyncio.to_thread(
+                self.sdk.request, "remap", deadline=900, pairs=pairs, num_tokens=TOKENS
+            )
+        except asyncio.CancelledError:  # Ctrl-C: end the thread's wait now, not at the deadline
+            self.sdk._kill()
+            raise
+        assert (reply["hits"], reply["stored"]) == (self.pairs, self.pairs), reply
         await self.verify(targets)
         return float(reply["elapsed"])
 
@@ -131,35 +141,26 @@ class Bench:
         )
         elapsed = time.perf_counter() - t0
         s = result.summary
-        assert (s.hits, s.stored_new, s.failures) == (PAIRS, PAIRS, 0), (s, result.failed[:3])
-        assert s.bytes_moved == RUN_BYTES
+        assert (s.hits, s.stored_new, s.failures) == (self.pairs, self.pairs, 0), (s, result.failed[:3])
+        assert s.bytes_moved == 2 * self.pairs * ITEM_BYTES
         await self.verify(targets)
         return elapsed
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    python = lmcache_venv_python()
+async def measure(srv: RealLMCacheServer, python: Path, rounds: int, pairs: int = PAIRS) -> dict[str, Any]:
+    """Every round on the running server ``srv`` (SHM, L1 >= 1 GiB + pairs x 128 MiB)."""
     times: dict[str, list[float]] = {"sdk": [], **{f"ours_c{c}": [] for c in CONCURRENCY}}
     ratios: dict[str, list[float]] = {f"ours_c{c}": [] for c in CONCURRENCY}
-    with (
-        RealLMCacheServer(
-            "shm",
-            venv_python=python,
-            chunk_size=CS,
-            l1_size_gb=args.l1_gb,
-            extra_args=["--eviction-trigger-watermark", "0.95"],
-        ) as srv,
-        EngineWorker(srv.url, python=python) as eng,
-        SDKRemap(python=python, request_timeout=900) as sdk,
-    ):
+    with workers(EngineWorker(srv.url, python=python), SDKRemap(python=python, request_timeout=900)) as (eng, sdk):
         eng.register(MODEL, 32, 8, 128, block_size=16, num_blocks=32)
         sdk.request("connect", url=srv.url, http_url=srv.http_url, model_name=MODEL)
         async with lmc.AsyncClient(srv.url, srv.http_url, MODEL, timeout=300) as client:
             assert client.geometry == GEOMETRY, client.geometry  # from /status
             assert client.transfer == "shm"
-            bench = Bench(srv, client, sdk)
+            await settle()  # the background SHM warm-up, if any, is over
+            bench = Bench(srv, client, sdk, pairs)
             names = ["sdk", *(f"ours_c{c}" for c in CONCURRENCY)]
-            for rnd in range(args.rounds + 1):  # round 0 warms up
+            for rnd in range(rounds + 1):  # round 0 warms up
                 order = names[rnd % len(names) :] + names[: rnd % len(names)]
                 got: dict[str, float] = {}
                 for name in order:
@@ -168,7 +169,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     else:
                         got[name] = await bench.our_run(int(name.removeprefix("ours_c")))
                 line = "  ".join(f"{n} {got[n]:.3f}s" for n in names)
-                print(f"round {rnd}{' (warm-up)' if rnd == 0 else ''}: {line}", file=sys.stderr)
+                print(f"  remap: round {rnd}{' (warm-up)' if rnd == 0 else ''}: {line}", file=sys.stderr)
                 if rnd:
                     for n in names:
                         times[n].append(got[n])
@@ -177,16 +178,43 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"times": times, "ratios": ratios}
 
 
+def server(python: Path, l1_gb: float) -> RealLMCacheServer:
+    """The server this benchmark needs (not started): SHM, chunk 256, eviction watermark 0.95."""
+    return RealLMCacheServer(
+        "shm",
+        venv_python=python,
+        chunk_size=CS,
+        l1_size_gb=l1_gb,
+        extra_args=["--eviction-trigger-watermark", "0.95"],
+    )
+
+
+def section(srv: RealLMCacheServer, *, python: Path, rounds: int, pairs: int, l1_gb: float) -> dict[str, Any]:
+    """The remap batch on ``srv``; blocks until done (server calls: 300 s deadline, the SDK's
+    loop: 900 s)."""
+    args = argparse.Namespace(rounds=rounds, pairs=pairs, l1_gb=l1_gb)
+    result = summarize(asyncio.run(measure(srv, python, rounds, pairs)), args)
+    result["server_version"] = srv.get_json("/lmc_version")
+    return result
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    python = lmcache_venv_python()
+    with server(python, args.l1_gb) as srv:
+        return await measure(srv, python, args.rounds, args.pairs)
+
+
 def summarize(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     rows = []
+    run_bytes = 2 * args.pairs * ITEM_BYTES  # retrieved + stored
     for name, ts in data["times"].items():
         med = statistics.median(ts)
         row: dict[str, Any] = {
             "who": name,
             "median_s": round(med, 3),
             "range_s": [round(min(ts), 3), round(max(ts), 3)],
-            "pairs_per_s": round(PAIRS / med, 2),
-            "gb_per_s": round(RUN_BYTES / med / 1e9, 2),
+            "pairs_per_s": round(args.pairs / med, 2),
+            "gb_per_s": round(run_bytes / med / 1e9, 2),
         }
         if name in data["ratios"]:
             rs = data["ratios"][name]
@@ -194,7 +222,7 @@ def summarize(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             row["vs_sdk_range"] = [round(min(rs), 2), round(max(rs), 2)]
         rows.append(row)
     return {
-        "pairs": PAIRS,
+        "pairs": args.pairs,
         "sources": SOURCES,
         "tokens_per_prompt": TOKENS,
         "mib_per_prompt": ITEM_BYTES >> 20,
@@ -210,7 +238,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rounds", type=int, default=5, help="counted rounds (after one warm-up round)")
-    parser.add_argument("--l1-gb", type=int, default=10, help="server L1 size in GiB (>= 10)")
+    parser.add_argument("--pairs", type=int, default=PAIRS, help="remaps per run (>= 4)")
+    parser.add_argument("--l1-gb", type=int, default=10, help="server L1 size in GiB (>= 1 + pairs/8)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
     result = summarize(asyncio.run(run(args)), args)
@@ -218,7 +247,7 @@ def main() -> None:
         print(json.dumps(result, indent=2))
         return
     print(
-        f"{PAIRS} remaps of {TOKENS}-token prompts ({ITEM_BYTES >> 20} MiB of KV each), "
+        f"{args.pairs} remaps of {TOKENS}-token prompts ({ITEM_BYTES >> 20} MiB of KV each), "
         f"{args.rounds} rounds, medians (range)"
     )
     print(f"{'who':<10}{'run s':>8}{'range s':>16}{'pairs/s':>9}{'GB/s':>7}{'vs SDK':>8}{'range':>14}")

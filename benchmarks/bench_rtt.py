@@ -1,14 +1,20 @@
 """Client-side round-trip overhead: lmcache_async's asyncio DEALER vs a blocking pyzmq
 DEALER, against the same real LMCache 0.5.6 server, for a SYNC handler (``noop``) and a
-worker-pool handler (``end_session`` of an unknown id).
+worker-pool handler (``end_session`` of an unknown id). The blocking DEALER is the floor:
+the server's own cost per request plus the least a client can add.
 
-    .venv/bin/python benchmarks/bench_rtt.py [--n 300]
+    .venv/bin/python benchmarks/bench_rtt.py [--n 300] [--rounds 3] [--json]
+
+(``make bench`` runs this as the ``rtt`` section.) Each round times ``--n`` requests one
+after another on each side (the order alternates between rounds) and keeps the median of
+the last 80 %; the figure is the median over rounds, with its range.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
 import time
@@ -17,12 +23,16 @@ from typing import Any
 
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import settle, spread
 
 import lmcache_async as lmc
 from lmcache_async import wire
 from lmcache_async.wire import Op
 from tests.support.real_server import RealLMCacheServer, lmcache_venv_python
+
+CASES: tuple[tuple[Op, tuple[Any, ...]], ...] = ((Op.NOOP, ()), (Op.END_SESSION, ("bench-rtt",)))
 
 
 def blocking(url: str, op: Op, args: tuple[Any, ...], n: int) -> float:
@@ -43,6 +53,7 @@ def blocking(url: str, op: Op, args: tuple[Any, ...], n: int) -> float:
 async def ours(url: str, http_url: str, op: Op, args: tuple[Any, ...], n: int) -> float:
     geometry = lmc.KVGeometry(1, 1, 16)
     async with lmc.AsyncClient(url, http_url, "bench-rtt", geometry=geometry, timeout=10) as client:
+        await settle()  # the background SHM warm-up, if any, is over
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
@@ -51,18 +62,45 @@ async def ours(url: str, http_url: str, op: Op, args: tuple[Any, ...], n: int) -
     return statistics.median(times[n // 5 :])
 
 
+def section(url: str, http_url: str, *, n: int, rounds: int) -> dict[str, Any]:
+    """Both request kinds on the running server at ``url``; every request has a 5 s deadline."""
+    rows = []
+    for op, op_args in CASES:
+        bare: list[float] = []
+        mine: list[float] = []
+        for r in range(rounds):
+            for side in ("bare", "ours") if r % 2 == 0 else ("ours", "bare"):
+                if side == "bare":
+                    bare.append(blocking(url, op, op_args, n))
+                else:
+                    mine.append(asyncio.run(ours(url, http_url, op, op_args, n)))
+        rows.append(
+            {
+                "request": op.name.lower(),
+                "blocking_us": spread(bare, scale=1e6, digits=1),
+                "ours_us": spread(mine, scale=1e6, digits=1),
+                "ratio": spread([b / o for b, o in zip(bare, mine, strict=True)], digits=3),
+            }
+        )
+    return {"n": n, "rounds": rounds, "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--n", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with RealLMCacheServer("shm", venv_python=lmcache_venv_python(), chunk_size=256) as srv:
-        print(f"{'request':<14}{'blocking pyzmq µs':>20}{'lmcache_async µs':>20}")
-        for op, op_args in ((Op.NOOP, ()), (Op.END_SESSION, ("bench-rtt",))):
-            a = blocking(srv.url, op, op_args, args.n)
-            b = asyncio.run(ours(srv.url, srv.http_url, op, op_args, args.n))
-            print(f"{op.name.lower():<14}{a * 1e6:>20.0f}{b * 1e6:>20.0f}")
+        result = section(srv.url, srv.http_url, n=args.n, rounds=args.rounds)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{'request':<14}{'blocking pyzmq µs':>20}{'lmcache_async µs':>20}")
+    for r in result["rows"]:
+        print(f"{r['request']:<14}{r['blocking_us']['median']:>20.0f}{r['ours_us']['median']:>20.0f}")
 
 
 if __name__ == "__main__":

@@ -3,20 +3,29 @@
 JSON lines over stdin/stdout (framing: tests/support/_worker_loop.py):
 
 * ``connect`` {url, http_url, model_name} -> {chunk_size}
-* ``bench`` {case: "store" | "retrieve" | "pair", chunks, iters, base} -> {times: [s, ...]}
+* ``bench`` {case: "store" | "retrieve" | "pair", chunks, iters, base} -> {times: [s, ...], cpu}
   ``store``: each iteration stores fresh tokens; ``retrieve``: stores once, then times
-  retrieves of the same tokens; ``pair``: fresh tokens, store then retrieve.
+  retrieves of the same tokens; ``pair``: fresh tokens, store then retrieve. ``cpu``: this
+  process's CPU seconds (``time.process_time``) over the timed iterations.
+* ``concurrent`` {op: "store" | "retrieve", starts, tokens, threads} -> {elapsed, cpu, done}
+  one operation per start (``range(start, start + tokens)``), spread over ``threads``
+  threads sharing the one context (a ``ThreadPoolExecutor``); ``retrieve`` expects the
+  prompts to be stored already, ``store`` stores one random KV under each.
+* ``fresh`` {url, http_url, model_name, start, tokens} -> {connect_s, first_s, second_s}
+  a new context (``kvcache.connect``), two timed retrieves of stored tokens, closed again.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
-from _worker_loop import WorkerExit, error_reply, installed_lmcache, send, serve, take_protocol_stdout
+from _worker_loop import WorkerExit, error_reply, send, serve, take_protocol_stdout
+from sdk_worker_ready import ready_line
 
 PROTO = take_protocol_stdout()
 
@@ -40,8 +49,12 @@ def connect(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def _kv(n_tokens: int) -> torch.Tensor:
-    layers, hidden = state["geom"]
-    return torch.randn(2, layers, n_tokens, hidden, dtype=torch.float32).to(torch.bfloat16)
+    """A random KV of ``n_tokens`` (made once per size: 512 MiB of randn costs seconds)."""
+    cache = state.setdefault("kv", {})
+    if n_tokens not in cache:
+        layers, hidden = state["geom"]
+        cache[n_tokens] = torch.randn(2, layers, n_tokens, hidden, dtype=torch.float32).to(torch.bfloat16)
+    return cache[n_tokens]
 
 
 def bench(req: dict[str, Any]) -> dict[str, Any]:
@@ -55,6 +68,7 @@ def bench(req: dict[str, Any]) -> dict[str, Any]:
         tokens = list(range(base, base + n))
         ctx.store(kv, tokens)
         assert ctx.retrieve(tokens) is not None
+    cpu0 = time.process_time()
     for i in range(req["iters"]):
         if req["case"] == "retrieve":
             t0 = time.perf_counter()
@@ -71,16 +85,55 @@ def bench(req: dict[str, Any]) -> dict[str, Any]:
             assert got is not None
         times.append(time.perf_counter() - t0)
         assert ok
-    return {"times": times}
+    return {"times": times, "cpu": time.process_time() - cpu0}
+
+
+def concurrent(req: dict[str, Any]) -> dict[str, Any]:
+    ctx = state["ctx"]
+    n = int(req["tokens"])
+    prompts = [list(range(s, s + n)) for s in req["starts"]]
+    kv = _kv(n)
+    if req["op"] == "retrieve":
+
+        def one(tokens: list[int]) -> bool:
+            got = ctx.retrieve(tokens)
+            return got is not None and got.shape[2] == n
+
+    else:
+
+        def one(tokens: list[int]) -> bool:
+            return bool(ctx.store(kv, tokens))
+
+    with ThreadPoolExecutor(int(req["threads"])) as pool:
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        done = sum(pool.map(one, prompts))
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return {"elapsed": elapsed, "cpu": cpu, "done": done}
+
+
+def fresh(req: dict[str, Any]) -> dict[str, Any]:
+    n = int(req["tokens"])
+    tokens = list(range(int(req["start"]), int(req["start"]) + n))
+    t0 = time.perf_counter()
+    ctx = kvcache.connect(req["url"], req["http_url"], req["model_name"], timeout=60.0)
+    t1 = time.perf_counter()
+    try:
+        got = ctx.retrieve(tokens)
+        t2 = time.perf_counter()
+        assert got is not None and got.shape[2] == n
+        del got
+        t3 = time.perf_counter()
+        got = ctx.retrieve(tokens)
+        t4 = time.perf_counter()
+        assert got is not None
+    finally:
+        ctx.close()
+    return {"connect_s": t1 - t0, "first_s": t2 - t1, "second_s": t4 - t3}
 
 
 def quit_(req: dict[str, Any]) -> dict[str, Any]:
     raise WorkerExit({})
 
 
-_version, _generation = installed_lmcache()  # the ready line says which lmcache this is
-send(
-    PROTO,
-    {"ok": True, "ready": True, "worker": "sdk-bench", "lmcache_version": _version, "generation": _generation},
-)
-sys.exit(serve(PROTO, {"connect": connect, "bench": bench, "quit": quit_}))
+send(PROTO, ready_line("sdk-bench"))
+sys.exit(serve(PROTO, {"connect": connect, "bench": bench, "concurrent": concurrent, "fresh": fresh, "quit": quit_}))

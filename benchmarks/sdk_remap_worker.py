@@ -19,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
-from _worker_loop import WorkerExit, error_reply, installed_lmcache, send, serve, take_protocol_stdout
+from _worker_loop import WorkerExit, error_reply, send, serve, take_protocol_stdout
+from sdk_worker_ready import ready_line
 
 PROTO = take_protocol_stdout()
 
@@ -61,11 +62,7 @@ def quit_(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> int:
-    _version, _generation = installed_lmcache()  # the ready line says which lmcache this is
-    send(
-        PROTO,
-        {"ok": True, "ready": True, "worker": "sdk-remap", "lmcache_version": _version, "generation": _generation},
-    )
+    send(PROTO, ready_line("sdk-remap"))
     return serve(PROTO, {"connect": connect, "remap": remap, "quit": quit_})
 
 

@@ -823,7 +823,10 @@ async def store_many(
     async def body(index: int, raw: object) -> ItemResult:
         item = StoreItem.coerce(raw)
         tokens = validate_tokens(item.tokens)
-        n = len(tokens) // cs * cs
+        covered = len(tokens)
+        if isinstance(item.kv, torch.Tensor) and item.kv.dim() == len(geom.kv_shape(0)):
+            covered = min(covered, item.kv.shape[geom.token_axis])  # stored under tokens[:T]
+        n = covered // cs * cs
         nbytes = n * geom.bytes_per_token
         await budget.acquire(nbytes)
         try:

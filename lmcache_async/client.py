@@ -868,6 +868,7 @@ class AsyncClient:
 
         if self._cannot_retrieve is not None:  # before anything is sent: never a silent miss
             raise TransferError(self._cannot_retrieve)
+
         def body(ops: Operations, op: OpState) -> Awaitable[torch.Tensor | None]:
             n = _align(len(toks), ops.reg.chunk_size)
             if out is not None:  # a new chunk size may align further than ``out`` reaches
@@ -901,7 +902,10 @@ class AsyncClient:
     ) -> bool:
         """Store ``kv`` (``[2, L, T, D]``, or ``[L, T, D]`` for MLA) under ``tokens``.
 
-        ``T == len(tokens)``; tokens beyond the last whole chunk are ignored (as in the
+        ``tokens`` may be longer than the KV's ``T`` tokens: the KV is then stored under
+        ``tokens[:T]`` (so ``store(retrieve(source), target)`` works for prompts of any
+        length, although a retrieve returns whole chunks only); fewer tokens than ``T``
+        raise ``ValueError``. Tokens beyond the last whole chunk are ignored (as in the
         official SDK). Chunks already cached are not sent again. ``request_configs``
         travel in the keys of the store's requests (as in the official SDK); the
         client's own check of which chunks are cached runs without them.
@@ -925,6 +929,14 @@ class AsyncClient:
         configs = validate_request_configs(request_configs)
         timeout = self._timeout(timeout)
         self._require_open()
+        if isinstance(kv, torch.Tensor) and kv.dim() == len(self.geometry.kv_shape(0)):
+            covered = kv.shape[self.geometry.token_axis]  # the KV may cover a prefix of tokens
+            if len(toks) < covered:
+                raise ValueError(
+                    f"kv covers {covered} tokens but tokens has {len(toks)}: tokens may be longer "
+                    "than the KV (it is stored under tokens[:T]), never shorter"
+                )
+            toks = toks[:covered]
         kv = self._check_kv(kv, len(toks))
         # A CUDA kv: the bytes stored are kv as seen from the caller's current stream, now.
         mark = kv_mark(kv)

@@ -51,6 +51,9 @@ docs/compatibility.md):
 * ``connect`` also takes ``geometry=`` (a :class:`~lmcache_async.KVGeometry`), so no
   inference engine has to have registered the model; without it the geometry comes from
   ``/status`` as in the official SDK.
+* ``store`` accepts ``tokens`` longer than the KV (it stores under ``tokens[:T]``), so
+  ``store(retrieve(source), target)`` works when the prompt is not a whole number of
+  chunks; the official SDK raises on the shape mismatch.
 * ``lookup`` is an addition: the cached prefix length without transferring anything.
 * ``close`` also unregisters the client from the server.
 * a ``kv`` of another dtype than the registered one is refused (``TypeError``); the
@@ -157,10 +160,14 @@ def store(
     cache_salt: str = "",
     request_configs: Mapping[str, Any] | None = None,
 ) -> bool:
-    """Store ``kv`` (``[2, L, T, D]``, ``T == len(tokens)``) under ``tokens``.
+    """Store ``kv`` (``[2, L, T, D]``) under ``tokens``.
 
-    Tokens beyond the last whole chunk are ignored. Returns True if at least one chunk
-    was added, False exactly when all were cached already.
+    ``tokens`` may be longer than ``T``: the KV is stored under ``tokens[:T]``, so the
+    official snippet ``store(ctx, kv=retrieve(ctx, tokens=source), tokens=target)`` works
+    for prompts of any length (a retrieve returns whole chunks only; the official SDK
+    raises there). Fewer tokens than ``T`` raise ``ValueError``. Tokens beyond the last
+    whole chunk are ignored. Returns True if at least one chunk was added, False exactly
+    when all were cached already.
     """
     if isinstance(kv, torch.Tensor):  # anything else: the client raises TypeError
         kv = kv.detach() if kv.device.type == "cpu" else kv.detach().cpu()  # as the SDK does

@@ -479,8 +479,9 @@ class Operations:
         geom = self.reg.geometry
         return kv.narrow(geom.token_axis, index * self.reg.chunk_size, self.reg.chunk_size)
 
-    async def _prefetch_result(self, op: OpState, request_id: str, first: Any = None) -> int:
-        """Consume the prefetch status of ``request_id``: hit length in chunks.
+    async def _prefetch_result(self, op: OpState, request_id: str, limit: int, first: Any = None) -> int:
+        """Consume the prefetch status of ``request_id``: hit length in chunks (at most
+        ``limit``, the chunks asked for; anything else is a ProtocolError).
 
         Asks at once (the usual case: the prefetch finished before the question arrives;
         ``first`` is the answer to a question already asked), then waits server-side in
@@ -492,8 +493,8 @@ class Operations:
             remaining = op.remaining()
             slice_ = PREFETCH_WAIT_SLICE if remaining is None else min(PREFETCH_WAIT_SLICE, remaining)
             value = await self.call(op, Op.WAIT_PREFETCH_STATUS, request_id, float(slice_))
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ProtocolError(f"prefetch status {value!r} is not a chunk count")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+            raise ProtocolError(f"prefetch status {value!r} is not a chunk count in [0, {limit}]")
         return value
 
     async def _lookup_locked(self, op: OpState, key: dict[str, Any], rid: str, *, release: bool) -> int:
@@ -505,6 +506,7 @@ class Operations:
         geom = self.reg.geometry
         chunks: int | None = None
         ok = False
+        limit = key["end"] // self.reg.chunk_size
         try:
             if self.reg.fifo_cpu:
                 # One CPU worker on the server runs lookup-pool requests in arrival
@@ -512,15 +514,15 @@ class Operations:
                 _, first = await self.pipeline(
                     op, (Op.LOOKUP, key, geom.world_size), (Op.QUERY_PREFETCH_STATUS, rid)
                 )
-                chunks = await self._prefetch_result(op, rid, first)
+                chunks = await self._prefetch_result(op, rid, limit, first)
             else:
                 await self.call(op, Op.LOOKUP, key, geom.world_size)  # the ack first (pitfall 6)
-                chunks = await self._prefetch_result(op, rid)
+                chunks = await self._prefetch_result(op, rid, limit)
             ok = True
             return chunks * self.reg.chunk_size
         finally:
             if chunks is None:
-                chunks = await self._drain_prefetch(rid)
+                chunks = await self._drain_prefetch(rid, limit)
             if release and self.reg.fifo_cpu:
                 await self._release_pipelined(key, rid, chunks)
             else:
@@ -544,12 +546,13 @@ class Operations:
         calls.append((Op.END_SESSION, rid))
         await asyncio.gather(*(self.cleanup_call(*c) for c in calls))
 
-    async def _drain_prefetch(self, rid: str) -> int:
+    async def _drain_prefetch(self, rid: str, limit: int) -> int:
         deadline = time.monotonic() + self.cleanup_grace
         while time.monotonic() < deadline:
             value = await self.cleanup_call(Op.WAIT_PREFETCH_STATUS, rid, PREFETCH_WAIT_SLICE)
             if value is not None:
-                return value if isinstance(value, int) else 0
+                # Only a plausible count: locks are released on that many chunks.
+                return value if type(value) is int and 0 <= value <= limit else 0
             if not self.channel.usable:
                 return 0
         return 0

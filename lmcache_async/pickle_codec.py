@@ -19,6 +19,12 @@ admits only the globals plain tensors need (``_rebuild_tensor_v2``/``v3``,
 ``_load_from_bytes``, ``collections.OrderedDict``, ``torch.<dtype>``), storage blobs are
 loaded with ``torch.load(..., weights_only=True)``, and every rebuilt tensor is checked
 against its storage's bounds. Anything else raises :class:`UnsafePayloadError`.
+
+Before any unpickler runs, every length and memo index the payload claims is checked
+against the bytes actually present (:func:`_scan_pickle`; CPython's unpickler allocates a
+counted ``bytes`` before reading it and grows its memo to any index it is given), and a
+storage blob's element counts against the bytes it carries, so a few hostile bytes
+cannot make the client allocate gigabytes.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import collections
 import io
 import math
 import pickle
+import pickletools
 import struct
 import sys
 from collections.abc import Callable, Sequence
@@ -223,9 +230,146 @@ def _codecs_encode(text: object, encoding: object = "utf-8") -> bytes:
     return text.encode("latin1")
 
 
+# Opcodes whose argument is counted: the width of the little-endian length before it
+# (signed for the 4-byte string forms, as pickle reads them).
+_COUNTED: Final[dict[int, tuple[int, bool]]] = {
+    op.code.encode("latin1")[0]: width
+    for op in pickletools.opcodes
+    if op.arg is not None and op.arg.n < -1
+    for width in [{-2: (1, False), -3: (4, True), -4: (4, False), -5: (8, False)}[op.arg.n]]
+}
+_FIXED: Final[dict[int, int]] = {
+    op.code.encode("latin1")[0]: (0 if op.arg is None else op.arg.n)
+    for op in pickletools.opcodes
+    if op.arg is None or op.arg.n >= 0
+}
+_TO_NEWLINE: Final = frozenset(
+    op.code.encode("latin1")[0] for op in pickletools.opcodes if op.arg is not None and op.arg.n == -1
+)
+_PUT, _BINPUT, _LONG_BINPUT, _STOP = b"p"[0], b"q"[0], b"r"[0], b"."[0]
+_TWO_LINES: Final = frozenset(b"ci")
+_MAX_LINE: Final = 4096
+#: Opcodes one tensor may take in the outer pickle (torch's own: ~45, ours: <= ~120).
+_OPS_PER_TENSOR: Final = 256  # the longest text argument (a global's name, a decimal int)
+
+
+def _scan_pickle(data: memoryview, pos: int = 0, max_ops: int | None = None) -> int:
+    """Walk the opcodes of the pickle at ``data[pos:]`` without building anything;
+    return the position after its STOP.
+
+    Raises :class:`UnsafePayloadError` for an unknown opcode, a counted argument longer
+    than the bytes left, or a memo index beyond the opcodes seen (each of which would
+    make CPython's unpickler allocate what the payload claims before reading it), or
+    more than ``max_ops`` opcodes (one byte each can build an object of ~70 bytes).
+    """
+    end = len(data)
+    seen = 0
+    while pos < end:
+        code = data[pos]
+        pos += 1
+        seen += 1
+        if max_ops is not None and seen > max_ops:
+            raise UnsafePayloadError(f"pickle payload has more than {max_ops} opcodes")
+        if code in _COUNTED:
+            width, signed = _COUNTED[code]
+            if pos + width > end:
+                break
+            n = int.from_bytes(data[pos : pos + width], "little", signed=signed)
+            pos += width
+            if n < 0 or n > end - pos:
+                raise UnsafePayloadError(
+                    f"pickle payload claims {n} bytes at byte {pos} but holds {end - pos}"
+                )
+            pos += n
+        elif code in _FIXED:
+            width = _FIXED[code]
+            if code in (_BINPUT, _LONG_BINPUT) and pos + width <= end:
+                index = int.from_bytes(data[pos : pos + width], "little")
+                if index > seen:
+                    raise UnsafePayloadError(f"pickle memo index {index} is out of range")
+            pos += width
+            if code == _STOP:
+                return pos
+        elif code in _TO_NEWLINE:
+            for _ in range(2 if code in _TWO_LINES else 1):  # GLOBAL/INST: module, name
+                nl = bytes(data[pos : pos + _MAX_LINE]).find(b"\n")
+                if nl < 0:
+                    raise UnsafePayloadError(f"malformed pickle payload: no end of line after byte {pos}")
+                if code == _PUT:
+                    text = bytes(data[pos : pos + nl])
+                    if not text.isdigit() or int(text) > seen:
+                        raise UnsafePayloadError("pickle memo index is out of range")
+                pos += nl + 1
+        else:
+            raise UnsafePayloadError(
+                f"malformed pickle payload: unknown opcode 0x{code:02x} at byte {pos - 1}"
+            )
+    raise UnsafePayloadError("malformed pickle payload: truncated (no STOP)")
+
+
+_STORAGE_ITEMSIZE: Final[dict[str, int]] = {
+    **{name: dtype.itemsize for dtype, name in _STORAGE_CLASS.items()},
+    "BoolStorage": 1,
+    "ComplexFloatStorage": 8,
+    "ComplexDoubleStorage": 16,
+}
+
+
+def _storage_itemsize(module: str, name: str) -> int:
+    if module != "torch" or name not in _STORAGE_ITEMSIZE:
+        raise UnsafePayloadError(f"storage blob references {module}.{name}, which is not a storage class")
+    return _STORAGE_ITEMSIZE[name]
+
+
+class _BlobHeadReader(pickle.Unpickler):
+    """Reads the small pickles in front of a legacy storage blob, only to add up the
+    bytes its persistent ids claim (torch allocates them before reading the data)."""
+
+    claimed: int = 0
+
+    def find_class(self, module: str, name: str) -> Any:
+        return _storage_itemsize(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if (
+            not isinstance(pid, tuple)
+            or len(pid) < 5
+            or pid[0] != "storage"
+            or type(pid[1]) is not int
+            or type(pid[4]) is not int
+            or pid[4] < 0
+        ):
+            raise UnsafePayloadError("storage blob has a malformed persistent id")
+        self.claimed += pid[1] * pid[4]
+        return None
+
+
+def _check_blob_claims(blob: bytes | bytearray) -> None:
+    """Raise :class:`UnsafePayloadError` unless the storages a legacy ``torch.save`` blob
+    declares fit in the bytes it carries (checked before torch allocates them)."""
+    view = memoryview(blob)
+    f = io.BytesIO(blob)
+    claimed = 0
+    for _ in range(5):  # magic, protocol, system info, the object, the storage keys
+        _scan_pickle(view, f.tell())
+        reader = _BlobHeadReader(f)
+        try:
+            reader.load()
+        except UnsafePayloadError:
+            raise
+        except Exception as exc:
+            raise UnsafePayloadError(f"malformed storage blob: {type(exc).__name__}: {exc}") from exc
+        claimed += reader.claimed
+    if claimed > len(blob) - f.tell():
+        raise UnsafePayloadError(
+            f"storage blob claims {claimed} bytes of data but holds {len(blob) - f.tell()}"
+        )
+
+
 def _load_storage(blob: object) -> Any:
     if not isinstance(blob, bytes | bytearray):
         raise UnsafePayloadError("storage blob must be bytes")
+    _check_blob_claims(blob)
     try:
         return torch.load(io.BytesIO(blob), weights_only=True)
     except Exception as exc:
@@ -329,6 +473,9 @@ def decode_tensor_list(
         ProtocolError: the decoded list does not match ``count``/``shape``/``dtype``.
     """
     try:
+        _scan_pickle(
+            memoryview(data).cast("B"), max_ops=None if count is None else _OPS_PER_TENSOR * count + 64
+        )
         obj = _RestrictedUnpickler(io.BytesIO(data)).load()
     except UnsafePayloadError:
         raise

@@ -780,7 +780,8 @@ class Client:
     ) -> bool:
         """Store ``kv`` (``[2, L, T, D]``; ``[L, T, D]`` for MLA) under ``tokens``.
 
-        Blocking :meth:`AsyncClient.store`: True if at least one chunk was added, False
+        ``tokens`` may be longer than ``T`` (the KV is stored under ``tokens[:T]``), never
+        shorter. Blocking :meth:`AsyncClient.store`: True if at least one chunk was added, False
         exactly when every chunk was already cached. On timeout or KeyboardInterrupt a
         store whose slots were reserved is still completed on the loop (all chunks or
         none); ``kv`` must not be modified until then. A CUDA ``kv`` is read as seen

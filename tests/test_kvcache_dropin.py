@@ -149,9 +149,11 @@ def test_return_values_are_the_official_sdks(registered: Registered) -> None:
         assert lmc_sdk.store(ctx, kv=kv_odd, tokens=odd) is True
         prefix = lmc_sdk.retrieve(ctx, tokens=odd)
         assert prefix is not None and torch.equal(prefix, kv_odd[:, :, :CS])
-        # the KV's token count must match len(tokens) (the official SDK raises too)
-        with pytest.raises(ValueError, match="shape"):
-            lmc_sdk.store(ctx, kv=prefix, tokens=odd)
+        # tokens may be longer than the KV (stored under tokens[:T]; the official SDK
+        # raises here), never shorter (issue 9)
+        assert lmc_sdk.store(ctx, kv=prefix, tokens=odd) is False  # odd[:CS] is cached
+        with pytest.raises(ValueError, match="kv covers 21 tokens but tokens has 16"):
+            lmc_sdk.store(ctx, kv=kv_odd, tokens=odd[:CS])
     finally:
         lmc_sdk.close(ctx)
 

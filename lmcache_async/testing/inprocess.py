@@ -58,6 +58,7 @@ from lmcache_async.testing.engine import (
     InlineEncoder,
     LayoutSpec,
     Leftovers,
+    Mode,
     ServerKey,
 )
 from lmcache_async.wire import PreEncoded, packb, unpackb
@@ -66,7 +67,6 @@ __all__ = ["InProcessServer", "Lane", "NoReply", "PreparedCall"]
 
 log = logging.getLogger(__name__)
 
-Mode = Literal["shm", "pickle"]
 #: Where a request runs on the socket server: inline on the receiving task ("sync", the
 #: real server's SYNC handlers), or one at a time in arrival order on the "transfer" or
 #: "cpu" lane (its affinity and CPU worker pools with their default size of one).

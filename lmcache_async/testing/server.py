@@ -53,7 +53,7 @@ from aiohttp import web
 from lmcache_async._version import __version__
 from lmcache_async.geometry import KVGeometry, dtype_from_name
 from lmcache_async.testing.dialect import LMC_VERSIONS, BadRequest, Protocol, check_protocol, decode_operation
-from lmcache_async.testing.engine import CacheEngine, LayoutSpec, Leftovers
+from lmcache_async.testing.engine import CacheEngine, LayoutSpec, Leftovers, Mode
 from lmcache_async.testing.inprocess import InProcessServer, NoReply, PreparedCall
 from lmcache_async.testing.pool import SHM_DIR, segment_name
 
@@ -61,7 +61,6 @@ __all__ = ["EmbeddedServer", "EmbeddedServerThread", "ModelSpec", "parse_size"]
 
 log = logging.getLogger(__name__)
 
-Mode = Literal["shm", "pickle"]
 _State = Literal["new", "starting", "running", "stopping", "stopped"]
 
 #: What ``/status`` says for the engine type (the real server's value).

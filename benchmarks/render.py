@@ -1,0 +1,708 @@
+"""Render ``docs/benchmarks.md`` and its plots (``docs/img/bench_*.png``) from the JSON results.
+
+    .venv/bin/python benchmarks/render.py [--results benchmarks/results] [--doc docs/benchmarks.md]
+
+(``make bench`` runs it after ``benchmarks/suite.py``; run it alone to re-render.) Reads every
+``<results>/*.json`` written by the suite (``rtt``, ``facade``, ``concurrent``, ``single_shm``,
+``single_pickle``, ``fresh``, ``remap``; ``*-0.5.7.json`` for the next server generation) and
+any ``cuda*.json`` (from ``benchmarks/bench_cuda.py``, rendered generically as tables). A
+section whose JSON is missing is listed as not measured.
+
+Every ratio on the page reads the same way: above 1.0 lmcache_async is ahead of the official
+SDK, below 1.0 it is behind, and the page says so ("behind"). Text a human wrote between
+``<!-- keep:NAME -->`` and ``<!-- /keep:NAME -->`` in the existing page is carried over into
+the new page (matched by NAME); new blocks start with a placeholder. The "why" blocks appear
+for every section where lmcache_async is behind somewhere. Plots need matplotlib (the
+``bench`` extra); without it the page is rendered with tables only and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "docs" / "benchmarks.md"
+
+KEEP_RE = re.compile(r"<!-- keep:(?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /keep:(?P=name) -->", re.S)
+WHY_PLACEHOLDER = (
+    "_Why lmcache_async is not ahead here: to be written by a human after a quiet-machine run._\n"
+)
+NOTES_PLACEHOLDER = ""
+
+COMMANDS = {
+    "rtt": ".venv/bin/python benchmarks/bench_rtt.py",
+    "facade": ".venv/bin/python benchmarks/bench_facade.py",
+    "concurrent": ".venv/bin/python benchmarks/bench_concurrent.py",
+    "single_shm": ".venv/bin/python benchmarks/bench_client.py --mode shm",
+    "single_pickle": ".venv/bin/python benchmarks/bench_client.py --mode pickle",
+    "fresh": ".venv/bin/python benchmarks/bench_fresh.py",
+    "remap": ".venv/bin/python benchmarks/bench_remap_batch.py",
+}
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def ratio(r: dict[str, Any] | float | None, *, mark: bool = True) -> str:
+    """``1.23x`` (bold when ahead), ``0.87x (behind)``; a spread shows its range."""
+    if r is None:
+        return "n/a"
+    med = r["median"] if isinstance(r, dict) else float(r)
+    rng = f" ({r['min']:.2f}-{r['max']:.2f})" if isinstance(r, dict) and r.get("n", 1) > 1 else ""
+    if not mark:
+        return f"{med:.2f}x{rng}"
+    if med >= 1.0:
+        return f"**{med:.2f}x**{rng}"
+    return f"{med:.2f}x{rng} **(behind)**"
+
+
+def ms(s: dict[str, Any]) -> str:
+    return f"{s['median'] * 1e3:.2f} ms"
+
+
+def us(s: dict[str, Any]) -> str:
+    return f"{s['median'] * 1e6:.0f} µs"
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:g} MiB" if n >= 2**20 else f"{n / 2**10:g} KiB"
+
+
+def inv(s: dict[str, Any]) -> dict[str, Any]:
+    """1/x of a spread (min and max swap)."""
+    return {"median": 1 / s["median"], "min": 1 / s["max"], "max": 1 / s["min"], "n": s.get("n", 1)}
+
+
+def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out) + "\n"
+
+
+def stamp_line(doc: dict[str, Any]) -> str:
+    s = doc["stamp"]
+    load = f"load {s.get('loadavg_1m')}" + (f" → {s['loadavg_1m_end']}" if "loadavg_1m_end" in s else "")
+    return (
+        f"_Measured {s['date_utc']}, commit `{s['commit']}`, server {doc['result'].get('server_version', s['generation'])}, "
+        f"{s.get('profile', '?')} profile, {s.get('seconds', '?')} s, {load} on {s['cpus']} CPUs. "
+        f"Command: `{COMMANDS.get(doc['section'], 'make bench')}` (or `make bench`)._\n"
+    )
+
+
+# --------------------------------------------------------------------------- plots
+
+
+class Plots:
+    """matplotlib when available (Agg backend, PNG files); otherwise records why not."""
+
+    def __init__(self, img_dir: Path) -> None:
+        self.img_dir = img_dir
+        self.error: str | None = None
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as exc:
+            self.error = f"matplotlib is not installed ({exc}); `pip install -e '.[bench]'`"
+            self.plt: Any = None
+        else:
+            self.plt = plt
+            img_dir.mkdir(parents=True, exist_ok=True)
+
+    def save(self, fig: Any, name: str) -> str:
+        path = self.img_dir / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        self.plt.close(fig)
+        return f"![{name}](img/{name})\n\n"
+
+    def single(self, doc: dict[str, Any], name: str) -> str:
+        if self.plt is None:
+            return ""
+        rows = [r for r in doc["result"]["rows"] if r["op"] != "pair_tiny"]
+        ops = ["store", "retrieve", "retrieve_out"]
+        fig, axes = self.plt.subplots(1, 3, figsize=(13, 4), sharey=True)
+        for ax, op in zip(axes, ops, strict=True):
+            sel = sorted((r for r in rows if r["op"] == op), key=lambda r: r["bytes"])
+            if not sel:
+                continue
+            x = [r["bytes"] / 2**20 for r in sel]
+            series = [
+                ("official SDK", "sdk_s", "tab:gray", "s"),
+                ("lmcache_async", "ours_s", "tab:blue", "o"),
+            ]
+            if op == "retrieve_out":
+                series.append(("copy_ (floor)", "copy_s", "tab:green", "^"))
+            for label, key, color, marker in series:
+                med = [r[key]["median"] * 1e3 for r in sel]
+                lo = [m - r[key]["min"] * 1e3 for m, r in zip(med, sel, strict=True)]
+                hi = [r[key]["max"] * 1e3 - m for m, r in zip(med, sel, strict=True)]
+                ax.errorbar(x, med, yerr=[lo, hi], label=label, color=color, marker=marker, capsize=3)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(x, [f"{v:g}" for v in x])
+            ax.set_xlabel("payload (MiB)")
+            title = {"retrieve_out": "retrieve into out= (SDK: fresh tensor)"}.get(op, op)
+            ax.set_title(title)
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0].set_ylabel("latency per call (ms), median, bars = range")
+        axes[0].legend()
+        fig.suptitle(
+            f"Single operations, {doc['result']['transfer']}, server {doc['result']['server_version']}"
+        )
+        return self.save(fig, name)
+
+    def concurrent(self, doc: dict[str, Any], name: str) -> str:
+        if self.plt is None:
+            return ""
+        res = doc["result"]
+        ops = [op for op in ("retrieve", "store") if any(r["op"] == op for r in res["rows"])]
+        fig, axes = self.plt.subplots(len(ops), 2, figsize=(11, 3.6 * len(ops)), squeeze=False)
+        for i, op in enumerate(ops):
+            for j, (key, ylabel) in enumerate(
+                (("ops_per_s", "operations / s"), ("cpu_us_per_op", "client CPU µs / op"))
+            ):
+                ax = axes[i][j]
+                for who, label, color, marker in (
+                    ("ours", "lmcache_async: 1 AsyncClient, N tasks", "tab:blue", "o"),
+                    ("sdk", "official SDK: 1 context, N threads", "tab:gray", "s"),
+                ):
+                    sel = sorted(
+                        (r for r in res["rows"] if r["op"] == op and r["who"] == who),
+                        key=lambda r: r["concurrency"],
+                    )
+                    x = [r["concurrency"] for r in sel]
+                    med = [r[key]["median"] for r in sel]
+                    lo = [m - r[key]["min"] for m, r in zip(med, sel, strict=True)]
+                    hi = [r[key]["max"] - m for m, r in zip(med, sel, strict=True)]
+                    ax.errorbar(x, med, yerr=[lo, hi], label=label, color=color, marker=marker, capsize=3)
+                ax.set_xscale("log", base=2)
+                ticks = sorted({r["concurrency"] for r in res["rows"]})
+                ax.set_xticks(ticks, [str(t) for t in ticks])
+                ax.set_xlabel("concurrency N")
+                ax.set_ylabel(ylabel)
+                ax.set_ylim(bottom=0)
+                ax.set_title(f"{op}, {res['prompts']} x {mib(res['chunk_bytes'])}")
+                ax.grid(True, alpha=0.3)
+        axes[0][0].legend(fontsize=8)
+        return self.save(fig, name)
+
+    def remap(self, doc: dict[str, Any], name: str) -> str:
+        if self.plt is None:
+            return ""
+        rows = doc["result"]["rows"]
+        fig, ax = self.plt.subplots(figsize=(6.5, 3.5))
+        labels = [
+            "SDK loop" if r["who"] == "sdk" else r["who"].replace("ours_c", "remap_many c=") for r in rows
+        ]
+        vals = [r["pairs_per_s"] for r in rows]
+        colors = ["tab:gray" if r["who"] == "sdk" else "tab:blue" for r in rows]
+        ax.bar(labels, vals, color=colors)
+        ax.set_ylabel("pairs / s (median)")
+        ax.set_title(f"{doc['result']['pairs']} remaps of {doc['result']['mib_per_prompt']} MiB")
+        ax.grid(True, axis="y", alpha=0.3)
+        return self.save(fig, name)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+class Page:
+    def __init__(self, keep: dict[str, str], plots: Plots) -> None:
+        self.keep = keep
+        self.plots = plots
+        self.parts: list[str] = []
+        self.behind: list[str] = []  # "section: case" where a ratio < 1
+        self.targets: list[tuple[str, str, str]] = []
+        self.placed: set[str] = set()
+
+    def add(self, text: str) -> None:
+        self.parts.append(text)
+
+    def keep_block(self, name: str, default: str) -> None:
+        self.placed.add(name)
+        body = self.keep.get(name, default)
+        if body and not body.endswith("\n"):
+            body += "\n"
+        self.add(f"<!-- keep:{name} -->\n{body}<!-- /keep:{name} -->\n")
+
+    def why(self, section: str, behind: list[str]) -> None:
+        """The human's "why" paragraph where lmcache_async is behind (placeholder when new)."""
+        if behind:
+            self.behind += [f"{section}: {b}" for b in behind]
+            self.add(f"lmcache_async is **behind** the official SDK here: {'; '.join(behind)}.\n\n")
+            self.keep_block(f"why-{section}", WHY_PLACEHOLDER)
+
+    def target(self, what: str, measured: str, met: bool | None) -> None:
+        self.targets.append((what, measured, {True: "met", False: "**not met**", None: "not measured"}[met]))
+
+    # ------------------------------------------------------------ single operations
+    def single(self, doc: dict[str, Any] | None, section: str, title: str, img: str) -> None:
+        self.add(f"\n## {title}\n\n")
+        if doc is None:
+            self.add(f"Not measured in this run (`{COMMANDS.get(section, 'make bench')}`).\n")
+            self.keep_block(f"notes-{section}", NOTES_PLACEHOLDER)
+            return
+        res = doc["result"]
+        self.add(stamp_line(doc) + "\n")
+        self.add(
+            f"Geometry: {res['geometry']}. Medians of {res['rounds']} round(s) of {res['iters']} calls each "
+            "(the fixed-cost case: 4x as many), ranges over rounds; the SDK and lmcache_async alternate within "
+            "every round. Ratio = SDK time / ours (> 1: lmcache_async is faster). CPU = the client process's "
+            "CPU time per call. "
+            f"Timed after the client's background SHM warm-up had finished ({res.get('prefault_wait_s', 'n/a')} s "
+            "after connect; the fresh-client section measures the overlap).\n\n"
+        )
+        rows, behind = [], []
+        names = {
+            "store": "store",
+            "retrieve": "retrieve, fresh tensor",
+            "retrieve_out": "retrieve into `out=`",
+            "pair_tiny": "store + retrieve, 1-layer x 1-head x 16 geometry (the fixed cost)",
+        }
+        for r in res["rows"]:
+            case = f"{names[r['op']]}, {r['chunks']} chunk{'s' * (r['chunks'] > 1)} ({mib(r['bytes'])})"
+            note = ""
+            if "vs_copy" in r:
+                note = f"`copy_` {ms(r['copy_s'])}; ours / `copy_` = {r['vs_copy']['median']:.2f}"
+            rows.append(
+                [
+                    case,
+                    ms(r["sdk_s"]),
+                    ms(r["ours_s"]),
+                    ratio(r["ratio"]),
+                    us(r["sdk_cpu_s"]),
+                    us(r["ours_cpu_s"]),
+                    note,
+                ]
+            )
+            if r["ratio"]["median"] < 1.0:
+                behind.append(f"{case} at {r['ratio']['median']:.2f}x")
+        self.add(
+            table(
+                ["case", "official SDK", "lmcache_async", "SDK / ours", "SDK CPU", "our CPU", "notes"], rows
+            )
+        )
+        self.add("\n" + self.plots.single(doc, img))
+        self.why(section, behind)
+        self.keep_block(f"notes-{section}", NOTES_PLACEHOLDER)
+        if section.startswith("single_"):
+            worst = min(res["rows"], key=lambda r: r["ratio"]["median"])
+            self.target(
+                f"every single-operation case ≥ 1.0x the SDK ({res['transfer']}, server {res['server_version']})",
+                f"worst: {worst['op']} {worst['chunks']} chunk(s) {worst['ratio']['median']:.2f}x",
+                worst["ratio"]["median"] >= 1.0,
+            )
+        if section == "single_pickle":
+            sel = [r for r in res["rows"] if r["op"] in ("store", "retrieve")]
+            if sel:
+                w = min(sel, key=lambda r: r["ratio"]["median"])
+                self.target(
+                    "pickle/inline store and retrieve ≥ 1.5x the SDK",
+                    f"worst: {w['op']} {w['chunks']} chunk(s) {w['ratio']['median']:.2f}x",
+                    w["ratio"]["median"] >= 1.5,
+                )
+
+    # ------------------------------------------------------------ concurrent
+    def concurrent(self, doc: dict[str, Any] | None) -> None:
+        self.add("\n## Many small operations at once (throughput and client CPU vs concurrency)\n\n")
+        if doc is None:
+            self.add(f"Not measured in this run (`{COMMANDS['concurrent']}`).\n")
+            self.keep_block("notes-concurrent", NOTES_PLACEHOLDER)
+            self.target("concurrent small retrieves: CPU/op ≤ 0.5x the SDK, throughput ≥ 1.2x", "", None)
+            return
+        res = doc["result"]
+        self.add(stamp_line(doc) + "\n")
+        self.add(
+            f"{res['prompts']} prompts of one {mib(res['chunk_bytes'])} chunk ({res['geometry']}), "
+            f"{res['transfer']}: one `AsyncClient` with N tasks vs the official SDK on one context with N "
+            "threads. Client CPU = `time.process_time()` of the client's process over the run / operations "
+            f"(not the server's), after its background SHM warm-up had finished ({res.get('prefault_wait_s', 'n/a')} s). "
+            f"Medians of {res['rounds']} round(s).\n\n"
+        )
+        rows = [
+            [
+                r["op"],
+                "lmcache_async" if r["who"] == "ours" else "official SDK",
+                r["concurrency"],
+                f"{r['ops_per_s']['median']:.0f} ({r['ops_per_s']['min']:.0f}-{r['ops_per_s']['max']:.0f})",
+                f"{r['cpu_us_per_op']['median']:.0f}",
+            ]
+            for r in res["rows"]
+            if r["who"] != "ratio"
+        ]
+        self.add(table(["op", "who", "N (tasks / threads)", "ops/s", "client CPU µs/op"], rows))
+        self.add("\nAgainst the SDK's best thread count of the same round (> 1: lmcache_async ahead):\n\n")
+        rrows: list[list[Any]] = []
+        lagging: dict[str, list[str]] = {}
+        for r in res["rows"]:
+            if r["who"] != "ratio":
+                continue
+            cpu = inv(r["cpu_vs_sdk_best"])
+            rrows.append([r["op"], r["concurrency"], ratio(r["tput_vs_sdk_best"]), ratio(cpu)])
+            if r["tput_vs_sdk_best"]["median"] < 1.0:
+                lagging.setdefault(f"{r['op']} throughput", []).append(str(r["concurrency"]))
+            if cpu["median"] < 1.0:
+                lagging.setdefault(f"{r['op']} client CPU per operation", []).append(str(r["concurrency"]))
+        behind = [f"{what} at N = {', '.join(ns)}" for what, ns in lagging.items()]
+        self.add(table(["op", "N", "throughput, ours / SDK best", "CPU per op, SDK / ours"], rrows))
+        self.add("\n" + self.plots.concurrent(doc, "bench_concurrent.png"))
+        self.why("concurrent", behind)
+        self.keep_block("notes-concurrent", NOTES_PLACEHOLDER)
+        top = [r for r in res["rows"] if r["who"] == "ratio" and r["op"] == "retrieve"]
+        if top:
+            best = max(top, key=lambda r: r["tput_vs_sdk_best"]["median"])
+            cpu = inv(best["cpu_vs_sdk_best"])["median"]
+            self.target(
+                "concurrent small retrieves: client CPU/op ≤ 0.5x the SDK's",
+                f"{1 / cpu:.2f}x at N={best['concurrency']}",
+                1 / cpu <= 0.5,
+            )
+            self.target(
+                "concurrent small retrieves: throughput ≥ 1.2x the SDK's best",
+                f"{best['tput_vs_sdk_best']['median']:.2f}x at N={best['concurrency']}",
+                best["tput_vs_sdk_best"]["median"] >= 1.2,
+            )
+
+    # ------------------------------------------------------------ fresh client
+    def fresh(self, doc: dict[str, Any] | None) -> None:
+        self.add("\n## A fresh client (the first call after connect)\n\n")
+        if doc is None:
+            self.add(f"Not measured in this run (`{COMMANDS['fresh']}`).\n")
+            self.keep_block("notes-fresh", NOTES_PLACEHOLDER)
+            self.target("16-chunk retrieve into out= from the first call: ≥ 2x SDK, ≤ 1.3x copy_", "", None)
+            return
+        res = doc["result"]
+        self.add(stamp_line(doc) + "\n")
+        self.add(
+            f"A new client, then at once the 16-chunk ({mib(res['bytes'])}) retrieve; server L1 "
+            f"{res['l1_gb']} GiB (the pool a new client maps), {res['reps']} repetitions, medians (range). "
+            "The SDK has no `out=` (fresh tensors).\n\n"
+        )
+        o, s = res["ours"], res["sdk"]
+        rows = [
+            ["connect", ms(s["connect_s"]), ms(o["connect_s"]), ""],
+            ["first retrieve", ms(s["first_s"]), ms(o["first_s"]), ratio(res["first_vs_sdk"])],
+            ["second retrieve", ms(s["second_s"]), ms(o["second_s"]), ""],
+        ]
+        if "settled_s" in o:
+            rows.append([f"after {res['settle_s']:g} s", "", ms(o["settled_s"]), ""])
+        self.add(table(["call", "official SDK", "lmcache_async (into out=)", "SDK / ours"], rows))
+        line = (
+            f"\n`copy_` of the same bytes into a warm buffer: {ms(res['copy_s'])}; ours / `copy_`: first call "
+            f"{res['first_vs_copy']['median']:.2f}, second {res['second_vs_copy']['median']:.2f}"
+        )
+        if "settled_vs_copy" in res:
+            line += f", after {res['settle_s']:g} s {res['settled_vs_copy']['median']:.2f}"
+        self.add(line + ".\n\n")
+        self.why(
+            "fresh",
+            [f"first call {res['first_vs_sdk']['median']:.2f}x"] if res["first_vs_sdk"]["median"] < 1 else [],
+        )
+        self.keep_block("notes-fresh", NOTES_PLACEHOLDER)
+        f_sdk, f_copy = res["first_vs_sdk"]["median"], res["first_vs_copy"]["median"]
+        self.target(
+            "16-chunk retrieve into out=, first call after connect: ≥ 2x the SDK and ≤ 1.3x copy_",
+            f"{f_sdk:.2f}x the SDK, {f_copy:.2f}x copy_",
+            f_sdk >= 2 and f_copy <= 1.3,
+        )
+
+    # ------------------------------------------------------------ remap
+    def remap(self, doc: dict[str, Any] | None) -> None:
+        self.add("\n## Bulk remapping (`remap_many`)\n\n")
+        if doc is None:
+            self.add(f"Not measured in this run (`{COMMANDS['remap']}`).\n")
+            self.keep_block("notes-remap", NOTES_PLACEHOLDER)
+            return
+        res = doc["result"]
+        self.add(stamp_line(doc) + "\n")
+        self.add(
+            f"{res['pairs']} pairs of {res['tokens_per_prompt']}-token prompts ({res['mib_per_prompt']} MiB of KV "
+            f"each), SHM, L1 {res['l1_gb']} GiB; the SDK does `kv = ctx.retrieve(src); ctx.store(kv, dst)` per "
+            f"pair; medians of {res['rounds']} round(s); ratio = per-round SDK time / ours.\n\n"
+        )
+        rows, behind = [], []
+        for r in res["rows"]:
+            who = "official SDK, loop" if r["who"] == "sdk" else f"`remap_many`, concurrency {r['who'][6:]}"
+            rows.append(
+                [
+                    who,
+                    f"{r['median_s']} s",
+                    r["pairs_per_s"],
+                    r["gb_per_s"],
+                    ratio(
+                        {
+                            "median": r["vs_sdk"],
+                            "min": r["vs_sdk_range"][0],
+                            "max": r["vs_sdk_range"][1],
+                            "n": res["rounds"],
+                        }
+                    )
+                    if "vs_sdk" in r
+                    else "1x",
+                ]
+            )
+            if r.get("vs_sdk", 1.0) < 1.0:
+                behind.append(f"{who} at {r['vs_sdk']:.2f}x")
+        self.add(table(["who", "run", "pairs/s", "GB/s (retrieved + stored)", "vs SDK"], rows))
+        self.add("\n" + self.plots.remap(doc, "bench_remap.png"))
+        self.why("remap", behind)
+        self.keep_block("notes-remap", NOTES_PLACEHOLDER)
+
+    # ------------------------------------------------------------ facade
+    def facade(self, doc: dict[str, Any] | None) -> None:
+        self.add("\n## The blocking facade (`Client` vs `AsyncClient`)\n\n")
+        if doc is None:
+            self.add(f"Not measured in this run (`{COMMANDS['facade']}`).\n")
+            self.keep_block("notes-facade", NOTES_PLACEHOLDER)
+            self.target("facade hand-over (noop) < 100 µs", "", None)
+            return
+        res = doc["result"]
+        self.add(stamp_line(doc) + "\n")
+        self.add(
+            f"Small geometry (the payload costs nothing), {res['transfer']}, both clients open at once; "
+            f"{res['rounds']} rounds x {res['iters']} calls, median of round medians (range).\n\n"
+        )
+
+        def cell(d: dict[str, Any], digits: int = 0) -> str:
+            return f"{d['median']:.{digits}f} ({d['min']:.{digits}f}-{d['max']:.{digits}f})"
+
+        rows = []
+        for case, v in res["cases"].items():
+            if case == "noop x8":
+                continue
+            rows.append([f"`{case}`", cell(v["async_us"]), cell(v["sync_us"]), cell(v["overhead_us"])])
+        self.add(table(["case", "`await AsyncClient.x()` µs", "`Client.x()` µs", "added per call µs"], rows))
+        t = res["cases"].get("noop x8")
+        if t:
+            a, s = t["async_calls_per_s"], t["sync_calls_per_s"]
+            self.add(
+                f"\n8 tasks on one `AsyncClient`: {cell(a)} `noop`/s; 8 threads on one `Client`: {cell(s)} "
+                f"`noop`/s ({s['median'] / a['median']:.0%}).\n\n"
+            )
+        self.keep_block("notes-facade", NOTES_PLACEHOLDER)
+        over = res["cases"]["noop"]["overhead_us"]["median"]
+        self.target(
+            "facade hand-over (`noop` through `Client` minus `AsyncClient`) < 100 µs",
+            f"{over:.0f} µs",
+            over < 100,
+        )
+
+    # ------------------------------------------------------------ rtt
+    def rtt(self, doc: dict[str, Any] | None) -> None:
+        self.add("\n## Round trips: the floor (a bare blocking DEALER)\n\n")
+        if doc is None:
+            self.add(f"Not measured in this run (`{COMMANDS['rtt']}`).\n")
+            self.keep_block("notes-rtt", NOTES_PLACEHOLDER)
+            return
+        res = doc["result"]
+        self.add(stamp_line(doc) + "\n")
+        self.add(
+            f"One request at a time, {res['n']} per round (median of the last 80 %), {res['rounds']} rounds "
+            "alternating. The bare DEALER is the server's own cost per request plus the least a client adds. "
+            "Ratio = bare / ours (> 1: ours is the faster).\n\n"
+        )
+        rows = [
+            [
+                f"`{r['request']}`",
+                f"{r['blocking_us']['median']:.0f}",
+                f"{r['ours_us']['median']:.0f}",
+                ratio(r["ratio"], mark=False),
+            ]
+            for r in res["rows"]
+        ]
+        self.add(table(["request", "blocking pyzmq µs", "lmcache_async µs", "bare / ours"], rows))
+        self.add("\n")
+        self.keep_block("notes-rtt", NOTES_PLACEHOLDER)
+
+    # ------------------------------------------------------------ GPU
+    def cuda(self, docs: list[tuple[str, Any]]) -> None:
+        self.add("\n## GPU (CUDA tensors in and out)\n\n")
+        if not docs:
+            self.add(
+                "No `benchmarks/results/cuda*.json` in this tree: the GPU figures are measured on a GPU "
+                "machine with `benchmarks/bench_cuda.py` and their JSON dropped into `benchmarks/results/`.\n\n"
+            )
+        for name, data in docs:
+            self.add(f"### `{name}`\n\n")
+            self.add(generic(data))
+        self.keep_block("notes-cuda", NOTES_PLACEHOLDER)
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, dict) and "median" in v:
+        rng = f" ({v['min']:.4g}-{v['max']:.4g})" if "min" in v and "max" in v else ""
+        return f"{v['median']:.4g}{rng}"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (list, dict)):
+        return f"`{json.dumps(v)[:80]}`"
+    return str(v)
+
+
+def generic(data: Any, depth: int = 0) -> str:
+    """Any JSON as markdown: lists of objects as tables, scalars as a key/value table."""
+    if isinstance(data, list) and data and all(isinstance(x, dict) for x in data):
+        cols: list[str] = []
+        for row in data:
+            cols += [k for k in row if k not in cols]
+        return table(cols, [[_cell(row.get(c, "")) for c in cols] for row in data]) + "\n"
+    if not isinstance(data, dict):
+        return f"`{json.dumps(data)[:500]}`\n\n"
+    out = []
+    scalars = {
+        k: v
+        for k, v in data.items()
+        if not isinstance(v, (list, dict)) or (isinstance(v, dict) and "median" in v)
+    }
+    if scalars:
+        out.append(table(["field", "value"], [[k, _cell(v)] for k, v in scalars.items()]) + "\n")
+    for k, v in data.items():
+        if k in scalars:
+            continue
+        if isinstance(v, dict) and v and all(isinstance(x, dict) and "median" not in x for x in v.values()):
+            out.append(f"**{k}**\n\n" + generic([{"": kk, **vv} for kk, vv in v.items()], depth + 1))
+        elif isinstance(v, (list, dict)) and depth < 3:
+            out.append(f"**{k}**\n\n" + generic(v, depth + 1))
+        else:
+            out.append(f"**{k}**: {_cell(v)}\n\n")
+    return "".join(out)
+
+
+# --------------------------------------------------------------------------- page
+
+
+def load(results: Path) -> tuple[dict[str, dict[str, Any]], list[tuple[str, Any]]]:
+    docs: dict[str, dict[str, Any]] = {}
+    cuda: list[tuple[str, Any]] = []
+    for path in sorted(results.glob("*.json")):
+        data = json.loads(path.read_text())
+        if path.name.startswith("cuda"):
+            cuda.append((path.name, data))
+        elif isinstance(data, dict) and "section" in data:
+            docs[path.stem] = data
+    return docs, cuda
+
+
+def render(results: Path, doc_path: Path, img_dir: Path) -> str:
+    old = doc_path.read_text() if doc_path.exists() else ""
+    keep = {m["name"]: m["body"] for m in KEEP_RE.finditer(old)}
+    docs, cuda = load(results)
+    page = Page(keep, Plots(img_dir))
+    stamps = [d["stamp"] for d in docs.values()]
+    if stamps:
+        s = stamps[0]
+        machine = f"{s['cpu_model']}, {s['cpus']} CPUs, {s['memory_gib']} GiB"
+        versions = (
+            f"Python {s['python']}, torch {s['torch']} ({s['torch_threads']} intra-op threads"
+            f"{', OMP_NUM_THREADS=' + s['omp_num_threads'] if s.get('omp_num_threads') else ''}), "
+            f"lmcache_async {s['lmcache_async']}, LMCache {s['lmcache']} (server and official SDK)"
+        )
+        commits = sorted({st["commit"] for st in stamps})
+        dates = sorted(st["date_utc"] for st in stamps)
+    page.add(
+        "# Benchmarks\n\n"
+        "<!-- Generated by benchmarks/render.py from benchmarks/results/*.json (`make bench`). Edit only\n"
+        "     between keep markers: everything else is rewritten on the next render. -->\n\n"
+    )
+    sample = [d for d in docs.values() if d["stamp"].get("profile") != "full"] or [
+        d for d in docs.values() if d["stamp"].get("loadavg_1m", 0) > 0.5 * (d["stamp"].get("cpus") or 1)
+    ]
+    if sample or not docs:
+        page.add(
+            "> **Sample figures, not for publication.** "
+            + (
+                f"{len(sample)} of the sections below ran the quick profile and/or on a loaded machine "
+                "(the load averages are in each section's stamp). "
+                if docs
+                else "No results yet. "
+            )
+            + "Run `make bench` on a quiet machine to publish.\n\n"
+        )
+    page.add(
+        "`make bench` regenerates this page: it starts real LMCache servers itself (SHM, and one without "
+        "SHM for the inline/pickle transport), runs the official SDK (`lmcache.sdk.kvcache`, in the lmcache "
+        "venv, timed inside its own process) and lmcache_async side by side in the same run, alternating "
+        "the order, writes `benchmarks/results/*.json` and renders this page with `benchmarks/render.py`. "
+        "`make bench-quick` (or `BENCH_QUICK=1 make bench`) runs a few-minute subset; "
+        "`make bench BENCH_ARGS='--generation 0.5.7'` adds the single-operation sections against LMCache "
+        "0.5.7 (venv `.lmcache-venv-057`; refused at once while lmcache_async cannot speak 0.5.7). "
+        "Each section's own script (named in its stamp) runs it alone. Every ratio reads the "
+        "same way: above 1.0 lmcache_async is ahead, below 1.0 it is **behind** (and the page says so).\n\n"
+    )
+    if stamps:
+        page.add(
+            table(
+                ["", ""],
+                [
+                    ["machine", machine],
+                    ["software", versions],
+                    ["commit", ", ".join(f"`{c}`" for c in commits)],
+                    ["measured", f"{dates[0]} to {dates[-1]}"],
+                ],
+            )
+        )
+    page.add("\n")
+    page.keep_block("notes-intro", NOTES_PLACEHOLDER)
+    body_start = len(page.parts)
+    page.single(docs.get("single_shm"), "single_shm", "Single operations, SHM", "bench_single_shm.png")
+    page.single(
+        docs.get("single_pickle"),
+        "single_pickle",
+        "Single operations, pickle / inline (no SHM)",
+        "bench_single_pickle.png",
+    )
+    for gen_name in sorted(k for k in docs if k.endswith("-0.5.7")):
+        sec = gen_name.split("-")[0]
+        page.single(
+            docs[gen_name],
+            gen_name,
+            f"Single operations on LMCache 0.5.7, {sec.split('_')[1]}",
+            f"bench_{sec}_057.png",
+        )
+    page.concurrent(docs.get("concurrent"))
+    page.fresh(docs.get("fresh"))
+    page.remap(docs.get("remap"))
+    page.facade(docs.get("facade"))
+    page.rtt(docs.get("rtt"))
+    page.cuda(cuda)
+    summary = ["\n## Where lmcache_async stands (targets of issue 13)\n\n"]
+    summary.append(table(["target", "measured", ""], page.targets) if page.targets else "No results.\n")
+    if page.behind:
+        summary.append("\nBehind the official SDK:\n\n" + "".join(f"* {b}\n" for b in page.behind))
+    orphans = {n: b for n, b in keep.items() if n not in page.placed and b.strip() and b != WHY_PLACEHOLDER}
+    if orphans:  # never drop what a human wrote: e.g. a "why" whose case is now ahead
+        page.add("\n## Notes kept from an earlier render (their section no longer shows them)\n\n")
+        for n, b in orphans.items():
+            page.keep_block(n, b)
+    if page.plots.error:
+        summary.append(f"\n_Plots not rendered: {page.plots.error}._\n")
+    page.parts[body_start:body_start] = summary
+    return "".join(page.parts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--doc", type=Path, default=DOC)
+    parser.add_argument("--img-dir", type=Path, help="default: img/ next to --doc")
+    args = parser.parse_args(argv)
+    img_dir = args.img_dir or args.doc.parent / "img"
+    text = render(args.results, args.doc, img_dir)
+    args.doc.write_text(text)
+    print(f"rendered {args.doc} ({len(text)} chars), plots in {img_dir}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""The official KV-edit experiment, with a real transformers model instead of vLLM.
+
+A serving engine stores a source prompt's KV in LMCache; lmcache_async retrieves that KV
+and stores it under a target prompt of the same length that differs only in its first
+few tokens; the engine then serves the target from LMCache and produces the source's
+output. Here the engine is a tiny Llama (``lmcache_async.testing.tiny_llama``: 4 layers,
+grouped-query attention, RoPE, fixed-seed random weights, nothing downloaded) driven by
+``lmcache_async.hf``.
+
+Steps (printed with their latency):
+
+1. the engine runs the source prompt and stores its whole chunks in LMCache; it serves
+   the source from LMCache (cached prefix + computed tail) for the reference output;
+2. lmcache_async retrieves the source KV (checked bitwise against the model's own cache);
+3. the target token ids: same length, the first ``--changed`` tokens different;
+4. the source KV is stored under the target (``store(kv, target)``; the target may be
+   longer than the whole chunks the KV covers);
+5. the engine serves the target from LMCache: hit tokens and chunks, the uncached tail
+   computed at the positions after the cached prefix, greedy decoding;
+6. the outputs: whether the target's equals the source's, and a control, the target
+   served without the cache (its own prompt: expected to differ).
+
+What is compared: the source and the target are served *the same way* (cached prefix
+from LMCache + the same tail tokens computed by the model), so with the same KV their
+computation is identical, bit for bit, in float32 and bfloat16. A full prefill of the
+same prompt computes the prefix in one batch with the tail and can round differently (in
+bfloat16 especially); the report shows separately whether the source's full prefill gives
+the same tokens, but that is a statement about numerics, not about LMCache.
+
+Run it with ``make experiment`` (both dtypes, on an embedded server), or::
+
+    python examples/kv_edit_experiment.py [--dtype float32|bfloat16|both]
+    python examples/kv_edit_experiment.py --url tcp://localhost:5555 --http-url http://localhost:8080
+
+The server must run with ``--supported-transfer-mode auto`` (see README). Exit code 0
+only when every run's target output equals its source output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lmcache_async import AsyncClient, hf
+from lmcache_async.geometry import dtype_from_name
+from lmcache_async.testing import EmbeddedServer
+from lmcache_async.testing.tiny_llama import WordTokenizer, tiny_llama
+
+PREVIEW = 8  # output tokens shown
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000.0, 2)
+
+
+def _preview(tokenizer: WordTokenizer, ids: Sequence[int]) -> dict[str, Any]:
+    return {"ids": list(ids[:PREVIEW]), "text": tokenizer.decode(list(ids[:PREVIEW]))}
+
+
+async def run_experiment(
+    client: AsyncClient,
+    model: Any,
+    *,
+    chunks: int = 3,
+    tail: int = 7,
+    changed: int = 3,
+    new_tokens: int = 16,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """The six steps on an open client whose geometry is the model's; returns the report."""
+    tokenizer = WordTokenizer(model.config.vocab_size)
+    cs = client.chunk_size
+    n = chunks * cs + tail
+    if not 1 <= changed <= chunks * cs:
+        raise ValueError(f"changed must be in 1..{chunks * cs} (inside the cached prefix), got {changed}")
+    vocab = tokenizer.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    source = torch.randint(1, vocab, (n,), generator=gen).tolist()
+    steps: list[dict[str, Any]] = []
+    await hf.run_model(hf.prefill, model, source[::-1])  # the engine's warm-up, not timed
+
+    # 1. the engine runs the source prompt and stores its KV; it serves the source
+    stored = await hf.prefill_and_store(client, model, source)
+    steps.append(
+        {
+            "step": "1 engine: prefill source + store",
+            "tokens": stored.stored_tokens,
+            "chunks": stored.stored_chunks,
+            "ms": round(stored.compute_ms + stored.store_ms, 2),
+            "detail": f"prefill {stored.compute_ms:.1f} ms, store {stored.store_ms:.1f} ms",
+        }
+    )
+    src = await hf.generate_with_cache(client, model, source, max_new_tokens=new_tokens)
+    steps.append(_serve_step("1 engine: serve source from LMCache", src, cs))
+
+    # 2. lmcache_async retrieves the source KV
+    t0 = time.perf_counter()
+    kv = await client.retrieve(source)
+    ms = _ms(t0)
+    hit = 0 if kv is None else kv.shape[2]
+    kv_equal = kv is not None and torch.equal(kv, stored.kv[:, :, :hit])
+    steps.append(
+        {
+            "step": "2 retrieve source KV",
+            "tokens": hit,
+            "chunks": hit // cs,
+            "ms": ms,
+            "detail": "bitwise equal to the model's cache" if kv_equal else "NOT equal to the model's cache",
+        }
+    )
+
+    # 3. the target: same length, the first tokens different
+    target = [1 + (t + i) % (vocab - 1) for i, t in enumerate(source[:changed])] + source[changed:]
+    t0 = time.perf_counter()
+    before = await client.lookup(target)
+    steps.append(
+        {
+            "step": "3 target ids; lookup target",
+            "tokens": before,
+            "chunks": before // cs,
+            "ms": _ms(t0),
+            "detail": f"{sum(a != b for a, b in zip(source, target, strict=True))} of {n} tokens differ",
+        }
+    )
+
+    # 4. store the source KV under the target prefix
+    stored_new = False
+    t0 = time.perf_counter()
+    if kv is not None:
+        stored_new = await client.store(kv, target)
+    ms = _ms(t0)
+    after = await client.lookup(target)
+    steps.append(
+        {
+            "step": "4 store source KV under target",
+            "tokens": after,
+            "chunks": after // cs,
+            "ms": ms,
+            "detail": f"stored_new={stored_new}; the target now hits {after} tokens",
+        }
+    )
+
+    # 5. the engine serves the target from LMCache
+    tgt = await hf.generate_with_cache(client, model, target, max_new_tokens=new_tokens)
+    steps.append(_serve_step("5 engine: serve target from LMCache", tgt, cs))
+
+    # 6. outputs, and the control: the target without the cache
+    control = await hf.run_model(hf.generate, model, target, max_new_tokens=new_tokens)
+    steps.append(_serve_step("6 control: target without cache", control, cs))
+    full_source = await hf.run_model(hf.generate, model, source, max_new_tokens=new_tokens)
+    match = tgt.tokens == src.tokens
+    return {
+        "ok": bool(match and kv_equal and tgt.hit_tokens == stored.stored_tokens),
+        "model": {
+            "architecture": type(model).__name__,
+            "layers": model.config.num_hidden_layers,
+            "attention_heads": model.config.num_attention_heads,
+            "kv_heads": model.config.num_key_value_heads,
+            "head_dim": client.geometry.head_dim,
+            "dtype": str(client.geometry.dtype).removeprefix("torch."),
+        },
+        "transfer": client.transfer,
+        "chunk_size": cs,
+        "prompt_tokens": n,
+        "changed_tokens": changed,
+        "new_tokens": new_tokens,
+        "source_prompt": _preview(tokenizer, source),
+        "target_prompt": _preview(tokenizer, target),
+        "steps": steps,
+        "source_output": _preview(tokenizer, src.tokens),
+        "target_output": _preview(tokenizer, tgt.tokens),
+        "control_output": _preview(tokenizer, control.tokens),
+        "source_full_prefill_output": _preview(tokenizer, full_source.tokens),
+        "source_kv_bitwise_equal": kv_equal,
+        "target_hit_tokens": tgt.hit_tokens,
+        "outputs_match": match,
+        "logits_bitwise_equal": bool(torch.equal(tgt.logits, src.logits)),
+        "control_differs": control.tokens != src.tokens,
+        "control_first_difference": next(
+            (i for i, (a, b) in enumerate(zip(control.tokens, src.tokens, strict=True)) if a != b), None
+        ),
+        "full_prefill_matches_cached_source": full_source.tokens == src.tokens,
+    }
+
+
+def _serve_step(name: str, g: hf.Generation, cs: int) -> dict[str, Any]:
+    return {
+        "step": name,
+        "tokens": g.hit_tokens,
+        "chunks": g.hit_tokens // cs,
+        "ms": round(g.retrieve_ms + g.prefill_ms + g.decode_ms, 2),
+        "detail": (
+            f"reused {g.reused_tokens}, computed {g.computed_tokens} at positions "
+            f"{g.reused_tokens}..{g.prompt_tokens - 1}; retrieve {g.retrieve_ms:.1f} + prefill "
+            f"{g.prefill_ms:.1f} + decode {g.decode_ms:.1f} ms"
+        ),
+    }
+
+
+def render(report: dict[str, Any], where: str) -> str:
+    """The report as text."""
+    m = report["model"]
+    yes = {True: "yes", False: "no"}
+    lines = [
+        f"KV-edit experiment on {where} (transfer {report['transfer']}, chunk size {report['chunk_size']})",
+        f"  model: {m['architecture']}, {m['layers']} layers, {m['attention_heads']} attention heads / "
+        f"{m['kv_heads']} KV heads x {m['head_dim']}, {m['dtype']}, random weights (seed 0)",
+        f"  prompt: {report['prompt_tokens']} tokens; target = source with the first "
+        f"{report['changed_tokens']} changed",
+        f"  source: {report['source_prompt']['ids']} ... '{report['source_prompt']['text']} ...'",
+        f"  target: {report['target_prompt']['ids']} ... '{report['target_prompt']['text']} ...'",
+        "",
+        f"  {'step':<38} {'hit/stored tokens':>17} {'chunks':>6} {'ms':>9}",
+    ]
+    for s in report["steps"]:
+        lines.append(f"  {s['step']:<38} {s['tokens']:>17} {s['chunks']:>6} {s['ms']:>9.1f}  {s['detail']}")
+    lines += [
+        "",
+        _output_line("source output (from LMCache):", report["source_output"]),
+        _output_line("target output (from LMCache):", report["target_output"]),
+        _output_line("control (target, no cache):", report["control_output"]),
+        _output_line("source, full prefill:", report["source_full_prefill_output"]),
+        "",
+        f"  target output == source output ({report['new_tokens']} tokens): {yes[report['outputs_match']]}"
+        f" (next-token logits bitwise equal: {yes[report['logits_bitwise_equal']]})",
+        f"  control differs from the source output: {yes[report['control_differs']]}"
+        + (
+            f" (from output token {report['control_first_difference']} on)"
+            if report["control_differs"]
+            else ""
+        ),
+        f"  source's full prefill gives the same tokens as the cached source: "
+        f"{yes[report['full_prefill_matches_cached_source']]} (numerics only; not compared)",
+        "OK" if report["ok"] else "FAILED: the target's output is not the source's",
+    ]
+    return "\n".join(lines)
+
+
+def _output_line(label: str, preview: dict[str, Any]) -> str:
+    return f"  {label:<31} {preview['ids']} '{preview['text']}'"
+
+
+async def _main(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
+    dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
+    reports: list[dict[str, Any]] = []
+    async with contextlib.AsyncExitStack() as stack:
+        if args.url is None:
+            server = EmbeddedServer(chunk_size=args.chunk_size, mode=args.mode, size_bytes=64 << 20)
+            await stack.enter_async_context(server)
+            url, http_url, where = server.url, server.http_url, f"the embedded server ({args.mode})"
+        else:
+            url, http_url, where = args.url, args.http_url, f"the server at {args.url}"
+        for name in dtypes:
+            model = tiny_llama(dtype_from_name(name), seed=args.seed)
+            geometry = hf.geometry_from_model(model)
+            model_name = f"{args.model}-{name}-{time.time_ns()}"  # a fresh cache namespace per run
+            async with AsyncClient(
+                url, http_url, model_name, geometry=geometry, timeout=args.timeout, transfer=args.transfer
+            ) as client:
+                reports.append(
+                    await run_experiment(
+                        client,
+                        model,
+                        chunks=args.chunks,
+                        tail=args.tail,
+                        changed=args.changed,
+                        new_tokens=args.new_tokens,
+                        seed=args.seed,
+                    )
+                )
+    return reports, where
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", help="ZMQ endpoint of a running server (with --http-url)")
+    parser.add_argument("--http-url", help="HTTP endpoint of a running server (with --url)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "both"), default="both")
+    parser.add_argument("--chunk-size", type=int, default=64, help="embedded server's chunk size (64)")
+    parser.add_argument("--mode", choices=("shm", "pickle"), default="shm", help="embedded server's transfer")
+    parser.add_argument("--transfer", choices=("auto", "shm", "pickle"), default="auto")
+    parser.add_argument("--chunks", type=int, default=3, help="whole chunks in the prompt (3)")
+    parser.add_argument("--tail", type=int, default=7, help="prompt tokens after the last whole chunk (7)")
+    parser.add_argument("--changed", type=int, default=3, help="leading target tokens that differ (3)")
+    parser.add_argument("--new-tokens", type=int, default=16, help="tokens to generate (16)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompt (0)")
+    parser.add_argument("--model", default="kv-edit-tiny-llama", help="model name prefix in LMCache")
+    parser.add_argument("--timeout", type=float, default=60.0, help="deadline of each operation (s)")
+    parser.add_argument("--json", action="store_true", help="print the reports as JSON")
+    args = parser.parse_args(argv)
+    if (args.url is None) != (args.http_url is None):
+        parser.error("--url and --http-url go together")
+    if args.chunks < 1 or args.tail < 0 or args.new_tokens < 1 or args.chunk_size < 1:
+        parser.error("--chunks, --new-tokens and --chunk-size must be >= 1, --tail >= 0")
+    if args.changed < 1:
+        parser.error("--changed must be >= 1")
+    reports, where = asyncio.run(_main(args))
+    if args.json:
+        print(json.dumps(reports, indent=2))
+    else:
+        print("\n\n".join(render(r, where) for r in reports))
+    return 0 if all(r["ok"] for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

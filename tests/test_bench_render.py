@@ -1,0 +1,149 @@
+"""benchmarks/render.py: the benchmark page generator (no server; synthetic results)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+RENDER = Path(__file__).resolve().parents[1] / "benchmarks" / "render.py"
+
+
+@pytest.fixture(scope="module")
+def render() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_render", RENDER)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_render"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _spread(x: float) -> dict[str, float]:
+    return {"median": x, "min": x, "max": x, "n": 1}
+
+
+STAMP = {
+    "date_utc": "2026-12-02 16:00 UTC",
+    "commit": "abc1234",
+    "cpu_model": "Test CPU",
+    "cpus": 2,
+    "memory_gib": 24.0,
+    "loadavg_1m": 0.1,
+    "loadavg_1m_end": 0.2,
+    "python": "3.11.7",
+    "torch": "2.13.0",
+    "torch_threads": 2,
+    "omp_num_threads": None,
+    "lmcache_async": "0.1.0",
+    "generation": "0.5.6",
+    "lmcache": "0.5.6",
+    "profile": "full",
+    "seconds": 12.0,
+}
+
+
+def _row(op: str, chunks: int, sdk: float, ours: float) -> dict[str, Any]:
+    return {
+        "op": op,
+        "chunks": chunks,
+        "bytes": chunks * 32 * 2**20,
+        "sdk_s": _spread(sdk),
+        "ours_s": _spread(ours),
+        "sdk_cpu_s": _spread(sdk / 2),
+        "ours_cpu_s": _spread(ours / 2),
+        "ratio": _spread(sdk / ours),
+    }
+
+
+def _write_results(tmp: Path) -> Path:
+    results = tmp / "results"
+    results.mkdir()
+    single = {
+        "section": "single_shm",
+        "stamp": STAMP,
+        "params": {},
+        "result": {
+            "transfer": "shm",
+            "server_version": "0.5.6",
+            "geometry": "test geometry",
+            "iters": 8,
+            "rounds": 3,
+            "prefault_wait_s": 0.5,
+            "rows": [_row("store", 1, 0.015, 0.010), _row("retrieve", 4, 0.080, 0.100)],
+        },
+    }
+    (results / "single_shm.json").write_text(json.dumps(single))
+    cuda = {"device": "GPU X", "rows": [{"case": "retrieve_out", "chunks": 16, "ms": _spread(12.5)}]}
+    (results / "cuda_h200.json").write_text(json.dumps(cuda))
+    return results
+
+
+def test_ratios_read_the_same_way_and_behind_is_said(render: Any, tmp_path: Path) -> None:
+    results = _write_results(tmp_path)
+    text = render.render(results, tmp_path / "absent.md", tmp_path / "img")
+    assert "| store, 1 chunk (32 MiB) | 15.00 ms | 10.00 ms | **1.50x** |" in text
+    assert (
+        "| retrieve, fresh tensor, 4 chunks (128 MiB) | 80.00 ms | 100.00 ms | 0.80x **(behind)** |" in text
+    )
+    assert "* single_shm: retrieve, fresh tensor, 4 chunks (128 MiB) at 0.80x\n" in text
+    assert render.WHY_PLACEHOLDER in text
+    # a full-profile run on an idle machine is not flagged as a sample
+    assert "Sample figures" not in text
+    assert "Not measured in this run (`.venv/bin/python benchmarks/bench_concurrent.py`)." in text
+    assert (
+        "| every single-operation case ≥ 1.0x the SDK (shm, server 0.5.6) | worst: retrieve 4 chunk(s) 0.80x | **not met** |"
+        in text
+    )
+
+
+def test_human_text_in_keep_blocks_survives_a_render(render: Any, tmp_path: Path) -> None:
+    results = _write_results(tmp_path)
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(
+        "old page\n<!-- keep:why-single_shm -->\nBecause the 4-chunk retrieve allocates twice.\n"
+        "<!-- /keep:why-single_shm -->\n<!-- keep:notes-rtt -->\nRTT notes.\n<!-- /keep:notes-rtt -->\n"
+    )
+    text = render.render(results, doc, tmp_path / "img")
+    assert (
+        "<!-- keep:why-single_shm -->\nBecause the 4-chunk retrieve allocates twice.\n<!-- /keep:why-single_shm -->"
+        in text
+    )
+    assert render.WHY_PLACEHOLDER not in text
+    # the rtt section is not measured: its notes stay, under its "not measured" line
+    assert "<!-- keep:notes-rtt -->\nRTT notes.\n<!-- /keep:notes-rtt -->" in text
+    assert "old page" not in text
+
+
+def test_a_keep_block_whose_place_is_gone_is_kept_at_the_end(render: Any, tmp_path: Path) -> None:
+    results = _write_results(tmp_path)
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("<!-- keep:why-remap -->\nRemap was behind because X.\n<!-- /keep:why-remap -->\n")
+    text = render.render(results, doc, tmp_path / "img")
+    tail = text[text.index("## Notes kept from an earlier render") :]
+    assert "<!-- keep:why-remap -->\nRemap was behind because X.\n<!-- /keep:why-remap -->" in tail
+    # rendering the result again keeps it again, once
+    doc.write_text(text)
+    assert render.render(results, doc, tmp_path / "img").count("Remap was behind because X.") == 1
+
+
+def test_quick_profile_is_marked_as_a_sample(render: Any, tmp_path: Path) -> None:
+    results = _write_results(tmp_path)
+    doc = json.loads((results / "single_shm.json").read_text())
+    doc["stamp"]["profile"] = "quick"
+    (results / "single_shm.json").write_text(json.dumps(doc))
+    text = render.render(results, tmp_path / "absent.md", tmp_path / "img")
+    assert "> **Sample figures, not for publication.** 1 of the sections below" in text
+
+
+def test_gpu_json_is_rendered_as_tables(render: Any, tmp_path: Path) -> None:
+    results = _write_results(tmp_path)
+    text = render.render(results, tmp_path / "absent.md", tmp_path / "img")
+    gpu = text[text.index("## GPU") :]
+    assert "### `cuda_h200.json`" in gpu
+    assert "| device | GPU X |" in gpu
+    assert "| case | chunks | ms |\n|---|---|---|\n| retrieve_out | 16 | 12.5 (12.5-12.5) |" in gpu
