@@ -55,7 +55,7 @@ def test_lookup_request_matches_the_reference_bytes() -> None:
 @given(keys())
 def test_cache_key_round_trip(key: CacheKey) -> None:
     frames = wire.encode_request(3, Op.PREPARE_STORE, [key.to_wire(), 5])
-    req = server_wire.decode_request(frames)
+    req = server_wire.decode_request([bytes(f) for f in frames])
     assert req.op is Op.PREPARE_STORE
     assert CacheKey.from_wire(wire.unpackb(req.args[0])) == key
     assert list(wire.unpackb(req.args[0])) == [
@@ -90,10 +90,10 @@ def test_register_payload_round_trip(payload: RegisterPayload) -> None:
     st.none() | st.integers(-(2**63), 2**64 - 1) | st.text() | st.binary(),
 )
 def test_reply_round_trip(uid: int, op: Op, value: object) -> None:
-    req = server_wire.decode_request(wire.encode_request(uid, Op.NOOP, []))
+    req = server_wire.decode_request([bytes(f) for f in wire.encode_request(uid, Op.NOOP, [])])
     req = server_wire.Request(req.uid_frame, wire.packb(int(op)), op, ())
     frames = server_wire.encode_reply(req, value)
-    reply = wire.decode_reply(frames)
+    reply = wire.decode_reply([bytes(f) for f in frames])
     assert reply.uid == uid
     assert reply.op == int(op)
     assert reply.value() == value
@@ -101,7 +101,7 @@ def test_reply_round_trip(uid: int, op: Op, value: object) -> None:
 
 
 def test_falsy_values_still_have_a_payload_frame() -> None:
-    req = server_wire.decode_request(wire.encode_request(1, Op.NOOP, []))
+    req = server_wire.decode_request([bytes(f) for f in wire.encode_request(1, Op.NOOP, [])])
     for value in (0, False, ""):
         assert len(server_wire.encode_reply(req, value)) == 3
 
