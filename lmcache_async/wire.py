@@ -49,20 +49,16 @@ __all__ = [
     "MAX_BIN",
     "MAX_SALT_LEN",
     "MAX_TOKEN",
-    "NO_PAYLOAD",
     "CacheKey",
     "Op",
     "PreEncoded",
     "RegisterPayload",
     "Reply",
-    "Request",
     "SlotDescriptor",
     "UnknownServerVersionWarning",
     "WireGeneration",
     "bin_header",
     "decode_reply",
-    "decode_request",
-    "encode_reply",
     "encode_request",
     "generation_for_version",
     "op_name",
@@ -128,7 +124,6 @@ OP_NAMES: Final[dict[int, str]] = {
     Op.NOOP: "noop",
     Op.GET_EXPERIMENTAL: "get_experimental",
 }
-_OPS_BY_NAME: Final = {name: Op(i) for i, name in OP_NAMES.items()}
 
 #: Number of argument frames each operation takes (the server rejects any other count).
 OP_ARITY: Final[dict[Op, int]] = {
@@ -649,7 +644,6 @@ class SlotDescriptor:
 
 # --------------------------------------------------------------------------- frames
 
-NO_PAYLOAD: Final = object()  # marks a reply without a payload frame (handler returned None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -663,16 +657,6 @@ class Reply:
     def value(self) -> Any:
         """The decoded payload, or ``None`` for a frameless reply."""
         return None if self.payload is None else unpackb(self.payload)
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """A decoded request (server side): raw uid/op frames kept for the echo."""
-
-    uid_frame: bytes
-    op_frame: bytes
-    op: Op | str
-    args: tuple[bytes | memoryview, ...]
 
 
 def encode_request(
@@ -715,34 +699,6 @@ def decode_reply(frames: Sequence[bytes | memoryview]) -> Reply:
         raise ProtocolError(f"reply uid must be an int, got {type(uid).__name__}")
     op = _decode_op(frames[1])
     return Reply(uid, op, frames[2] if len(frames) == 3 else None)
-
-
-def decode_request(frames: Sequence[bytes | memoryview]) -> Request:
-    """Decode a request as the ROUTER sees it, without the identity frame (server side).
-
-    Raises :class:`ProtocolError` for fewer than two frames, an unknown legacy id, or an
-    op frame that is neither int nor str (the real server logs and drops these).
-    """
-    if len(frames) < 2:
-        raise ProtocolError("a request has at least two frames")
-    raw_op = _decode_op(frames[1])
-    op: Op | str
-    if isinstance(raw_op, int):
-        try:
-            op = Op(raw_op)
-        except ValueError:
-            raise ProtocolError(f"unknown operation id {raw_op}") from None
-    else:
-        op = _OPS_BY_NAME.get(raw_op, raw_op)
-    return Request(bytes(frames[0]), bytes(frames[1]), op, tuple(frames[2:]))
-
-
-def encode_reply(request: Request, value: Any = NO_PAYLOAD) -> list[bytes | bytearray | memoryview]:
-    """Build a reply echoing the request's uid and op frames (server side)."""
-    frames: list[bytes | bytearray | memoryview] = [request.uid_frame, request.op_frame]
-    if value is not NO_PAYLOAD and value is not None:
-        frames.append(value.frame if isinstance(value, PreEncoded) else packb(value))
-    return frames
 
 
 # --------------------------------------------------------------------------- replies

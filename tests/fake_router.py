@@ -1,7 +1,7 @@
 """A scripted ZMQ ROUTER for faults the real server will not produce on demand.
 
 ``FakeRouter(handler)`` binds a ROUTER on a free loopback port and, for every request,
-calls ``handler(request)`` (a :class:`lmcache_async.wire.Request`), which returns a list
+calls ``handler(request)`` (a :class:`lmcache_async.server_wire.Request`), which returns a list
 of actions: ``("reply", value)``, ``("raw", [frames])`` (frames after the identity),
 ``("sleep", seconds)``, ``("drop",)`` (close the socket: the client sees a disconnect).
 Returning ``[]`` means never reply, like the real server on a bad request.
@@ -18,12 +18,13 @@ import zmq
 import zmq.asyncio
 
 from lmcache_async import wire
+from tests import server_wire
 
 Action = tuple[Any, ...]
-Handler = Callable[[wire.Request], list[Action]]
+Handler = Callable[[server_wire.Request], list[Action]]
 
 
-def ok_handler(request: wire.Request) -> list[Action]:
+def ok_handler(request: server_wire.Request) -> list[Action]:
     """Answer the basic probes like the real server."""
     if request.op is wire.Op.NOOP:
         return [("reply", "OK")]
@@ -35,7 +36,7 @@ def ok_handler(request: wire.Request) -> list[Action]:
 class FakeRouter:
     def __init__(self, handler: Handler = ok_handler, port: int = 0) -> None:
         self.handler = handler
-        self.requests: list[wire.Request] = []
+        self.requests: list[server_wire.Request] = []
         self._port = port
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
@@ -68,19 +69,19 @@ class FakeRouter:
             frames = await sock.recv_multipart()
             ident, rest = frames[0], frames[1:]
             try:
-                request = wire.decode_request(rest)
+                request = server_wire.decode_request(rest)
             except Exception:
                 continue
             self.requests.append(request)
             asyncio.create_task(self._act(sock, ident, request, self.handler(request)))
 
     async def _act(
-        self, sock: zmq.asyncio.Socket, ident: bytes, request: wire.Request, actions: list[Action]
+        self, sock: zmq.asyncio.Socket, ident: bytes, request: server_wire.Request, actions: list[Action]
     ) -> None:
         for action in actions:
             kind = action[0]
             if kind == "reply":
-                await sock.send_multipart([ident, *wire.encode_reply(request, action[1])])
+                await sock.send_multipart([ident, *server_wire.encode_reply(request, action[1])])
             elif kind == "raw":
                 await sock.send_multipart([ident, *action[1]])
             elif kind == "sleep":

@@ -13,6 +13,7 @@ from lmcache_async import wire
 from lmcache_async.connection import Connection, PendingTable
 from lmcache_async.errors import ClientClosedError, LMCacheConnectionError, LMCacheTimeoutError
 from lmcache_async.wire import Op, Reply
+from tests import server_wire
 from tests.fake_router import FakeRouter
 
 pytestmark = pytest.mark.anyio
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.anyio
 
 async def test_concurrent_calls_are_routed_by_uid_not_by_order() -> None:
     # Replies come back in reverse order of arrival; each caller must get its own.
-    def handler(req: wire.Request) -> list[tuple[object, ...]]:
+    def handler(req: server_wire.Request) -> list[tuple[object, ...]]:
         rid = wire.unpackb(req.args[0])
         return [("sleep", 0.2 - rid * 0.003), ("reply", f"done-{rid}")]
 
@@ -55,7 +56,7 @@ async def test_timeout_is_a_builtin_timeout_naming_the_operation() -> None:
 
 
 async def test_late_duplicate_and_mismatched_replies_are_dropped_and_counted() -> None:
-    def handler(req: wire.Request) -> list[tuple[object, ...]]:
+    def handler(req: server_wire.Request) -> list[tuple[object, ...]]:
         tag = wire.unpackb(req.args[0])
         if tag == "late":
             return [("sleep", 0.3), ("reply", "late")]
@@ -83,7 +84,7 @@ async def test_late_duplicate_and_mismatched_replies_are_dropped_and_counted() -
 
 
 async def test_malformed_replies_are_dropped() -> None:
-    def handler(req: wire.Request) -> list[tuple[object, ...]]:
+    def handler(req: server_wire.Request) -> list[tuple[object, ...]]:
         return [("raw", [b"\xc1"]), ("raw", [req.uid_frame, req.op_frame, b"x", b"y"]), ("reply", "OK")]
 
     async with FakeRouter(handler) as router:

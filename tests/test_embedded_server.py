@@ -143,7 +143,7 @@ class Raw:
 
 @pytest.fixture
 async def raw_pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[EmbeddedServer, Raw]]:
-    mode = getattr(request, "param", "shm")
+    mode: Literal["shm", "pickle"] = getattr(request, "param", "shm")
     async with EmbeddedServer(chunk_size=CS, mode=mode, size_bytes=1 << 20) as srv:
         raw = Raw(srv.url)
         try:
@@ -421,7 +421,7 @@ async def test_eviction_lru_within_a_small_byte_budget() -> None:
             assert await hit(a, "ha") == 1
             assert await hit(b, "hb") == 3
             # a batch larger than the whole budget is refused whole; nothing is evicted
-            refused = {"slots": [], "chunk_indices": []}
+            refused: dict[str, list[int]] = {"slots": [], "chunk_indices": []}
             assert await raw_store(srv, raw, c, 80, "c", [6, 7, 8, 9, 10]) == refused
             assert srv.status()["lmcache_async_embedded"]["evictions"] == 2
             # read-locked objects are never evicted: with B locked only A's chunk can go

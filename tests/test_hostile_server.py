@@ -18,6 +18,7 @@ from aiohttp import web
 import lmcache_async as lmc
 from lmcache_async import wire
 from lmcache_async.wire import Op
+from tests import server_wire
 from tests.conftest import SMALL_GEOMETRY
 from tests.fake_router import FakeRouter
 
@@ -67,8 +68,8 @@ def shm_segment() -> Any:
     path.unlink(missing_ok=True)
 
 
-def scripted(register: dict[str, Any], on: dict[Op, Any]) -> Callable[[wire.Request], list[tuple[Any, ...]]]:
-    def handler(req: wire.Request) -> list[tuple[Any, ...]]:
+def scripted(register: dict[str, Any], on: dict[Op, Any]) -> Callable[[server_wire.Request], list[tuple[Any, ...]]]:
+    def handler(req: server_wire.Request) -> list[tuple[Any, ...]]:
         if req.op is Op.NOOP:
             return [("reply", "OK")]
         if req.op is Op.GET_CHUNK_SIZE:  # asked of a 0.5.6 server at connect

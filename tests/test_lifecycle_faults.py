@@ -24,8 +24,8 @@ import torch
 from aiohttp import web
 
 import lmcache_async as lmc
-from lmcache_async import wire
 from lmcache_async.wire import Op
+from tests import server_wire
 from tests.conftest import SMALL_GEOMETRY
 from tests.fake_router import FakeRouter
 
@@ -62,7 +62,7 @@ class Switch:
     def __init__(self) -> None:
         self.silent = False
 
-    def __call__(self, req: wire.Request) -> list[tuple[Any, ...]]:
+    def __call__(self, req: server_wire.Request) -> list[tuple[Any, ...]]:
         if req.op is Op.NOOP and not self.silent:
             return [("reply", "OK")]
         if req.op is Op.GET_CHUNK_SIZE and not self.silent:  # asked of a 0.5.6 server at connect

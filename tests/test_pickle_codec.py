@@ -79,7 +79,7 @@ def test_refuses_views_beyond_their_storage() -> None:
             storage = torch.zeros(4).untyped_storage()
             return (
                 torch._utils._rebuild_tensor_v2,
-                (torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.float32, _internal=True),
+                (torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.float32, _internal=True),  # type: ignore[no-untyped-call]
                  0, (1000,), (1,), False, collections.OrderedDict()),
             )  # fmt: skip
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from lmcache_async import wire
 from lmcache_async.errors import ProtocolError
 from lmcache_async.wire import CacheKey, Op, RegisterPayload, SlotDescriptor
+from tests import server_wire
 
 salts = st.text(max_size=128).filter(lambda s: not any(c in s for c in "@/\\\x00"))
 names = st.text(min_size=1, max_size=40).filter(lambda s: "@" not in s)
@@ -54,7 +55,7 @@ def test_lookup_request_matches_the_reference_bytes() -> None:
 @given(keys())
 def test_cache_key_round_trip(key: CacheKey) -> None:
     frames = wire.encode_request(3, Op.PREPARE_STORE, [key.to_wire(), 5])
-    req = wire.decode_request(frames)
+    req = server_wire.decode_request([bytes(f) for f in frames])
     assert req.op is Op.PREPARE_STORE
     assert CacheKey.from_wire(wire.unpackb(req.args[0])) == key
     assert list(wire.unpackb(req.args[0])) == [
@@ -89,10 +90,10 @@ def test_register_payload_round_trip(payload: RegisterPayload) -> None:
     st.none() | st.integers(-(2**63), 2**64 - 1) | st.text() | st.binary(),
 )
 def test_reply_round_trip(uid: int, op: Op, value: object) -> None:
-    req = wire.decode_request(wire.encode_request(uid, Op.NOOP, []))
-    req = wire.Request(req.uid_frame, wire.packb(int(op)), op, ())
-    frames = wire.encode_reply(req, value)
-    reply = wire.decode_reply(frames)
+    req = server_wire.decode_request([bytes(f) for f in wire.encode_request(uid, Op.NOOP, [])])
+    req = server_wire.Request(req.uid_frame, wire.packb(int(op)), op, ())
+    frames = server_wire.encode_reply(req, value)
+    reply = wire.decode_reply([bytes(f) for f in frames])
     assert reply.uid == uid
     assert reply.op == int(op)
     assert reply.value() == value
@@ -100,9 +101,9 @@ def test_reply_round_trip(uid: int, op: Op, value: object) -> None:
 
 
 def test_falsy_values_still_have_a_payload_frame() -> None:
-    req = wire.decode_request(wire.encode_request(1, Op.NOOP, []))
+    req = server_wire.decode_request([bytes(f) for f in wire.encode_request(1, Op.NOOP, [])])
     for value in (0, False, ""):
-        assert len(wire.encode_reply(req, value)) == 3
+        assert len(server_wire.encode_reply(req, value)) == 3
 
 
 def test_bytes_are_bin_and_text_is_str() -> None:
@@ -173,12 +174,12 @@ def test_key_validation() -> None:
 
 def test_decode_request_refuses_what_the_server_drops() -> None:
     with pytest.raises(ProtocolError, match="at least two frames"):
-        wire.decode_request([b"\x01"])
+        server_wire.decode_request([b"\x01"])
     with pytest.raises(ProtocolError, match="unknown operation id 11"):
-        wire.decode_request([b"\x01", b"\x0b"])
+        server_wire.decode_request([b"\x01", b"\x0b"])
     with pytest.raises(ProtocolError, match="int or str"):
-        wire.decode_request([b"\x01", msgpack.packb(1.5)])
-    assert wire.decode_request([b"\x01", msgpack.packb("noop")]).op is Op.NOOP
+        server_wire.decode_request([b"\x01", msgpack.packb(1.5)])
+    assert server_wire.decode_request([b"\x01", msgpack.packb("noop")]).op is Op.NOOP
 
 
 def test_decode_reply_shapes() -> None:
