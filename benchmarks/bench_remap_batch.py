@@ -79,7 +79,9 @@ def source_start(k: int) -> int:
 
 
 class Bench:
-    def __init__(self, srv: RealLMCacheServer, client: lmc.AsyncClient, sdk: SDKRemap, pairs: int = PAIRS) -> None:
+    def __init__(
+        self, srv: RealLMCacheServer, client: lmc.AsyncClient, sdk: SDKRemap, pairs: int = PAIRS
+    ) -> None:
         self.pairs = pairs
         self.srv = srv
         self.client = client
@@ -151,7 +153,10 @@ async def measure(srv: RealLMCacheServer, python: Path, rounds: int, pairs: int 
     """Every round on the running server ``srv`` (SHM, L1 >= 1 GiB + pairs x 128 MiB)."""
     times: dict[str, list[float]] = {"sdk": [], **{f"ours_c{c}": [] for c in CONCURRENCY}}
     ratios: dict[str, list[float]] = {f"ours_c{c}": [] for c in CONCURRENCY}
-    with workers(EngineWorker(srv.url, python=python), SDKRemap(python=python, request_timeout=900)) as (eng, sdk):
+    with workers(EngineWorker(srv.url, python=python), SDKRemap(python=python, request_timeout=900)) as (
+        eng,
+        sdk,
+    ):
         eng.register(MODEL, 32, 8, 128, block_size=16, num_blocks=32)
         sdk.request("connect", url=srv.url, http_url=srv.http_url, model_name=MODEL)
         async with lmc.AsyncClient(srv.url, srv.http_url, MODEL, timeout=300) as client:

@@ -136,4 +136,8 @@ def quit_(req: dict[str, Any]) -> dict[str, Any]:
 
 
 send(PROTO, ready_line("sdk-bench"))
-sys.exit(serve(PROTO, {"connect": connect, "bench": bench, "concurrent": concurrent, "fresh": fresh, "quit": quit_}))
+sys.exit(
+    serve(
+        PROTO, {"connect": connect, "bench": bench, "concurrent": concurrent, "fresh": fresh, "quit": quit_}
+    )
+)

@@ -1221,4 +1221,3 @@ def _align(n: int, chunk_size: int) -> int:
 
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(deadline - time.monotonic(), 0.0)
-

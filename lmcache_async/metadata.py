@@ -173,7 +173,9 @@ class Metadata:
             if status != 404:
                 break
         raise HTTPStatusError(
-            last, f"{self.http_url}/config", self._last_body,
+            last,
+            f"{self.http_url}/config",
+            self._last_body,
             f"GET {self.http_url}/config failed with HTTP {last}",
         )
 
@@ -181,7 +183,9 @@ class Metadata:
         status, doc = await self._get_json("/status", timeout)
         if status != 200:
             raise HTTPStatusError(
-                status, f"{self.http_url}/status", self._last_body,
+                status,
+                f"{self.http_url}/status",
+                self._last_body,
                 f"GET {self.http_url}/status failed with HTTP {status}",
             )
         if not isinstance(doc, dict):

@@ -645,7 +645,6 @@ class SlotDescriptor:
 # --------------------------------------------------------------------------- frames
 
 
-
 @dataclass(frozen=True, slots=True)
 class Reply:
     """A decoded reply: the uid, the echoed op and the raw payload frame (or ``None``)."""

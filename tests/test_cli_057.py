@@ -21,15 +21,21 @@ pytestmark = pytest.mark.real_server
 KEY = "cli-key-057"
 
 
-async def _store(srv: RealLMCacheServer, model: str, kv: torch.Tensor, tokens: list[int], api_key: str | None = None) -> None:
-    async with AsyncClient(srv.url, srv.http_url, model, geometry=SMALL_GEOMETRY, timeout=30, api_key=api_key) as c:
+async def _store(
+    srv: RealLMCacheServer, model: str, kv: torch.Tensor, tokens: list[int], api_key: str | None = None
+) -> None:
+    async with AsyncClient(
+        srv.url, srv.http_url, model, geometry=SMALL_GEOMETRY, timeout=30, api_key=api_key
+    ) as c:
         assert await c.store(kv, tokens) is True
 
 
 async def _retrieve(
     srv: RealLMCacheServer, model: str, tokens: list[int], salt: str, api_key: str | None = None
 ) -> torch.Tensor | None:
-    async with AsyncClient(srv.url, srv.http_url, model, geometry=SMALL_GEOMETRY, timeout=30, api_key=api_key) as c:
+    async with AsyncClient(
+        srv.url, srv.http_url, model, geometry=SMALL_GEOMETRY, timeout=30, api_key=api_key
+    ) as c:
         return await c.retrieve(tokens, salt)
 
 

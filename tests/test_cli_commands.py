@@ -287,7 +287,9 @@ def test_make_package_json_and_refusal_of_unsafe_files(
     )
     code, stdout, err = run_main(capsys, "store", "--http-url", "http://127.0.0.1:9", "--input", str(evil))
     assert (code, stdout) == (1, "")
-    assert err.startswith(f"{PROG} store: error: {evil}: not a KV package: it holds objects other than tensors, ")
+    assert err.startswith(
+        f"{PROG} store: error: {evil}: not a KV package: it holds objects other than tensors, "
+    )
     assert err.count("\n") == 1
 
 
@@ -651,7 +653,9 @@ def test_status_of_a_pickle_server(real_server_pickle: RealLMCacheServer, tmp_pa
 # --------------------------------------------------------------------------- errors
 
 
-def test_unreachable_server_is_one_line_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_unreachable_server_is_one_line_and_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     port = free_port()
     http = f"http://127.0.0.1:{port}"
     url = f"tcp://127.0.0.1:{free_port()}"
@@ -662,7 +666,11 @@ def test_unreachable_server_is_one_line_and_exit_1(tmp_path: Path, capsys: pytes
     ):
         (tmp_path / "pairs.jsonl").write_text('{"source": "0:16", "target": "16:32"}\n')
         got = run_main(capsys, command, "--url", url, "--http-url", http, *extra)
-        assert got == (1, "", f"{PROG} {command}: error: cannot reach the LMCache server at {http}: connection refused\n")
+        assert got == (
+            1,
+            "",
+            f"{PROG} {command}: error: cannot reach the LMCache server at {http}: connection refused\n",
+        )
 
 
 def test_zmq_endpoint_not_answering_is_one_line(real_server_shm: RealLMCacheServer, tmp_path: Path) -> None:
@@ -801,7 +809,16 @@ def test_a_file_that_is_not_a_package_is_told_what_a_package_is(
     for path, message in cases:
         for argv in (
             ["store", *NOWHERE, "--input", str(path)],
-            ["remap", *NOWHERE, "--model-name", "m", "--source-package", str(path), "--target-tokens", "0:16"],
+            [
+                "remap",
+                *NOWHERE,
+                "--model-name",
+                "m",
+                "--source-package",
+                str(path),
+                "--target-tokens",
+                "0:16",
+            ],
         ):
             code, out, err = run_main(capsys, *argv)
             assert (code, out, err) == (1, "", f"{PROG} {argv[0]}: error: {message}\n")
@@ -827,7 +844,9 @@ def test_progress_line_fits_the_terminal_width(monkeypatch: pytest.MonkeyPatch) 
     # At the narrowest bar without the optional fields, the line is cut.
     assert render_progress(p, columns=40) == "[####....] 120/200  60%  hits 100  miss"
     skipped = render_progress(p, 7, columns=90)
-    assert skipped == "[######.....] 120/200  60%  hits 100  misses 10  failed 10  skipped 7  1.23 GB  2.47 GB/s"
+    assert (
+        skipped == "[######.....] 120/200  60%  hits 100  misses 10  failed 10  skipped 7  1.23 GB  2.47 GB/s"
+    )
     for columns in range(1, 120):
         assert len(render_progress(p, 3, columns=columns)) <= max(columns - 1, 1)
 

@@ -483,7 +483,11 @@ async def _run_tampered(
 ) -> object:
     name = f"lmca_fuzz_{os.getpid()}_{secrets.token_hex(4)}" if mode == "shm" else None
     srv = InProcessServer(
-        chunk_size=OPS_CS, mode=mode, protocol=cast(Protocol, generation.name), size_bytes=4 << 20, shm_name=name
+        chunk_size=OPS_CS,
+        mode=mode,
+        protocol=cast(Protocol, generation.name),
+        size_bytes=4 << 20,
+        shm_name=name,
     )
     pool: ShmPool | None = None
     try:
@@ -533,7 +537,11 @@ async def _run_tampered(
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), tamper_at=st.integers(1, 8))
 def test_operations_given_one_wrong_reply(
-    mode: Literal["shm", "pickle"], generation: wire.WireGeneration, case: str, data: st.DataObject, tamper_at: int
+    mode: Literal["shm", "pickle"],
+    generation: wire.WireGeneration,
+    case: str,
+    data: st.DataObject,
+    tamper_at: int,
 ) -> None:
     """One reply of an operation replaced by any object or a mutation of the real one:
     the operation returns a well-typed result or raises an LMCacheError (ProtocolError,

@@ -68,7 +68,9 @@ def shm_segment() -> Any:
     path.unlink(missing_ok=True)
 
 
-def scripted(register: dict[str, Any], on: dict[Op, Any]) -> Callable[[server_wire.Request], list[tuple[Any, ...]]]:
+def scripted(
+    register: dict[str, Any], on: dict[Op, Any]
+) -> Callable[[server_wire.Request], list[tuple[Any, ...]]]:
     def handler(req: server_wire.Request) -> list[tuple[Any, ...]]:
         if req.op is Op.NOOP:
             return [("reply", "OK")]
@@ -207,7 +209,9 @@ async def test_keepalive_reregisters_without_pinging_and_unregisters_on_close(ht
     it falls silent, a never-pinged one only after the registration grace (3600 s)."""
     base = scripted({"shm_name": "", "pool_size": 0}, {})
     async with FakeRouter(lambda req: [("reply", True)] if req.op is Op.PING else base(req)) as router:
-        c = await lmc.connect(router.url, http_stub, "m", geometry=SMALL_GEOMETRY, timeout=5, ping_interval=0.1)
+        c = await lmc.connect(
+            router.url, http_stub, "m", geometry=SMALL_GEOMETRY, timeout=5, ping_interval=0.1
+        )
         await asyncio.sleep(0.6)
         await c.aclose()
         assert [r for r in router.requests if r.op is Op.PING] == []

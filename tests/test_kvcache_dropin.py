@@ -212,10 +212,21 @@ def test_signatures_match_the_official_sdk() -> None:
     # and store(kv, tokens, cache_salt, request_configs))
     configs = ("request_configs", None)
     assert params(lmc_sdk.retrieve) == [("ctx", empty), ("tokens", empty), ("cache_salt", ""), configs]
-    assert params(lmc_sdk.store) == [("ctx", empty), ("kv", empty), ("tokens", empty), ("cache_salt", ""), configs]
+    assert params(lmc_sdk.store) == [
+        ("ctx", empty),
+        ("kv", empty),
+        ("tokens", empty),
+        ("cache_salt", ""),
+        configs,
+    ]
     assert params(lmc_sdk.lookup) == [("ctx", empty), ("tokens", empty), ("cache_salt", ""), configs]
     assert params(lmc_sdk.close) == [("ctx", empty)]
-    assert params(lmc_sdk.KVCacheContext.retrieve) == [("self", empty), ("tokens", empty), ("cache_salt", ""), configs]
+    assert params(lmc_sdk.KVCacheContext.retrieve) == [
+        ("self", empty),
+        ("tokens", empty),
+        ("cache_salt", ""),
+        configs,
+    ]
     assert params(lmc_sdk.KVCacheContext.store) == [
         ("self", empty),
         ("kv", empty),

@@ -286,9 +286,13 @@ async def test_requests_in_flight_are_bounded_and_memory_stays_flat(http_stub: s
 
 async def test_defect_11_inputs_are_refused_before_anything_is_sent(http_stub: str) -> None:
     async with FakeRouter(Switch()) as router:
-        with pytest.raises(ValueError, match=r"cleanup_grace must be a finite non-negative number of seconds, got -1\b"):
+        with pytest.raises(
+            ValueError, match=r"cleanup_grace must be a finite non-negative number of seconds, got -1\b"
+        ):
             lmc.AsyncClient(router.url, http_stub, "m", cleanup_grace=-1)
-        with pytest.raises(ValueError, match="cleanup_grace must be a finite non-negative number of seconds, got inf"):
+        with pytest.raises(
+            ValueError, match="cleanup_grace must be a finite non-negative number of seconds, got inf"
+        ):
             lmc.AsyncClient(router.url, http_stub, "m", cleanup_grace=float("inf"))
         with pytest.raises(ValueError, match="timeout must be a non-negative number"):
             lmc.AsyncClient(router.url, http_stub, "m", timeout=float("nan"))
@@ -302,7 +306,11 @@ async def test_defect_11_inputs_are_refused_before_anything_is_sent(http_stub: s
             (c.lookup([True] * CS), TypeError, "tokens must contain ints, found bool"),
             (c.lookup(cast(Any, np.ones(CS, dtype=bool))), TypeError, "tokens must contain ints, found bool"),
             (c.lookup(memoryview(bytes(CS))), TypeError, "tokens must be a sequence of ints, got memoryview"),
-            (c.lookup(cast(Any, np.array([-1] * CS))), ValueError, r"tokens: token id -1 is outside \[0, 2\*\*32\)"),
+            (
+                c.lookup(cast(Any, np.array([-1] * CS))),
+                ValueError,
+                r"tokens: token id -1 is outside \[0, 2\*\*32\)",
+            ),
             (c.lookup(toks, timeout=float("nan")), ValueError, "timeout must be a non-negative number"),
             (
                 c.retrieve(

@@ -443,8 +443,9 @@ def test_keyboard_interrupt_cancels_and_leaves_no_server_session(
             # The server runs again: the abandoned operation ends its session on its own.
             _wait_for(lambda: _in_flight(client) == 0, 30, "the abandoned operation to clean up")
             _wait_for(
-                lambda: srv.status()["active_sessions"] == baseline
-                and srv.status()["active_prefetch_jobs"] == 0,
+                lambda: (
+                    srv.status()["active_sessions"] == baseline and srv.status()["active_prefetch_jobs"] == 0
+                ),
                 30,
                 "active_sessions to return to the baseline",
             )

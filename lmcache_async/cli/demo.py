@@ -67,9 +67,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument(
         "--size", default="1GB", help="L1 byte budget, e.g. 1073741824, 512MB, 2GB (default 1GB)"
     )
-    serve.add_argument(
-        "--prefault", action="store_true", help="back the whole pool with memory at start"
-    )
+    serve.add_argument("--prefault", action="store_true", help="back the whole pool with memory at start")
     serve.add_argument("--shm-name", default=None, help="SHM segment name (default: a unique one)")
     serve.add_argument("--instance-id", default=None, help="/config mp.instance_id (default: a uuid4)")
     _model_args(serve, model_default=None)

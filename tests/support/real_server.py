@@ -186,7 +186,14 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     other venv (``PYTHONPATH``, ``PYTHONHOME``, ``VIRTUAL_ENV``) and the API-key
     variables (:data:`LMCACHE_API_KEY_ENV`), and adds the telemetry/banner switches.
     """
-    dropped = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP", "PYTHONSAFEPATH", *LMCACHE_API_KEY_ENV)
+    dropped = (
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "VIRTUAL_ENV",
+        "PYTHONSTARTUP",
+        "PYTHONSAFEPATH",
+        *LMCACHE_API_KEY_ENV,
+    )
     env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(LMCACHE_QUIET_ENV)
     env["PYTHONUNBUFFERED"] = "1"
