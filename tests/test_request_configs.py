@@ -18,7 +18,10 @@ SKIP = {"lmcache.skip_load": True}
 
 
 @pytest.fixture(
-    params=["real_server_shm", "real_server_pickle", "real_server_057_shm", "real_server_057_pickle"]
+    params=[
+        pytest.param(name, marks=pytest.mark.real_server)
+        for name in ("real_server_shm", "real_server_pickle", "real_server_057_shm", "real_server_057_pickle")
+    ]
 )
 def any_real_server(request: pytest.FixtureRequest) -> RealLMCacheServer:
     srv: RealLMCacheServer = request.getfixturevalue(request.param)
