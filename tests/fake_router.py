@@ -1,21 +1,25 @@
 """A scripted ZMQ ROUTER for faults the real server will not produce on demand.
 
 ``FakeRouter(handler)`` binds a ROUTER on a free loopback port and, for every request,
-calls ``handler(request)`` (a :class:`lmcache_async.server_wire.Request`), which returns a list
+calls ``handler(request)`` (a :class:`tests.server_wire.Request`), which returns a list
 of actions: ``("reply", value)``, ``("raw", [frames])`` (frames after the identity),
 ``("sleep", seconds)``, ``("drop",)`` (close the socket: the client sees a disconnect).
 Returning ``[]`` means never reply, like the real server on a bad request.
+
+``json_http_server(routes)`` is the HTTP side of such a fake server: each ``GET path``
+answers the JSON value given for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import zmq
 import zmq.asyncio
+from aiohttp import web
 
 from lmcache_async import wire
 from tests import server_wire
@@ -114,3 +118,25 @@ class FakeRouter:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
         self._ctx.destroy(linger=0)
+
+
+@contextlib.asynccontextmanager
+async def json_http_server(routes: dict[str, Any]) -> AsyncIterator[str]:
+    """An HTTP server on a free loopback port answering ``GET path`` with ``routes[path]``
+    as JSON; yields its base URL."""
+    app = web.Application()
+    for path, value in routes.items():
+
+        async def answer(_: web.Request, value: Any = value) -> web.Response:
+            return web.json_response(value)
+
+        app.router.add_get(path, answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()

@@ -13,14 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from aiohttp import web
 
 import lmcache_async as lmc
 from lmcache_async import wire
 from lmcache_async.wire import Op
 from tests import server_wire
 from tests.conftest import SMALL_GEOMETRY
-from tests.fake_router import FakeRouter
+from tests.fake_router import FakeRouter, json_http_server
 
 pytestmark = pytest.mark.anyio
 
@@ -31,31 +30,20 @@ SLOT_BYTES = 2 * 2 * CS * 16 * 2  # [2, L=2, 16, D=16] bf16
 
 @pytest.fixture
 async def http_stub() -> AsyncIterator[str]:
-    async def config(_: web.Request) -> web.Response:
-        return web.json_response(
-            {
+    async with json_http_server(
+        {
+            "/config": {
                 "mp": {
                     "chunk_size": CS,
                     "supported_transfer_mode": "auto",
                     "instance_id": "x",
                     "max_cpu_workers": 1,
                 }
-            }
-        )
-
-    async def status(_: web.Request) -> web.Response:
-        return web.json_response({"cache_context_meta": {}, "active_sessions": 0})
-
-    app = web.Application()
-    app.router.add_get("/config", config)
-    app.router.add_get("/status", status)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+            },
+            "/status": {"cache_context_meta": {}, "active_sessions": 0},
+        }
+    ) as url:
+        yield url
 
 
 @pytest.fixture

@@ -12,14 +12,13 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
-from aiohttp import web
 
 import lmcache_async as lmc
 from lmcache_async import wire
 from lmcache_async.envelope_codec import decode_tensor_envelope, encode_tensor_envelope
 from lmcache_async.wire import Op
 from tests.conftest import SMALL_GEOMETRY
-from tests.fake_router import FakeRouter
+from tests.fake_router import FakeRouter, json_http_server
 from tests.test_hostile_server import POOL, scripted, shm_segment, slot
 
 __all__ = ["shm_segment"]  # a fixture, used by name
@@ -32,28 +31,16 @@ SHAPE = SMALL_GEOMETRY.kv_shape(CS)
 
 @pytest.fixture
 async def http_057() -> AsyncIterator[str]:
-    async def version(_: web.Request) -> web.Response:
-        return web.json_response("0.5.7rc3.dev0")
-
-    async def config(_: web.Request) -> web.Response:
-        # the configured minimum: the live size is in /status
-        mp = {"chunk_size": 8, "supported_transfer_mode": "auto", "instance_id": "x", "max_cpu_workers": 1}
-        return web.json_response({"mp": mp})
-
-    async def status(_: web.Request) -> web.Response:
-        return web.json_response({"chunk_size": CS, "active_sessions": 0})
-
-    app = web.Application()
-    app.router.add_get("/lmc_version", version)
-    app.router.add_get("/config", config)
-    app.router.add_get("/status", status)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    # /config has the configured minimum chunk size: the live size is in /status
+    mp = {"chunk_size": 8, "supported_transfer_mode": "auto", "instance_id": "x", "max_cpu_workers": 1}
+    async with json_http_server(
+        {
+            "/lmc_version": "0.5.7rc3.dev0",
+            "/config": {"mp": mp},
+            "/status": {"chunk_size": CS, "active_sessions": 0},
+        }
+    ) as url:
+        yield url
 
 
 def _envelope(tensors: list[torch.Tensor]) -> bytes:
