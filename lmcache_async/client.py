@@ -107,6 +107,12 @@ class _ConnectionChannel:
         reply = await self._conn.call(opcode, args, timeout=timeout)
         return reply.value()
 
+    def post(self, opcode: Op, args: Sequence[Any], timeout: float) -> asyncio.Future[Any] | None:
+        """Send a cleanup request without waiting for it (see
+        :meth:`~lmcache_async.operations.Operations.cleanup_later`); ``None`` when it
+        cannot be sent at once."""
+        return self._conn.send_nowait(opcode, args, timeout=timeout)
+
 
 async def connect(
     url: str = "tcp://localhost:5555",
@@ -173,9 +179,11 @@ class AsyncClient:
             a refresh is also made at once when the connection comes back after a loss.
         cleanup_grace: extra seconds an abandoned operation may spend cleaning up.
         metadata_ttl: seconds ``/config`` and ``/status`` stay cached.
-        prefault_shm: map the whole SHM pool into this process in a background thread
-            after connecting, so that no transfer pays first-touch page faults (see
-            :meth:`lmcache_async.shm.ShmPool.start_prefault`).
+        prefault_shm: map the pages of each SHM slot into this process (one
+            ``madvise`` per 2 MiB run) the first time a copy uses them, in the copying
+            thread, instead of faulting page by page during the copy; the cost follows
+            the slots this client touches, never the pool's size (see
+            :meth:`lmcache_async.shm.ShmPool.populate`).
         api_key: sent as ``Authorization: Bearer KEY`` on every HTTP call (servers
             started with an API key answer 401 without it); default: the
             ``LMCACHE_API_KEY`` environment variable. The ZMQ side has no keys.
@@ -250,8 +258,10 @@ class AsyncClient:
         self._reg_generation = -1
         self._stale = False
         self._reg_lock: asyncio.Lock | None = None
-        self._ops: set[asyncio.Task[Any]] = set()
+        self._ops: set[asyncio.Future[Any]] = set()  # operation tasks and cleanup replies
+        self._posted: set[asyncio.Future[Any]] = set()  # cleanup replies awaited in the background
         self._gates: dict[tuple[Any, ...], list[Any]] = {}
+        self._operations_cache: tuple[tuple[Any, ...], Operations] | None = None
         self._keepalive: asyncio.Task[None] | None = None
         self._closed_event: asyncio.Event | None = None
 
@@ -439,6 +449,7 @@ class AsyncClient:
         self._pool = None
         self._keepalive = None
         self._ops = set()
+        self._posted = set()
 
     def _check_loop(self) -> None:
         """Refuse a call from an event loop other than the one that opened the client."""
@@ -565,8 +576,8 @@ class AsyncClient:
         if self._server_has_shm and self._want_transfer != "pickle":
             try:
                 self._pool = ShmPool(shm_name, pool_size)
-                if self._prefault_shm:
-                    self._pool.start_prefault()
+                if not self._prefault_shm:
+                    self._pool.populate_on_use = False
             except TransferError as exc:
                 if self._want_transfer == "shm":
                     raise
@@ -690,11 +701,16 @@ class AsyncClient:
 
         return await run_detached(name, timeout, self.cleanup_grace, run, self._track)
 
-    def _track(self, task: asyncio.Task[Any]) -> None:
+    def _track_posted(self, fut: asyncio.Future[Any]) -> None:
+        self._posted.add(fut)
+        fut.add_done_callback(self._posted.discard)
+        self._track(fut)
+
+    def _track(self, task: asyncio.Future[Any]) -> None:
         self._ops.add(task)
         task.add_done_callback(self._op_done)
 
-    def _op_done(self, task: asyncio.Task[Any]) -> None:
+    def _op_done(self, task: asyncio.Future[Any]) -> None:
         self._ops.discard(task)
         if not task.cancelled():
             exc = task.exception()  # mark retrieved: the caller may have left
@@ -702,9 +718,17 @@ class AsyncClient:
                 log.debug("operation task ended with %r", exc)
 
     def _operations(self) -> Operations:
-        """The operations of the current registration."""
+        """The operations of the current registration (built again only when something
+        it is made of changed: re-registration, a new pool, a new chunk size)."""
         geom = self._geometry
         assert geom is not None
+        made_of = (
+            geom, self._chunk_size, self._wire, self._instance_id, self.num_kv_readers, self._pool,
+            self._server_has_shm, self._fifo_cpu, self._write_ttl, self.cleanup_grace,
+        )  # fmt: skip
+        cached = self._operations_cache
+        if cached is not None and cached[0] == made_of:
+            return cached[1]
         reg = Registration(
             model_name=self.model_name,
             geometry=geom,
@@ -717,13 +741,16 @@ class AsyncClient:
             fifo_cpu=self._fifo_cpu,
             write_ttl=self._write_ttl,
         )
-        return Operations(
+        ops = Operations(
             self._channel,
             reg,
             cleanup_grace=self.cleanup_grace,
             gates=self._gates,
             on_unfilled=self._retire_registration,
+            track=self._track_posted,
         )
+        self._operations_cache = (made_of, ops)
+        return ops
 
     def _retire_registration(
         self, instance_id: int, reason: str = "a store's reserved slots could not be filled"
@@ -1013,11 +1040,21 @@ class AsyncClient:
     ) -> dict[str, Any]:
         """The server's ``/status`` document (cached for ``metadata_ttl`` seconds).
 
+        A fresh fetch first waits (within ``timeout``) for the ``end_session`` messages
+        that operations which already returned sent in the background, so that the
+        server's session counts reflect every operation that returned before this call.
+
         Cancellation: a fetch shared with other callers keeps running for them.
         """
         self._require_open()
         self._check_loop()
-        return await self._meta.status(max_age=max_age, timeout=self._timeout(timeout))
+        timeout = self._timeout(timeout)
+        if self._posted:
+            start = time.monotonic()
+            await asyncio.wait(set(self._posted), timeout=timeout)
+            if timeout is not None:
+                timeout = max(timeout - (time.monotonic() - start), 0.0)
+        return await self._meta.status(max_age=max_age, timeout=timeout)
 
     async def config(
         self, *, max_age: float | None = None, timeout: float | DefaultType | None = DEFAULT
@@ -1032,7 +1069,9 @@ class AsyncClient:
 
     async def drain(self, timeout: float | DefaultType | None = DEFAULT) -> bool:
         """Wait until operations abandoned by a timeout or a cancellation have finished
-        their server-side cleanup (sessions ended, locks released).
+        their server-side cleanup (sessions ended, locks released), and until the
+        ``end_session`` messages of operations that returned (sent in the background,
+        see docs/design.md) are answered.
 
         Returns True when none is left, False if ``timeout`` passed first. Cancelling
         the wait does not cancel the cleanups.

@@ -2,9 +2,14 @@
 
 Design (see docs/design.md):
 
-* one ``zmq.asyncio`` DEALER per connection, created on the loop that uses it;
-* a single reader task is the only caller of ``recv``; it routes each reply to the
-  future registered under its uid in :class:`PendingTable`;
+* one plain (blocking-API) ZMQ DEALER per connection, driven by the event loop that uses
+  it: its file descriptor is watched with ``loop.add_reader`` and every ``send``/``recv``
+  is non-blocking (``zmq.NOBLOCK``). This costs a fraction of ``zmq.asyncio``'s per-call
+  Python (a future, poller state and flag arithmetic per send and per receive); the loop
+  must be a selector loop (the default on Linux and macOS; uvloop too);
+* the readable callback is the only caller of ``recv``; it routes each reply to the
+  future registered under its uid in :class:`PendingTable`. A reader task stands for it
+  (cancelled when the loop shuts down, e.g. at the end of ``asyncio.run()``);
 * every request registers its future **before** sending; a done-callback removes the
   entry on every outcome (reply, timeout, cancellation, connection loss), so nothing
   leaks and a late reply finds no entry and is dropped (and counted);
@@ -17,6 +22,8 @@ Design (see docs/design.md):
 * ``ZMQ_IMMEDIATE``: nothing is queued for a peer that is not connected, and a call made
   while disconnected fails at once with :class:`~lmcache_async.errors.LMCacheConnectionError`
   (never replayed on a restarted server);
+* each call's deadline is one timer on the loop (``call_later``) that fails the call's
+  future, not a ``Timeout`` context per call;
 * :meth:`Connection.open` waits for the TCP connection (bounded): a refused or wrong
   endpoint is reported as such within seconds;
 * when the reader task stops (the event loop is shutting down, or a bug) every pending
@@ -28,6 +35,7 @@ The server never sends error replies, so every call has a deadline.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import itertools
@@ -38,7 +46,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from lmcache_async.errors import (
@@ -66,6 +73,17 @@ DEFAULT_MAX_IN_FLIGHT = 1024
 RECONNECT_WAIT_S = 1.5
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 1000
+#: Replies routed per readable callback before the loop gets a turn (fairness).
+READ_BATCH = 256
+
+
+class _Expired(Exception):
+    """A call's deadline passed (set on its future by the timer; never seen by callers)."""
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(_Expired())
 
 
 @dataclass
@@ -139,15 +157,18 @@ class Connection:
         self.url = url
         #: Most requests in flight at once; further calls wait (under their deadlines).
         self.max_in_flight = max_in_flight
-        self._slots = asyncio.Semaphore(max_in_flight)
+        self._busy = 0  # calls holding a place (registered, or about to be)
+        self._place_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         #: The server generation's wire: which trailing argument frames requests get.
         self.wire = wire
         self.generation = 0  # increases each time the peer (re)connects after a loss
         self.connected = False
         self._table = PendingTable()
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
-        self._monitor: zmq.asyncio.Socket | None = None
+        self._ctx: zmq.Context[Any] | None = None
+        self._sock: zmq.Socket[Any] | None = None
+        self._monitor: zmq.Socket[Any] | None = None
+        self._fds: list[int] = []  # descriptors watched with loop.add_reader
+        self._drain_scheduled = False
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -161,8 +182,8 @@ class Connection:
     # ------------------------------------------------------------------ lifecycle
 
     async def open(self, timeout: float | None = None) -> None:
-        """Create the socket, start the reader and monitor tasks and wait for the TCP
-        connection (at most ``min(timeout, CONNECT_WAIT_S)`` seconds).
+        """Create the socket, watch it and its monitor on the running loop, and wait for
+        the TCP connection (at most ``min(timeout, CONNECT_WAIT_S)`` seconds).
 
         Raises:
             LMCacheConnectionError: the endpoint refused the connection ("refused",
@@ -175,7 +196,7 @@ class Connection:
         self._first_connect = asyncio.Event()
         self.reconnected = asyncio.Event()
         try:
-            ctx = zmq.asyncio.Context()
+            ctx: zmq.Context[Any] = zmq.Context()
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
@@ -193,10 +214,20 @@ class Connection:
         except zmq.ZMQError as exc:
             raise LMCacheConnectionError(f"cannot open a ZMQ connection to {self.url}: {exc}") from exc
         self._ctx, self._sock, self._monitor = ctx, sock, monitor
-        reader = asyncio.create_task(self._read_loop(), name=f"lmcache-reader {self.url}")
+        try:
+            self._watch(sock, self._on_readable)
+            self._watch(monitor, self._on_monitor)
+        except (NotImplementedError, RuntimeError) as exc:
+            await self.close()
+            raise LMCacheConnectionError(
+                f"this event loop cannot watch a ZMQ socket ({exc!r}); lmcache_async needs a "
+                "selector event loop (the default on Linux and macOS, or uvloop)"
+            ) from exc
+        reader = asyncio.create_task(self._reader(), name=f"lmcache-reader {self.url}")
         self._reader_alive = True
+        self._loop.call_soon(self._on_monitor)  # events queued before the watch began
         reader.add_done_callback(self._reader_stopped)
-        self._tasks = [reader, asyncio.create_task(self._monitor_loop(), name=f"lmcache-monitor {self.url}")]
+        self._tasks = [reader]
         try:
             await self._wait_first_connect(timeout)
         except BaseException:
@@ -268,6 +299,7 @@ class Connection:
         try:
             await cancel_and_wait(tasks, "a connection task")
         finally:  # also when the closer is cancelled: the socket is closed all the same
+            self._unwatch()
             if self._sock is not None:
                 with contextlib.suppress(Exception):
                     self._sock.disable_monitor()
@@ -280,10 +312,10 @@ class Connection:
 
     def drop_inherited(self) -> None:
         """In a forked child: forget the parent's socket, monitor and context without
-        closing them (pyzmq's asyncio close unregisters the descriptor from the event
-        loop's selector, which the child shares with the parent; libzmq's own close is
-        already a no-op in another pid). They are marked as shadows, so garbage
-        collection does not close them either."""
+        closing them or touching the event loop's selector (the child may share its
+        epoll descriptor with the parent; libzmq's own close is already a no-op in
+        another pid). They are marked as shadows, so garbage collection does not close
+        them either."""
         self._closed = True
         self._reader_alive = False
         for obj in (self._sock, self._monitor, self._ctx):
@@ -291,6 +323,7 @@ class Connection:
                 with contextlib.suppress(AttributeError, TypeError):
                     obj._shadow = True
         self._sock = self._monitor = self._ctx = None
+        self._fds = []
         self._tasks = []
         self._table = PendingTable()
 
@@ -336,22 +369,107 @@ class Connection:
         """
         self._check_sendable(op)
         start = time.monotonic()
+        if self._busy >= self.max_in_flight or self._place_waiters:
+            await self._wait_for_place(op, start, timeout)
+            try:
+                self._check_sendable(op)  # the connection may have changed meanwhile
+            except BaseException:
+                self._release_place()
+                raise
+        else:
+            self._busy += 1
+        assert self._loop is not None
         uid: int | None = None
         fut: asyncio.Future[Reply] | None = None
+        timer: asyncio.TimerHandle | None = None
         try:
-            async with asyncio.timeout(timeout):
-                async with self._slots:
-                    self._check_sendable(op)  # the connection may have changed meanwhile
-                    assert self._loop is not None
-                    uid, fut = self._table.register(op, self._loop)
-                    frames = encode_request(uid, op, args, self.wire)
-                    await self._send(frames, op)
-                    return await fut
-        except TimeoutError:
+            uid, fut = self._table.register(op, self._loop)
+            frames = encode_request(uid, op, args, self.wire)
+            if not self._send(frames, op):
+                await self._send_when_ready(frames, op, start, timeout)
+            if timeout is not None:
+                timer = self._loop.call_later(timeout - (time.monotonic() - start), _expire, fut)
+            return await fut
+        except _Expired:
             raise LMCacheTimeoutError(op_name(op), time.monotonic() - start, uid) from None
         finally:
+            if timer is not None:
+                timer.cancel()
             if fut is not None and not fut.done():
                 fut.cancel()
+            self._release_place()
+
+    def send_nowait(self, op: Op, args: Sequence[Any], *, timeout: float) -> asyncio.Future[Reply] | None:
+        """Send one request now and return the future of its reply, without waiting.
+
+        Returns ``None`` (nothing sent) when it cannot go out at once: not connected, the
+        reader stopped, or ``max_in_flight`` requests are in flight (the caller then uses
+        :meth:`call`). The future fails with :class:`LMCacheTimeoutError` after
+        ``timeout`` seconds, with :class:`LMCacheConnectionError` on a lost connection
+        and with :class:`ClientClosedError` on close; cancelling it discards the reply.
+        """
+        if not self.usable or self._busy >= self.max_in_flight or self._place_waiters:
+            return None
+        assert self._loop is not None
+        start = time.monotonic()
+        uid, fut = self._table.register(op, self._loop)
+        try:
+            sent = self._send(encode_request(uid, op, args, self.wire), op)
+        except LMCacheConnectionError:
+            sent = False
+        if not sent:
+            fut.cancel()
+            return None
+        self._busy += 1
+        timer = self._loop.call_later(timeout, self._expire_posted, fut, op, uid, start)
+        fut.add_done_callback(functools.partial(self._posted_done, timer))
+        return fut
+
+    @staticmethod
+    def _expire_posted(fut: asyncio.Future[Reply], op: Op, uid: int, start: float) -> None:
+        if not fut.done():
+            fut.set_exception(LMCacheTimeoutError(op_name(op), time.monotonic() - start, uid))
+
+    def _posted_done(self, timer: asyncio.TimerHandle, fut: asyncio.Future[Reply]) -> None:
+        timer.cancel()
+        self._release_place()
+        if not fut.cancelled():
+            fut.exception()  # retrieved: nobody may be waiting for it
+
+    async def _wait_for_place(self, op: Op, start: float, timeout: float | None) -> None:
+        """Wait (under the call's deadline) until fewer than ``max_in_flight`` calls hold
+        a place, then take one. First come, first served.
+
+        Raises:
+            LMCacheTimeoutError: the deadline passed first (nothing was sent).
+
+        Cancellation: the place, if it was just handed over, goes to the next waiter.
+        """
+        assert self._loop is not None
+        waiter: asyncio.Future[None] = self._loop.create_future()
+        self._place_waiters.append(waiter)
+        try:
+            remaining = None if timeout is None else timeout - (time.monotonic() - start)
+            async with asyncio.timeout(remaining):
+                await waiter
+        except TimeoutError:
+            raise LMCacheTimeoutError(op_name(op), time.monotonic() - start, None) from None
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():  # handed a place but leaving
+                self._release_place()
+            raise
+        finally:
+            with contextlib.suppress(ValueError):
+                self._place_waiters.remove(waiter)
+
+    def _release_place(self) -> None:
+        """Give a place back: to the first waiter still waiting, or to the pool."""
+        while self._place_waiters:
+            waiter = self._place_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the place passes on: _busy is unchanged
+                return
+        self._busy -= 1
 
     def _check_sendable(self, op: Op) -> None:
         if self._closed or self._sock is None or self._loop is None:
@@ -365,23 +483,84 @@ class Connection:
                 f"{op_name(op)}: not connected to {self.url} (the server is down or restarting)"
             )
 
-    async def _send(self, frames: list[Any], op: Op) -> None:
-        assert self._sock is not None
+    def _send(self, frames: list[Any], op: Op) -> bool:
+        """Queue ``frames`` on the socket without blocking (a multipart message is queued
+        whole or not at all); False when the socket has no ready peer (``ZMQ_IMMEDIATE``:
+        nothing was queued).
+
+        Raises:
+            LMCacheConnectionError: the send failed.
+        """
+        assert self._sock is not None and self._loop is not None
         try:
-            await self._sock.send_multipart(frames, copy=False)
+            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
         except zmq.ZMQError as exc:
             raise LMCacheConnectionError(f"{op_name(op)}: send failed: {exc}") from exc
+        # A send may consume the descriptor's edge (libzmq processes its commands then):
+        # look for replies once more on the next loop turn.
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._on_readable)
+        return True
 
-    # ------------------------------------------------------------------ tasks
+    async def _send_when_ready(self, frames: list[Any], op: Op, start: float, timeout: float | None) -> None:
+        """The peer is not ready (the TCP connection is up but its handshake is not done,
+        or it is down): retry every millisecond while connected, at most
+        ``min(timeout, RECONNECT_WAIT_S)`` seconds from ``start``.
 
-    async def _read_loop(self) -> None:
-        assert self._sock is not None
-        sock = self._sock
+        Raises:
+            LMCacheConnectionError: not connected, or still not ready in time (nothing
+                was queued).
+        """
+        limit = RECONNECT_WAIT_S if timeout is None else min(timeout, RECONNECT_WAIT_S)
         while True:
+            self._check_sendable(op)
+            if time.monotonic() - start >= limit:
+                raise LMCacheConnectionError(
+                    f"{op_name(op)}: {self.url} is connected but not ready for requests "
+                    f"after {limit:.1f}s (nothing was sent)"
+                )
+            await asyncio.sleep(0.001)
+            if self._send(frames, op):
+                return
+
+    def _watch(self, sock: zmq.Socket[Any], callback: Any) -> None:
+        assert self._loop is not None
+        fd = sock.getsockopt(zmq.FD)
+        assert isinstance(fd, int)
+        self._loop.add_reader(fd, callback)
+        self._fds.append(fd)
+
+    def _unwatch(self) -> None:
+        fds, self._fds = self._fds, []
+        if self._loop is None or self._loop.is_closed():
+            return
+        for fd in fds:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(fd)
+
+    async def _reader(self) -> None:
+        """Stands for the readable callbacks: runs until cancelled (close, or the loop
+        shutting down), then stops watching the descriptors."""
+        assert self._loop is not None
+        try:
+            await self._loop.create_future()
+        finally:
+            self._unwatch()
+
+    def _on_readable(self) -> None:
+        """Route every reply that has arrived (at most :data:`READ_BATCH` per turn)."""
+        self._drain_scheduled = False
+        sock = self._sock
+        if sock is None or not self._reader_alive:
+            return
+        for _ in range(READ_BATCH):
             try:
-                frames = await sock.recv_multipart(copy=False)
-            except asyncio.CancelledError:
-                raise
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
             except zmq.ZMQError as exc:
                 if self._closed:
                     return
@@ -389,38 +568,52 @@ class Connection:
                 self._table.fail_all(
                     lambda op, exc=exc: LMCacheConnectionError(f"{op_name(op)}: receive failed: {exc}")
                 )
-                await asyncio.sleep(0.05)
-                continue
-            try:
-                reply = decode_reply([f.buffer for f in frames])
-            except ProtocolError as exc:
-                log.warning("dropping malformed reply from %s: %s", self.url, exc)
-                self._table.dropped_unknown += 1
-                continue
-            if reply.payload is not None and len(frames[2].buffer) < 65536:
-                reply = Reply(reply.uid, reply.op, frames[2].bytes)
-            self._table.resolve(reply)
+                return
+            self._route(frames)
+        if not self._drain_scheduled:  # more may be waiting: another turn
+            self._drain_scheduled = True
+            assert self._loop is not None
+            self._loop.call_soon(self._on_readable)
 
-    async def _monitor_loop(self) -> None:
-        assert self._monitor is not None
-        while True:
-            msg = await self._monitor.recv_multipart()
-            event = parse_monitor_message(msg)["event"]
-            if event == zmq.EVENT_CONNECTED:
-                self.connected = True
-                if self._ever_connected:
-                    self.generation += 1
-                    log.info("reconnected to %s (generation %d)", self.url, self.generation)
-                    assert self.reconnected is not None
-                    self.reconnected.set()
-                self._ever_connected = True
-                assert self._first_connect is not None
-                self._first_connect.set()
-            elif event == zmq.EVENT_CONNECT_RETRIED:
-                self._refused += 1
-            elif event == zmq.EVENT_DISCONNECTED:
-                self.connected = False
-                n = self._table.fail_all(
-                    lambda op: LMCacheConnectionError(f"{op_name(op)}: connection to {self.url} lost")
-                )
-                log.warning("disconnected from %s; failed %d in-flight calls", self.url, n)
+    def _route(self, frames: list[zmq.Frame]) -> None:
+        try:
+            reply = decode_reply([f.buffer for f in frames])
+        except ProtocolError as exc:
+            log.warning("dropping malformed reply from %s: %s", self.url, exc)
+            self._table.dropped_unknown += 1
+            return
+        if reply.payload is not None and len(frames[2].buffer) < 65536:
+            reply = Reply(reply.uid, reply.op, frames[2].bytes)
+        self._table.resolve(reply)
+
+    def _on_monitor(self) -> None:
+        monitor = self._monitor
+        while monitor is not None and not self._closed:
+            try:
+                msg = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
+                log.debug("the socket monitor of %s failed: %s", self.url, exc)
+                return
+            self._on_event(parse_monitor_message(msg)["event"])
+
+    def _on_event(self, event: int) -> None:
+        if event == zmq.EVENT_CONNECTED:
+            self.connected = True
+            if self._ever_connected:
+                self.generation += 1
+                log.info("reconnected to %s (generation %d)", self.url, self.generation)
+                assert self.reconnected is not None
+                self.reconnected.set()
+            self._ever_connected = True
+            assert self._first_connect is not None
+            self._first_connect.set()
+        elif event == zmq.EVENT_CONNECT_RETRIED:
+            self._refused += 1
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.connected = False
+            n = self._table.fail_all(
+                lambda op: LMCacheConnectionError(f"{op_name(op)}: connection to {self.url} lost")
+            )
+            log.warning("disconnected from %s; failed %d in-flight calls", self.url, n)

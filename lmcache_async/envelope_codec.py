@@ -34,6 +34,7 @@ from typing import Final
 import torch
 
 from lmcache_async.errors import ProtocolError
+from lmcache_async.host_copy import copy_host
 from lmcache_async.wire import MAX_BIN
 
 __all__ = [
@@ -113,7 +114,7 @@ def _copy_into_frame(buf: bytearray, offset: int, tensor: torch.Tensor) -> None:
     """Copy ``tensor`` (any device, any strides) into ``buf[offset:]`` as contiguous
     little-endian data. The one copy a store over the inline transport makes."""
     dst = torch.frombuffer(buf, dtype=tensor.dtype, count=tensor.numel(), offset=offset)
-    dst.view(tensor.shape).copy_(tensor)
+    copy_host(dst.view(tensor.shape), tensor)
 
 
 def encode_tensor_envelope(

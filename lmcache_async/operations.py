@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -47,6 +48,7 @@ import torch
 from lmcache_async.cuda_hooks import new_target
 from lmcache_async.errors import LMCacheError, LMCacheTimeoutError, ProtocolError, TransferError
 from lmcache_async.geometry import KVGeometry
+from lmcache_async.host_copy import copy_host
 from lmcache_async.inline_codec import decode_inline, encode_inline
 from lmcache_async.shm import ShmPool
 from lmcache_async.wire import (
@@ -236,11 +238,15 @@ async def run_detached(
         raise
 
 
-def fill_slots(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def fill_slots(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pool: ShmPool | None = None) -> None:
     """Copy each ``(target, source)`` pair: chunks into reserved SHM slots (store), or
-    source slots into target slots (SHM remap)."""
+    source slots into target slots (SHM remap). ``pool``: map its pages under the slots
+    first (:meth:`~lmcache_async.shm.ShmPool.populate`)."""
+    if pool is not None:
+        pool.populate(t for pair in pairs for t in pair)
+    total = sum(t.numel() * t.element_size() for t, _ in pairs)
     for target, source in pairs:
-        target.copy_(source)
+        copy_host(target, source, total)
 
 
 def refill_slots(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -248,16 +254,24 @@ def refill_slots(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     materialised as a fresh CPU tensor of its own (so a failure of the direct copy path,
     e.g. of a device-to-host copy into a strided view, is not repeated)."""
     for target, source in pairs:
-        target.copy_(source.detach().to("cpu", copy=True).contiguous())
+        copy_host(target, source.detach().to("cpu", copy=True).contiguous())
 
 
 def copy_chunks_out(
-    target: torch.Tensor, chunks: Sequence[torch.Tensor], chunk_size: int, token_axis: int
+    target: torch.Tensor,
+    chunks: Sequence[torch.Tensor],
+    chunk_size: int,
+    token_axis: int,
+    pool: ShmPool | None = None,
 ) -> None:
     """Copy ``chunks`` (SHM slot views, or decoded inline tensors) into consecutive
-    chunks of ``target`` along ``token_axis`` (retrieve)."""
+    chunks of ``target`` along ``token_axis`` (retrieve). ``pool``: map its pages under
+    the slots first (:meth:`~lmcache_async.shm.ShmPool.populate`)."""
+    if pool is not None:
+        pool.populate(chunks)
+    total = sum(c.numel() for c in chunks) * target.element_size()
     for i, chunk in enumerate(chunks):
-        target.narrow(token_axis, i * chunk_size, chunk_size).copy_(chunk)
+        copy_host(target.narrow(token_axis, i * chunk_size, chunk_size), chunk, total)
 
 
 async def _maybe_in_thread(nbytes: int, fn: Callable[[], None]) -> None:
@@ -299,6 +313,14 @@ async def _await_to_the_end(aw: Awaitable[None]) -> None:
         raise
 
 
+def _cleanup_done(opcode: Op, fut: asyncio.Future[Any]) -> None:
+    if fut.cancelled():
+        return
+    exc = fut.exception()
+    if exc is not None:
+        log.warning("cleanup %s failed: %s", opcode.name.lower(), exc)
+
+
 class UnfilledReservation(TransferError):
     """Slots the server reserved for a store could not be filled with the caller's data.
 
@@ -323,6 +345,8 @@ class Operations:
             its slots may hold anything but the caller's data (the copy failed twice,
             the operation was cancelled or lost its connection before the copy ended):
             the client retires that registration so the server never admits the slots.
+        track: given each cleanup reply awaited in the background
+            (:meth:`cleanup_later`), for the client's ``drain()`` and ``aclose()``.
     """
 
     def __init__(
@@ -333,8 +357,14 @@ class Operations:
         cleanup_grace: float = 10.0,
         gates: dict[tuple[Any, ...], list[Any]] | None = None,
         on_unfilled: Callable[[int], None] | None = None,
+        track: Callable[[asyncio.Future[Any]], None] | None = None,
     ) -> None:
         self.channel = channel
+        #: The channel's ``post(opcode, args, timeout) -> Future | None``, if it has one.
+        self._post: Callable[[Op, Sequence[Any], float], asyncio.Future[Any] | None] | None = getattr(
+            channel, "post", None
+        )
+        self._track = track
         self.reg = reg
         self.cleanup_grace = cleanup_grace
         self._gates: dict[tuple[Any, ...], list[Any]] = {} if gates is None else gates
@@ -357,6 +387,27 @@ class Operations:
             if isinstance(r, BaseException):
                 raise r
         return results
+
+    async def cleanup_later(self, opcode: Op, *args: Any) -> None:
+        """A cleanup RPC whose answer nobody needs (``end_session`` after the operation's
+        last answer): sent now and its reply awaited in the background, so the caller
+        gets its result one round trip sooner. The reply (or its error, logged as
+        :meth:`cleanup_call` does) is tracked by the client: ``drain()`` and ``aclose()``
+        wait for it. Where the channel cannot post it at once (no ``post``, not
+        connected, ``max_in_flight`` reached) it is awaited as :meth:`cleanup_call`.
+
+        Cancellation: a posted request is already sent; its reply is still awaited by the
+        client in the background.
+        """
+        post = self._post
+        if post is not None and self.channel.usable:
+            fut = post(opcode, args, self.cleanup_grace)
+            if fut is not None:
+                fut.add_done_callback(functools.partial(_cleanup_done, opcode))
+                if self._track is not None:
+                    self._track(fut)
+                return
+        await self.cleanup_call(opcode, *args)
 
     async def cleanup_call(self, opcode: Op, *args: Any) -> Any:
         """A cleanup RPC: its own short deadline; errors are logged, not raised."""
@@ -415,7 +466,7 @@ class Operations:
         finally:
             if hit and not state.prepared:
                 await self._free_locks(key, hit // self.reg.chunk_size)
-            await self.cleanup_call(Op.END_SESSION, rid)
+            await self.cleanup_later(Op.END_SESSION, rid)
 
     async def store(
         self,
@@ -652,8 +703,8 @@ class Operations:
             await cuda.to_device(pairs, mark, self.reg.pool, staged=self.reg.pool is None)
             return
         total = sum(c.numel() for c in chunks) * target.element_size()
-        axis = self.reg.geometry.token_axis
-        await _maybe_in_thread(total, lambda: copy_chunks_out(target, chunks, self.reg.chunk_size, axis))
+        axis, size, pool = self.reg.geometry.token_axis, self.reg.chunk_size, self.reg.pool
+        await _maybe_in_thread(total, lambda: copy_chunks_out(target, chunks, size, axis, pool))
 
     async def _store_shm(
         self,
@@ -696,7 +747,7 @@ class Operations:
             return True
         finally:
             self._settle(reserved)
-            await self.cleanup_call(Op.END_SESSION, rid)
+            await self.cleanup_later(Op.END_SESSION, rid)
 
     async def _fill_reserved(
         self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], nbytes: int, mark: Mark | None = None
@@ -719,7 +770,8 @@ class Operations:
 
                 await _await_to_the_end(cuda.to_host(pairs, mark, self.reg.pool))
             else:
-                await _copy_to_the_end(nbytes, lambda: fill_slots(pairs))
+                pool = self.reg.pool
+                await _copy_to_the_end(nbytes, lambda: fill_slots(pairs, pool))
             return
         except Exception as exc:
             log.warning("copy into reserved SHM slots failed (%r); filling them again from CPU copies", exc)
@@ -780,7 +832,7 @@ class Operations:
             if ok is not True:
                 raise TransferError("the server could not store every chunk (out of memory?)")
         finally:
-            await self.cleanup_call(Op.END_SESSION, rid)
+            await self.cleanup_later(Op.END_SESSION, rid)
         # A pickle commit the server found no memory for still answers True: verify.
         await self._check_stored(op, toks, end, salt, "store")
         return True
@@ -846,7 +898,7 @@ class Operations:
         finally:
             if hit and not state.prepared:
                 await self._free_locks(key, hit // self.reg.chunk_size)
-            await self.cleanup_call(Op.END_SESSION, rid)
+            await self.cleanup_later(Op.END_SESSION, rid)
 
     async def _remap_slots(
         self, op: OpState, rkey: dict[str, Any], dst: list[int], hit: int, tsalt: str, state: _RetrieveState
@@ -899,7 +951,7 @@ class Operations:
                 return RemapResult(hit, hit, True)
             finally:
                 self._settle(reserved)
-                await self.cleanup_call(Op.END_SESSION, srid)
+                await self.cleanup_later(Op.END_SESSION, srid)
         finally:
             if not committed:
                 await self.cleanup_call(Op.COMMIT_RETRIEVE, rkey, self.reg.instance_id)

@@ -42,6 +42,7 @@ from typing import Any, Final
 import torch
 
 from lmcache_async.errors import ProtocolError, UnsafePayloadError
+from lmcache_async.host_copy import copy_host
 from lmcache_async.wire import MAX_BIN
 
 __all__ = ["decode_tensor_list", "encode_tensor_list"]
@@ -179,7 +180,7 @@ def encode_tensor_list(
         if nbytes:
             dst = torch.frombuffer(buf, dtype=t.dtype, count=t.numel(), offset=pos)
             if copy is None:
-                dst.view(t.shape).copy_(t)
+                copy_host(dst.view(t.shape), t)
             else:
                 copy(i, dst, t)
             del dst

@@ -16,6 +16,7 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -29,7 +30,22 @@ log = logging.getLogger(__name__)
 
 #: madvise(MADV_POPULATE_READ) (Linux 5.14+): map the pages of a range into this process.
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
-_PREFAULT_STEP = 16 << 20
+#: The step of :meth:`ShmPool.populate` (and of its memory of what is mapped).
+GRANULE = 2 << 20
+
+
+def _load_madvise() -> Callable[[int, int, int], int] | None:
+    # Through ctypes, which releases the GIL (mmap.madvise holds it for the whole call).
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _load_madvise()
 
 
 class ShmPool:
@@ -60,8 +76,10 @@ class ShmPool:
         finally:
             os.close(fd)
         self._base: torch.Tensor | None = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        self._stop = threading.Event()
-        self._prefaulter: threading.Thread | None = None
+        self._origin = self._base.data_ptr()
+        #: Whether :meth:`populate` maps pages before copies (``prefault_shm`` of the client).
+        self.populate_on_use = _madvise is not None
+        self._mapped = bytearray(-(-pool_size // GRANULE))  # 1: granule mapped by populate()
         #: Whether the mapping is registered as pinned CUDA memory: None until the first
         #: CUDA copy asks (:func:`lmcache_async.cuda.pin_pool`), then True or False.
         self.cuda_pinned: bool | None = None
@@ -74,42 +92,52 @@ class ShmPool:
             raise TransferError("the SHM pool is closed")
         return base.data_ptr(), self.pool_size
 
-    def start_prefault(self) -> None:
-        """Map the whole pool into this process in the background.
+    def populate(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Map into this process the pages under those of ``tensors`` that lie in the
+        pool and were not mapped yet, before a copy touches them.
 
         A page of the pool costs a page fault the first time this process touches it;
-        on this kind of VM that makes a first copy into or out of a slot 3-4x slower than
-        a warm one. A daemon thread walks the pool with ``madvise(MADV_POPULATE_READ)``
-        in 16 MiB steps (about 0.7 s of one core per GiB here); transfers meanwhile work
-        as usual. Stops at :meth:`close`; without kernel support it just stops.
+        on this kind of VM a copy that faults its way through fresh pages runs 3-4x slower
+        than a warm one. ``madvise(MADV_POPULATE_READ)`` maps a whole range in one call,
+        much cheaper than faulting page by page. It works in :data:`GRANULE` (2 MiB)
+        steps and remembers what it mapped, so the cost follows what this client uses,
+        once per page, never the pool's size; it runs in the thread that is about to
+        copy (the copy's worker thread for large copies), so it never competes with a
+        transfer. Blocking (the GIL is released); no-op when :attr:`populate_on_use` is
+        off or the kernel lacks the call (before Linux 5.14).
         """
-        if self._prefaulter is not None:
+        madvise = _madvise
+        if not self.populate_on_use or self._base is None or madvise is None:
             return
-        self._prefaulter = threading.Thread(
-            target=self._prefault, name=f"lmcache-shm-prefault {self.name}", daemon=True
-        )
-        self._prefaulter.start()
+        origin = self._origin
+        mapped = self._mapped
+        for t in tensors:
+            offset = t.data_ptr() - origin
+            if offset < 0 or offset >= self.pool_size:
+                continue  # not in the pool (the caller's own tensor)
+            first = offset // GRANULE
+            last = min(offset + t.numel() * t.element_size(), self.pool_size) - 1
+            g = first
+            while g <= last // GRANULE:
+                if mapped[g]:
+                    g += 1
+                    continue
+                run = g
+                while run <= last // GRANULE and not mapped[run]:
+                    run += 1
+                begin = g * GRANULE
+                length = min(run * GRANULE, self.pool_size) - begin
+                if madvise(origin + begin, length, _MADV_POPULATE_READ) != 0:
+                    log.debug("SHM populate unavailable: errno %d", ctypes.get_errno())  # e.g. an old kernel
+                    self.populate_on_use = False
+                    return
+                mapped[g:run] = b"\x01" * (run - g)
+                g = run
 
-    def _prefault(self) -> None:
-        # Through ctypes, which releases the GIL (mmap.madvise holds it for the whole
-        # call, which would stall the event loop for tens of milliseconds per step).
-        try:
-            madvise = ctypes.CDLL(None, use_errno=True).madvise
-        except (OSError, AttributeError):
-            return
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        madvise.restype = ctypes.c_int
-        base = self._base
-        if base is None:
-            return
-        address = base.data_ptr()
-        del base
-        for start in range(0, self.pool_size, _PREFAULT_STEP):
-            if self._stop.is_set():
-                return
-            if madvise(address + start, min(_PREFAULT_STEP, self.pool_size - start), _MADV_POPULATE_READ):
-                log.debug("SHM prefault stopped: errno %d", ctypes.get_errno())  # e.g. an old kernel
-                return
+    @property
+    def mapped_bytes(self) -> int:
+        """How much of the pool :meth:`populate` has mapped so far (granules x size)."""
+        return min(sum(self._mapped) * GRANULE, self.pool_size)
 
     def view(self, slot: SlotDescriptor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor view of ``slot``, after validating it (ProtocolError if it is bad)."""
@@ -127,9 +155,6 @@ class ShmPool:
         """
         if self._base is None:
             return
-        self._stop.set()
-        if self._prefaulter is not None:
-            self._prefaulter.join(timeout=5.0)  # at most one 16 MiB madvise to finish
         with self.cuda_lock:
             if self.cuda_pinned:
                 from lmcache_async import cuda  # only ever loaded when a CUDA copy pinned it

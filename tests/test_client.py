@@ -216,9 +216,10 @@ async def test_256_concurrent_mixed_operations(client: AsyncClient) -> None:
         assert looked == CS
         assert restored is False
         assert torch.equal(first, kvs[i][:, :, :CS])
+    # status() first waits for the end_session messages sent in the background.
+    assert await counts(client) == baseline
     assert client._conn.in_flight == 0
     assert client._conn.dropped == (0, 0)
-    assert await counts(client) == baseline
 
 
 async def test_timeouts_and_cancellations_leave_no_sessions_or_locks(own_server: Any) -> None:
@@ -369,3 +370,31 @@ async def test_closed_client_refuses_calls(server: Any) -> None:
     assert c.closed
     with pytest.raises(lmc.ClientClosedError, match="the client is closed"):
         await c.lookup([1] * CS)
+
+
+async def test_end_session_goes_in_the_background_and_drain_waits_for_it(
+    client: AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """store and retrieve return once their last answer is in; their ``end_session`` is
+    sent at once without being waited for (one round trip less), and ``drain()`` and
+    ``status()`` wait for it, so the server's sessions are back at the baseline."""
+    from lmcache_async.connection import Connection
+
+    posted: list[Op] = []
+    real = Connection.send_nowait
+
+    def spy(self: Connection, op: Op, args: Any, *, timeout: float) -> Any:
+        posted.append(op)
+        return real(self, op, args, timeout=timeout)
+
+    monkeypatch.setattr(Connection, "send_nowait", spy)
+    baseline = await counts(client)
+    tokens, kv = fresh_tokens(2 * CS), random_kv(SMALL_GEOMETRY, 2 * CS)
+    assert await client.store(kv, tokens) is True
+    got = await client.retrieve(tokens)
+    assert got is not None and torch.equal(got, kv)
+    assert await client.lookup(tokens) == 2 * CS  # a lookup ends its session before returning
+    assert posted == [Op.END_SESSION, Op.END_SESSION]
+    assert await client.drain(timeout=10) is True
+    assert client._conn.in_flight == 0
+    assert await counts(client) == baseline

@@ -217,3 +217,64 @@ def test_table_never_leaks_or_misroutes(script: list[tuple[str, object]]) -> Non
                 fut.exception()
     finally:
         loop.close()
+
+
+async def test_send_nowait_delivers_times_out_and_gives_its_place_back() -> None:
+    def handler(req: server_wire.Request) -> list[tuple[object, ...]]:
+        tag = wire.unpackb(req.args[0])
+        return [] if tag == "silent" else [("reply", tag)]
+
+    async with FakeRouter(handler) as router:
+        conn = Connection(router.url, max_in_flight=2)
+        await conn.open()
+        try:
+            fut = conn.send_nowait(Op.END_SESSION, ("a",), timeout=5)
+            assert fut is not None
+            assert (await fut).value() == "a"
+            await asyncio.sleep(0)  # its done-callbacks
+            assert (conn.in_flight, conn._busy) == (0, 0)
+
+            silent = conn.send_nowait(Op.END_SESSION, ("silent",), timeout=0.2)
+            assert silent is not None
+            with pytest.raises(LMCacheTimeoutError, match=r"end_session \(request 1\): no reply") as info:
+                await silent
+            assert info.value.request_id == 1
+            await asyncio.sleep(0)
+            assert (conn.in_flight, conn._busy) == (0, 0)
+
+            # No place free: nothing is sent, the caller is told to wait with call().
+            held = [asyncio.create_task(conn.call(Op.END_SESSION, ("silent",), timeout=5)) for _ in range(2)]
+            await asyncio.sleep(0.05)
+            assert conn._busy == 2
+            assert conn.send_nowait(Op.END_SESSION, ("b",), timeout=5) is None
+            for task in held:
+                task.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+            assert (conn.in_flight, conn._busy) == (0, 0)
+            assert conn.send_nowait(Op.END_SESSION, ("c",), timeout=5) is not None
+        finally:
+            await conn.close()
+        assert conn.send_nowait(Op.END_SESSION, ("closed",), timeout=5) is None
+
+
+async def test_a_waiter_handed_a_place_and_cancelled_passes_it_on() -> None:
+    """Backpressure hand-over: a place given to a waiter that is cancelled at that very
+    moment goes to the next waiter; none is lost or counted twice."""
+    async with FakeRouter(lambda req: [("sleep", 0.1), ("reply", "OK")]) as router:
+        conn = Connection(router.url, max_in_flight=1)
+        await conn.open()
+        try:
+            first = asyncio.create_task(conn.call(Op.NOOP, (), timeout=5))
+            await asyncio.sleep(0.01)
+            second = asyncio.create_task(conn.call(Op.NOOP, (), timeout=5))
+            third = asyncio.create_task(conn.call(Op.NOOP, (), timeout=5))
+            await asyncio.sleep(0.01)
+            assert len(conn._place_waiters) == 2
+            await first  # its place goes to `second` ...
+            second.cancel()  # ... which leaves before it runs
+            with pytest.raises(asyncio.CancelledError):
+                await second
+            assert (await third).value() == "OK"
+            assert (conn.in_flight, conn._busy, len(conn._place_waiters)) == (0, 0, 0)
+        finally:
+            await conn.close()

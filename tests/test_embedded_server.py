@@ -607,6 +607,7 @@ async def test_async_client_against_the_embedded_server(mode: Literal["shm", "pi
         assert await client.lookup(toks, cache_salt="tenant-b") == 0
         assert await client.store(kv, toks, cache_salt="tenant-b") is True
         assert await client.lookup(toks, cache_salt="tenant-b") == 48
+        assert await client.drain()  # the end_session messages sent in the background
         status = srv.status()
         assert (status["active_sessions"], status["active_prefetch_jobs"]) == (0, 0)
         assert status["storage_manager"]["l1_manager"]["read_locked_count"] == 0

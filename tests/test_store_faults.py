@@ -81,7 +81,7 @@ async def test_a_copy_failing_midway_is_repaired_from_a_cpu_copy(
     kv = random_kv(SMALL_GEOMETRY, len(tokens))
     calls: list[int] = []
 
-    def failing_fill(pairs: Pairs) -> None:
+    def failing_fill(pairs: Pairs, pool: Any = None) -> None:
         calls.append(len(pairs))
         target, _source = pairs[0]
         target.fill_(7)  # half-written garbage, then the failure
@@ -107,7 +107,7 @@ async def test_an_unfillable_reservation_is_never_admitted(
     tokens = fresh_tokens(2 * CS)
     kv = random_kv(SMALL_GEOMETRY, len(tokens))
 
-    def garbage_then_fail(pairs: Pairs) -> None:
+    def garbage_then_fail(pairs: Pairs, pool: Any = None) -> None:
         for target, _source in pairs:
             target.fill_(3)
         raise RuntimeError("simulated device lost")
@@ -156,10 +156,10 @@ async def test_a_second_writer_of_the_same_prompt_waits_for_the_first(
     real_fill = operations.fill_slots
     slow = [True]
 
-    def slow_first_fill(pairs: Pairs) -> None:
+    def slow_first_fill(pairs: Pairs, pool: Any = None) -> None:
         if slow.pop() if slow else False:
             time.sleep(1.0)  # in a worker thread: the first writer is still copying
-        real_fill(pairs)
+        real_fill(pairs, pool)
 
     monkeypatch.setattr(operations, "THREAD_COPY_BYTES", 0)
     monkeypatch.setattr(operations, "fill_slots", slow_first_fill)

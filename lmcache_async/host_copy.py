@@ -1,0 +1,72 @@
+"""Host-memory tensor copies that wake torch's intra-op thread pool only where it pays.
+
+``Tensor.copy_`` between two CPU tensors splits any copy above 32,768 elements across
+torch's intra-op threads (OpenMP). For the copies a KV client makes (one chunk into an SHM
+slot, a slot into a chunk of the caller's tensor) that costs more than it gives: the
+pool's threads are woken for a few microseconds of work and then spin, so on a 2-core
+machine a 256 KiB copy measured 6.6 µs with one thread and 1.7 ms (1.0 ms of CPU) with the
+default pool while the server loaded the other core (``benchmarks/bench_host_copy.py``).
+Every microsecond of client CPU is taken from a server on the same machine.
+
+:func:`copy_into` copies host tensors through numpy instead: one thread, plain strided
+loops over bytes (numpy releases the GIL for them), the same bytes as ``copy_``. Tensors
+that numpy cannot view (another device, a dtype change, a last dimension that is not
+contiguous) go through ``Tensor.copy_`` as before.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+import torch
+
+__all__ = ["POOL_COPY_BYTES", "copy_host", "copy_into"]
+
+#: From this size on, :func:`copy_host` uses ``Tensor.copy_``: its threads share the page
+#: faults of fresh memory and the memory bandwidth, which pays off on large copies
+#: (a 128 MiB retrieve into a fresh tensor took twice as long on one thread).
+POOL_COPY_BYTES: Final = 8 << 20
+
+
+def _bytes_view(t: torch.Tensor) -> np.ndarray | None:
+    """``t`` as a numpy ``uint8`` array over the same memory (last axis widened to
+    bytes), or ``None`` where numpy cannot express it."""
+    if t.layout != torch.strided or t.device.type != "cpu" or t.is_conj() or t.is_neg() or t.dim() == 0:
+        return None
+    if t.stride(-1) != 1 and t.size(-1) != 1:
+        return None
+    try:
+        return t.view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):
+        return None
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for host tensors, on the calling thread only.
+
+    ``dst`` and ``src`` have the same shape; when their dtypes match and both are CPU
+    tensors numpy can view, the bytes are copied by numpy (single-threaded, GIL
+    released); otherwise ``dst.copy_(src)`` (also for ``bool``, whose ``copy_``
+    normalises bytes other than 0 and 1). Blocking; no timeout (a memcpy).
+    """
+    same = dst.dtype == src.dtype and dst.shape == src.shape
+    if same and dst.dtype is not torch.bool and not dst.requires_grad:
+        d = _bytes_view(dst)
+        if d is not None:
+            s = _bytes_view(src.detach())
+            if s is not None and s.shape == d.shape:
+                np.copyto(d, s, casting="no")
+                return
+    dst.copy_(src)
+
+
+def copy_host(dst: torch.Tensor, src: torch.Tensor, nbytes: int | None = None) -> None:
+    """``dst.copy_(src)``: through :func:`copy_into` when the copy (or the batch it belongs
+    to, ``nbytes``) is below :data:`POOL_COPY_BYTES`, else with ``Tensor.copy_``."""
+    if nbytes is None:
+        nbytes = src.numel() * src.element_size()
+    if nbytes < POOL_COPY_BYTES:
+        copy_into(dst, src)
+    else:
+        dst.copy_(src)

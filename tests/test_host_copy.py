@@ -1,0 +1,158 @@
+"""lmcache_async.host_copy: the same bytes as ``Tensor.copy_``, on one thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmcache_async import host_copy
+from lmcache_async.host_copy import copy_into
+
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.float8_e4m3fn,
+]
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype)  # every bit pattern, NaN payloads included
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    planes=st.integers(1, 2),
+    layers=st.integers(1, 4),
+    tokens=st.integers(1, 24),
+    hidden=st.integers(1, 40),
+    offset=st.integers(0, 8),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_a_chunk_into_a_slice_is_bitwise_what_copy_gives(
+    dtype: torch.dtype, planes: int, layers: int, tokens: int, hidden: int, offset: int, seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    src = _random((planes, layers, tokens, hidden), dtype, gen)
+    big = _random((planes, layers, tokens + offset + 3, hidden), dtype, gen)
+    want = big.clone()
+    want.narrow(2, offset, tokens).copy_(src)
+    copy_into(big.narrow(2, offset, tokens), src)
+    assert torch.equal(big.view(torch.uint8), want.view(torch.uint8))  # bitwise, NaNs too
+
+
+def test_a_slice_out_of_a_strided_source() -> None:
+    gen = torch.Generator().manual_seed(1)
+    big = _random((2, 3, 40, 16), torch.bfloat16, gen)
+    src = big.narrow(2, 8, 16)  # not contiguous
+    dst = torch.empty(2, 3, 16, 16, dtype=torch.bfloat16)
+    copy_into(dst, src)
+    assert torch.equal(dst.view(torch.uint8), src.contiguous().view(torch.uint8))
+
+
+def test_the_copy_runs_on_the_calling_thread_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The numpy path is taken (``Tensor.copy_`` never called) for a KV-sized chunk."""
+    called = []
+
+    real = torch.Tensor.copy_
+
+    def spy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        called.append(threading.get_ident())
+        return real(self, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    src = torch.ones(2, 2, 256, 128, dtype=torch.bfloat16)
+    dst = torch.zeros(2, 2, 1024, 128, dtype=torch.bfloat16)
+    copy_into(dst.narrow(2, 256, 256), src)
+    assert called == []
+    assert torch.equal(dst.narrow(2, 256, 256), src)
+    assert int(dst.sum()) == src.numel()
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["dtype change", "last dim strided", "grad", "conj", "meta", "sparse", "zero-dim", "bool"],
+)
+def test_what_numpy_cannot_view_goes_through_copy(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    fallbacks: list[str] = []
+    real = torch.Tensor.copy_
+
+    def spy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        fallbacks.append(case)
+        return real(self, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    if case == "dtype change":
+        dst, src = torch.zeros(4, 8), torch.ones(4, 8, dtype=torch.float64)
+    elif case == "last dim strided":
+        dst, src = torch.zeros(4, 8), torch.arange(64, dtype=torch.float32).view(8, 8).t()[:4]
+    elif case == "grad":
+        dst, src = torch.zeros(4, 8, requires_grad=True), torch.ones(4, 8)
+        with torch.no_grad():
+            copy_into(dst, src)
+        assert fallbacks == [case] and torch.equal(dst.detach(), src)
+        return
+    elif case == "conj":
+        dst, src = torch.zeros(4, dtype=torch.complex64), (torch.ones(4) + 2j * torch.ones(4)).conj()
+    elif case == "meta":
+        dst, src = torch.empty(4, 8, device="meta"), torch.empty(4, 8, device="meta")
+        copy_into(dst, src)
+        assert fallbacks == [case]
+        return
+    elif case == "sparse":  # copy_ refuses it: the same error reaches the caller
+        with pytest.raises(RuntimeError, match="between dense and sparse"):
+            copy_into(torch.zeros(4, 8), torch.eye(4, 8).to_sparse())
+        assert fallbacks == [case]
+        return
+    elif case == "bool":  # copy_ normalises bytes other than 0/1: keep its semantics
+        dst, src = (
+            torch.zeros(4, dtype=torch.bool),
+            torch.tensor([2, 0, 1, 255], dtype=torch.uint8).view(torch.bool),
+        )
+        copy_into(dst, src)
+        assert fallbacks == [case] and dst.view(torch.uint8).tolist() == [1, 0, 1, 1]
+        return
+    else:
+        dst, src = torch.tensor(0.0), torch.tensor(3.0)
+    copy_into(dst, src)
+    assert fallbacks == [case]
+    assert torch.equal(dst, src.to(dst.dtype))
+
+
+def test_bytes_view_refuses_what_it_cannot_express() -> None:
+    assert host_copy._bytes_view(torch.empty(4, 8, device="meta")) is None
+    assert host_copy._bytes_view(torch.eye(3).to_sparse()) is None
+    assert host_copy._bytes_view(torch.tensor(1.0)) is None
+    assert host_copy._bytes_view(torch.zeros(8, 8).t()) is None
+    view = host_copy._bytes_view(torch.zeros(2, 3, dtype=torch.bfloat16))
+    assert view is not None and view.shape == (2, 6)
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "pool"),
+    [(None, False), (host_copy.POOL_COPY_BYTES - 1, False), (host_copy.POOL_COPY_BYTES, True)],
+)
+def test_copy_host_wakes_the_pool_only_for_large_copies(
+    nbytes: int | None, pool: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    used: list[bool] = []
+    real = torch.Tensor.copy_
+
+    def spy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        used.append(True)
+        return real(self, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    src, dst = torch.arange(64, dtype=torch.float32).view(8, 8), torch.zeros(8, 8)
+    host_copy.copy_host(dst, src, nbytes)
+    assert used == ([True] if pool else [])
+    assert torch.equal(dst, src)
