@@ -258,8 +258,8 @@ class Page:
             "(the fixed-cost case: 4x as many), ranges over rounds; the SDK and lmcache_async alternate within "
             "every round. Ratio = SDK time / ours (> 1: lmcache_async is faster). CPU = the client process's "
             "CPU time per call. "
-            f"Timed after the client's background SHM warm-up had finished ({res.get('prefault_wait_s', 'n/a')} s "
-            "after connect; the fresh-client section measures the overlap).\n\n"
+            "Round 0 is an untimed warm-up (a client maps the pool's pages under the slots it uses on "
+            "first use; the fresh-client section measures that first use).\n\n"
         )
         rows, behind = [], []
         names = {
@@ -325,7 +325,7 @@ class Page:
             f"{res['prompts']} prompts of one {mib(res['chunk_bytes'])} chunk ({res['geometry']}), "
             f"{res['transfer']}: one `AsyncClient` with N tasks vs the official SDK on one context with N "
             "threads. Client CPU = `time.process_time()` of the client's process over the run / operations "
-            f"(not the server's), after its background SHM warm-up had finished ({res.get('prefault_wait_s', 'n/a')} s). "
+            "(not the server's); round 0 is an untimed warm-up. "
             f"Medians of {res['rounds']} round(s).\n\n"
         )
         rows = [

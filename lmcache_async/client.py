@@ -107,10 +107,10 @@ class _ConnectionChannel:
         reply = await self._conn.call(opcode, args, timeout=timeout)
         return reply.value()
 
-    def post(self, opcode: Op, args: Sequence[Any], timeout: float) -> asyncio.Future[Any] | None:
-        """Send a cleanup request without waiting for it (see
-        :meth:`~lmcache_async.operations.Operations.cleanup_later`); ``None`` when it
-        cannot be sent at once."""
+    def post(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> asyncio.Future[Any] | None:
+        """Send a request now and return the future of its reply (a
+        :class:`~lmcache_async.wire.Reply`) without waiting; ``None`` when it cannot be
+        sent at once (see :meth:`~lmcache_async.connection.Connection.send_nowait`)."""
         return self._conn.send_nowait(opcode, args, timeout=timeout)
 
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+import zmq.backend
 from zmq.utils.monitor import parse_monitor_message
 
 from lmcache_async.errors import (
@@ -75,6 +76,19 @@ RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 1000
 #: Replies routed per readable callback before the loop gets a turn (fairness).
 READ_BATCH = 256
+#: Frames up to this size are sent and received as copies (cheaper than a zero-copy
+#: ``zmq.Frame`` for small frames); larger ones (inline KV payloads) are not copied.
+COPY_THRESHOLD = 65536
+
+# The socket's own send/recv/get, called with int flags: pyzmq's ``send_multipart`` and
+# ``recv_multipart`` wrappers cost 5-7 µs per message in flag-enum arithmetic and checks
+# (about 1 µs this way), on every request of every operation.
+_zsend = zmq.backend.Socket.send
+_zrecv = zmq.backend.Socket.recv
+_zget = zmq.backend.Socket.get
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
+_RCVMORE = int(zmq.RCVMORE)
 
 
 class _Expired(Exception):
@@ -110,14 +124,16 @@ class PendingTable:
         return len(self._entries)
 
     def register(self, op: Op, loop: asyncio.AbstractEventLoop) -> tuple[int, asyncio.Future[Reply]]:
-        """Allocate a fresh uid and a future; the entry is removed when the future is done."""
+        """Allocate a fresh uid and a future. The entry leaves the table when a reply is
+        routed to it or :meth:`fail_all` fails it; a caller that stops waiting otherwise
+        (timeout, cancellation) calls :meth:`discard`."""
         uid = next(self._uids)
         fut: asyncio.Future[Reply] = loop.create_future()
         self._entries[uid] = _Entry(fut, op)
-        fut.add_done_callback(functools.partial(self._forget, uid))
         return uid, fut
 
-    def _forget(self, uid: int, _fut: object) -> None:
+    def discard(self, uid: int) -> None:
+        """Forget ``uid`` (its caller stopped waiting); a later reply is dropped."""
         self._entries.pop(uid, None)
 
     def resolve(self, reply: Reply) -> bool:
@@ -130,12 +146,15 @@ class PendingTable:
             self.dropped_mismatch += 1
             log.warning("dropping reply %d: op %r echoed for %s", reply.uid, reply.op, op_name(entry.op))
             return False
+        del self._entries[reply.uid]
         entry.future.set_result(reply)
         return True
 
     def fail_all(self, exc_factory: Any) -> int:
-        """Fail every in-flight future with ``exc_factory(op)``; returns how many."""
+        """Fail every in-flight future with ``exc_factory(op)`` and empty the table;
+        returns how many."""
         entries = list(self._entries.values())
+        self._entries.clear()
         for entry in entries:
             if not entry.future.done():
                 entry.future.set_exception(exc_factory(entry.op))
@@ -395,17 +414,21 @@ class Connection:
         finally:
             if timer is not None:
                 timer.cancel()
+            if uid is not None:
+                self._table.discard(uid)
             if fut is not None and not fut.done():
                 fut.cancel()
             self._release_place()
 
-    def send_nowait(self, op: Op, args: Sequence[Any], *, timeout: float) -> asyncio.Future[Reply] | None:
+    def send_nowait(
+        self, op: Op, args: Sequence[Any], *, timeout: float | None
+    ) -> asyncio.Future[Reply] | None:
         """Send one request now and return the future of its reply, without waiting.
 
         Returns ``None`` (nothing sent) when it cannot go out at once: not connected, the
         reader stopped, or ``max_in_flight`` requests are in flight (the caller then uses
         :meth:`call`). The future fails with :class:`LMCacheTimeoutError` after
-        ``timeout`` seconds, with :class:`LMCacheConnectionError` on a lost connection
+        ``timeout`` seconds (``None``: never), with :class:`LMCacheConnectionError` on a lost connection
         and with :class:`ClientClosedError` on close; cancelling it discards the reply.
         """
         if not self.usable or self._busy >= self.max_in_flight or self._place_waiters:
@@ -418,11 +441,14 @@ class Connection:
         except LMCacheConnectionError:
             sent = False
         if not sent:
+            self._table.discard(uid)
             fut.cancel()
             return None
         self._busy += 1
-        timer = self._loop.call_later(timeout, self._expire_posted, fut, op, uid, start)
-        fut.add_done_callback(functools.partial(self._posted_done, timer))
+        timer = None
+        if timeout is not None:
+            timer = self._loop.call_later(timeout, self._expire_posted, fut, op, uid, start)
+        fut.add_done_callback(functools.partial(self._posted_done, timer, uid))
         return fut
 
     @staticmethod
@@ -430,8 +456,10 @@ class Connection:
         if not fut.done():
             fut.set_exception(LMCacheTimeoutError(op_name(op), time.monotonic() - start, uid))
 
-    def _posted_done(self, timer: asyncio.TimerHandle, fut: asyncio.Future[Reply]) -> None:
-        timer.cancel()
+    def _posted_done(self, timer: asyncio.TimerHandle | None, uid: int, fut: asyncio.Future[Reply]) -> None:
+        if timer is not None:
+            timer.cancel()
+        self._table.discard(uid)
         self._release_place()
         if not fut.cancelled():
             fut.exception()  # retrieved: nobody may be waiting for it
@@ -491,9 +519,14 @@ class Connection:
         Raises:
             LMCacheConnectionError: the send failed.
         """
-        assert self._sock is not None and self._loop is not None
+        sock = self._sock
+        assert sock is not None and self._loop is not None
+        last = len(frames) - 1
         try:
-            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            # All or nothing: once libzmq took the first part of a message it takes the rest.
+            for i, frame in enumerate(frames):
+                copy = type(frame) is bytes and len(frame) < COPY_THRESHOLD
+                _zsend(sock, frame, _NOBLOCK if i == last else _SNDMORE_NOBLOCK, copy, False)
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:
@@ -558,7 +591,10 @@ class Connection:
             return
         for _ in range(READ_BATCH):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames: list[Any] = [_zrecv(sock, _NOBLOCK, True, False)]
+                while _zget(sock, _RCVMORE):
+                    # uid and op (tiny) as bytes; a payload as a Frame (not copied)
+                    frames.append(_zrecv(sock, _NOBLOCK, len(frames) < 2, False))
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:
@@ -575,14 +611,17 @@ class Connection:
             assert self._loop is not None
             self._loop.call_soon(self._on_readable)
 
-    def _route(self, frames: list[zmq.Frame]) -> None:
+    def _route(self, frames: list[Any]) -> None:
+        """Decode and route one reply: ``frames`` are bytes, the third on a ``zmq.Frame``
+        (a small payload is taken as bytes; a large one stays a view of the frame)."""
+        parts = [f if type(f) is bytes else f.buffer for f in frames]
         try:
-            reply = decode_reply([f.buffer for f in frames])
+            reply = decode_reply(parts)
         except ProtocolError as exc:
             log.warning("dropping malformed reply from %s: %s", self.url, exc)
             self._table.dropped_unknown += 1
             return
-        if reply.payload is not None and len(frames[2].buffer) < 65536:
+        if reply.payload is not None and type(frames[2]) is not bytes and len(parts[2]) < COPY_THRESHOLD:
             reply = Reply(reply.uid, reply.op, frames[2].bytes)
         self._table.resolve(reply)
 

@@ -313,6 +313,15 @@ async def _await_to_the_end(aw: Awaitable[None]) -> None:
         raise
 
 
+def _value(reply: Any) -> Any:
+    """A posted request's reply value (a :class:`~lmcache_async.wire.Reply`), or the
+    :class:`ProtocolError` decoding it raised (returned, as ``gather`` returns errors)."""
+    try:
+        return reply.value()
+    except ProtocolError as exc:
+        return exc
+
+
 def _cleanup_done(opcode: Op, fut: asyncio.Future[Any]) -> None:
     if fut.cancelled():
         return
@@ -360,8 +369,8 @@ class Operations:
         track: Callable[[asyncio.Future[Any]], None] | None = None,
     ) -> None:
         self.channel = channel
-        #: The channel's ``post(opcode, args, timeout) -> Future | None``, if it has one.
-        self._post: Callable[[Op, Sequence[Any], float], asyncio.Future[Any] | None] | None = getattr(
+        #: The channel's ``post(opcode, args, timeout) -> Future[Reply] | None``, if it has one.
+        self._post: Callable[[Op, Sequence[Any], float | None], asyncio.Future[Any] | None] | None = getattr(
             channel, "post", None
         )
         self._track = track
@@ -379,10 +388,31 @@ class Operations:
     async def pipeline(self, op: OpState, *calls: tuple[Any, ...]) -> list[Any]:
         """Send several requests back to back (in order) and wait for all replies.
 
-        Raises the first error after every reply (or error) is in.
+        Raises the first error after every reply (or error) is in. Over a channel that can
+        ``post``, the requests go out at once as futures (no task per request); where one
+        cannot go out at once, it and the rest follow one by one once the earlier replies
+        are in (still in order).
         """
-        tasks = [asyncio.ensure_future(self.call(op, *c)) for c in calls]
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+        post = self._post
+        futs: list[asyncio.Future[Any]] = []
+        if post is not None and self.channel.usable:
+            remaining = op.remaining()
+            for c in calls:
+                fut = post(c[0], c[1:], remaining)
+                if fut is None:
+                    break
+                futs.append(fut)
+        if not futs:
+            tasks = [asyncio.ensure_future(self.call(op, *c)) for c in calls]
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        else:
+            replies = await asyncio.gather(*futs, return_exceptions=True)
+            results = [r if isinstance(r, BaseException) else _value(r) for r in replies]
+            for c in calls[len(futs) :]:
+                try:
+                    results.append(await self.call(op, *c))
+                except LMCacheError as exc:
+                    results.append(exc)
         for r in results:
             if isinstance(r, BaseException):
                 raise r
