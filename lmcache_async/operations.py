@@ -33,13 +33,12 @@ reserved, ends its session), bounded by the registration's ``cleanup_grace``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
@@ -225,17 +224,38 @@ async def run_detached(
     task = asyncio.ensure_future(body(op))
     if track is not None:
         track(task)
+    # The caller waits on a future of its own, never on the task: cancelling or timing
+    # out the caller leaves the task running (abandoned) to clean up.
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[None] = loop.create_future()
+
+    def finished(_task: object) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    task.add_done_callback(finished)
+    timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
     try:
-        async with asyncio.timeout(timeout) as cm:
-            return await asyncio.shield(task)
-    except TimeoutError:
-        if not cm.expired():
-            raise
+        await waiter
+    except _Expired:
         op.abandoned = True
         raise LMCacheTimeoutError(name, time.monotonic() - start) from None
     except asyncio.CancelledError:
         op.abandoned = True
         raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+    return task.result()
+
+
+class _Expired(Exception):
+    """An operation's deadline passed (set on its caller's waiter by the timer)."""
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(_Expired())
 
 
 def fill_slots(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pool: ShmPool | None = None) -> None:
@@ -328,6 +348,42 @@ def _cleanup_done(opcode: Op, fut: asyncio.Future[Any]) -> None:
     exc = fut.exception()
     if exc is not None:
         log.warning("cleanup %s failed: %s", opcode.name.lower(), exc)
+
+
+class _Gate:
+    """``async with``: hold the lock of one key identity (made on first use, dropped when
+    its last user leaves). A class, not a generator context manager: it is entered by
+    every store and retrieve."""
+
+    __slots__ = ("_entry", "_gates", "_identity")
+
+    def __init__(self, gates: dict[tuple[Any, ...], list[Any]], identity: tuple[Any, ...]) -> None:
+        self._gates = gates
+        self._identity = identity
+        self._entry: list[Any] | None = None
+
+    async def __aenter__(self) -> None:
+        entry = self._gates.get(self._identity)
+        if entry is None:
+            entry = self._gates[self._identity] = [asyncio.Lock(), 0]
+        entry[1] += 1
+        try:
+            await entry[0].acquire()
+        except BaseException:
+            self._leave(entry)
+            raise
+        self._entry = entry
+
+    async def __aexit__(self, *exc: object) -> None:
+        entry = self._entry
+        assert entry is not None
+        entry[0].release()
+        self._leave(entry)
+
+    def _leave(self, entry: list[Any]) -> None:
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._gates[self._identity]
 
 
 class UnfilledReservation(TransferError):
@@ -708,20 +764,9 @@ class Operations:
         await self._copy_chunks(target, tensors, mark)
         return target
 
-    @contextlib.asynccontextmanager
-    async def _gate(self, identity: tuple[Any, ...]) -> AsyncIterator[None]:
+    def _gate(self, identity: tuple[Any, ...]) -> _Gate:
         """Serialize operations on one key identity within this client."""
-        entry = self._gates.get(identity)
-        if entry is None:
-            entry = self._gates[identity] = [asyncio.Lock(), 0]
-        entry[1] += 1
-        try:
-            async with entry[0]:
-                yield
-        finally:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self._gates[identity]
+        return _Gate(self._gates, identity)
 
     async def _copy_chunks(
         self, target: torch.Tensor, chunks: Sequence[torch.Tensor], mark: Mark | None = None
