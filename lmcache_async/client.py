@@ -87,6 +87,26 @@ class _Lifecycle(enum.Enum):
     CLOSED = "closed"
 
 
+async def _wait_all(futures: set[asyncio.Future[Any]], timeout: float | None) -> bool:
+    """Wait until ``futures`` (a live set: done ones leave it, follow-ups join it) is
+    empty; False if ``timeout`` passed first."""
+    end = None if timeout is None else time.monotonic() + timeout
+    settled = False
+    while True:
+        pending = {f for f in futures if not f.done()}
+        if not pending:
+            if settled:
+                return True
+            settled = True
+            await asyncio.sleep(0)  # done-callbacks may still post follow-ups
+            continue
+        settled = False
+        left = None if end is None else end - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        await asyncio.wait(pending, timeout=left)
+
+
 class _Abandoned(Exception):
     """An operation whose caller left before it sent anything (never seen by callers)."""
 
@@ -399,7 +419,7 @@ class AsyncClient:
         unregister = opened
         try:
             if self._ops:
-                await asyncio.wait(set(self._ops), timeout=self.cleanup_grace)
+                await _wait_all(self._ops, self.cleanup_grace)
         except asyncio.CancelledError:
             unregister = False
             raise
@@ -1051,7 +1071,7 @@ class AsyncClient:
         timeout = self._timeout(timeout)
         if self._posted:
             start = time.monotonic()
-            await asyncio.wait(set(self._posted), timeout=timeout)
+            await _wait_all(self._posted, timeout)  # replies may post follow-ups: a loop
             if timeout is not None:
                 timeout = max(timeout - (time.monotonic() - start), 0.0)
         return await self._meta.status(max_age=max_age, timeout=timeout)
@@ -1078,11 +1098,7 @@ class AsyncClient:
         """
         timeout = self._timeout(timeout)
         self._check_loop()
-        pending = set(self._ops)
-        if not pending:
-            return True
-        _done, still = await asyncio.wait(pending, timeout=timeout)
-        return not still
+        return await _wait_all(self._ops, timeout)
 
     # ---- bulk operations (lmcache_async.bulk) ----
     # Thin wrappers: the implementation and its documentation live in lmcache_async.bulk,

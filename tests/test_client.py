@@ -399,3 +399,33 @@ async def test_end_session_goes_in_the_background_and_drain_waits_for_it(
     assert await client.drain(timeout=10) is True
     assert client._conn.in_flight == 0
     assert await counts(client) == baseline
+
+
+@pytest.mark.parametrize("closer", ["drain", "aclose"])
+async def test_drain_and_aclose_wait_for_follow_ups_posted_while_they_wait(server: Any, closer: str) -> None:
+    """An operation that ends while ``drain()``/``aclose()`` waits may post its cleanup
+    (``end_session``) then: that follow-up is waited for too, not counted as an operation
+    still running at close (which would retire the registration)."""
+    c = await lmc.connect(server.url, server.http_url, unique_model(), geometry=SMALL_GEOMETRY, timeout=10)
+    loop = asyncio.get_running_loop()
+    first: asyncio.Future[None] = loop.create_future()
+    follow_up: asyncio.Future[None] = loop.create_future()
+    retired: list[str] = []
+    c._retire_registration = lambda _id, reason="": retired.append(reason)  # type: ignore[method-assign,assignment]
+
+    def post_follow_up(_f: object) -> None:
+        c._track(follow_up)
+        loop.call_later(0.05, follow_up.set_result, None)
+
+    first.add_done_callback(post_follow_up)
+    c._track(first)
+    loop.call_later(0.02, first.set_result, None)
+    if closer == "drain":
+        assert await c.drain(timeout=5) is True
+        assert follow_up.done()
+        await c.aclose()
+    else:
+        await c.aclose()
+        assert follow_up.done()
+    assert retired == []
+    assert c.closed
