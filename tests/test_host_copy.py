@@ -156,3 +156,45 @@ def test_copy_host_wakes_the_pool_only_for_large_copies(
     host_copy.copy_host(dst, src, nbytes)
     assert used == ([True] if pool else [])
     assert torch.equal(dst, src)
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return "absent"
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+def _anon_huge_bytes(ptr: int) -> int:
+    """AnonHugePages of the mapping of this process that contains ``ptr``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
+def test_empty_host_memory_is_mapped_with_huge_pages() -> None:
+    """A retrieve's new tensor: its aligned part is backed by 2 MiB pages once touched
+    (the first touch maps 512x fewer pages); same shape, dtype and bytes as torch.empty."""
+    t = host_copy.empty_host((2, 4, 64, 32768), torch.bfloat16)  # 32 MiB
+    assert t.shape == (2, 4, 64, 32768) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    t.fill_(1.5)
+    assert _anon_huge_bytes(t.data_ptr() + (16 << 20)) >= 16 << 20
+    assert bool((t == 1.5).all())
+
+
+def test_empty_host_without_madvise_is_plain_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_copy, "madvise", None)
+    t = host_copy.empty_host((3, 5), torch.float16)
+    assert t.shape == (3, 5) and t.dtype == torch.float16
+    small = host_copy.empty_host((0,), torch.float32)  # nothing to advise
+    assert small.numel() == 0
