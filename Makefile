@@ -59,7 +59,7 @@ pytest: venv lmcache-venv redis
 
 ## The issue-2 smoke run: real LMCache server, our client, chunk size + noop RTT.
 smoke: venv lmcache-venv
-	$(BIN)/python benchmarks/smoke_real_server.py
+	$(BIN)/python -m benchmarks.smoke_real_server
 
 ## The KV-edit experiment with a real transformers model (docs/hf.md), on an embedded
 ## server; pass ARGS="--url tcp://host:5555 --http-url http://host:8080" for a running one.
@@ -75,14 +75,14 @@ $(BENCH_STAMP): $(STAMP)
 	touch $(BENCH_STAMP)
 
 bench: venv lmcache-venv $(BENCH_STAMP)
-	$(BIN)/python benchmarks/suite.py $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.suite $(BENCH_ARGS)
 
 bench-quick:
 	BENCH_QUICK=1 $(MAKE) bench
 
 ## Re-render docs/benchmarks.md from the JSON already in benchmarks/results/.
 bench-render: $(BENCH_STAMP)
-	$(BIN)/python benchmarks/render.py
+	$(BIN)/python -m benchmarks.render
 
 clean:
 	rm -rf $(VENV) .lmcache-venv .lmcache-venv-057 .mypy_cache .ruff_cache .pytest_cache .coverage
