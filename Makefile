@@ -40,9 +40,11 @@ demo: venv
 test: venv lmcache-venv lint typecheck pytest
 
 ## Everything that needs no LMCache server (lint, types, the tests not marked
-## real_server), in under a minute: run it before every commit.
+## real_server), in under a minute: run it before every commit. Two pytest workers
+## (pytest-xdist) and hypothesis' "check" profile: a quarter of each property test's
+## examples (tests/hypothesis_budget.py); `make test` runs them all.
 check: venv lint typecheck
-	$(BIN)/python -m pytest -q -m "not real_server"
+	$(BIN)/python -m pytest -q -n 2 --hypothesis-profile=check -m "not real_server"
 
 lint: venv
 	$(BIN)/ruff check lmcache_async tests benchmarks examples
