@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from lmcache_async import host_copy
 from lmcache_async.host_copy import copy_into
+from tests.hypothesis_budget import examples
 
 DTYPES = [
     torch.bfloat16,
@@ -28,7 +29,7 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) ->
     return raw.view(dtype)  # every bit pattern, NaN payloads included
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     dtype=st.sampled_from(DTYPES),
     planes=st.integers(1, 2),
