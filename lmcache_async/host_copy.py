@@ -5,7 +5,7 @@ torch's intra-op threads (OpenMP). For the copies a KV client makes (one chunk i
 slot, a slot into a chunk of the caller's tensor) that costs more than it gives: the
 pool's threads are woken for a few microseconds of work and then spin, so on a 2-core
 machine a 256 KiB copy measured 6.6 µs with one thread and 1.7 ms (1.0 ms of CPU) with the
-default pool while the server loaded the other core (``benchmarks/bench_host_copy.py``).
+default pool while the server loaded the other core (``python -m benchmarks.bench_host_copy``).
 Every microsecond of client CPU is taken from a server on the same machine.
 
 :func:`copy_into` copies host tensors through numpy instead: one thread, plain strided
@@ -16,7 +16,7 @@ contiguous) go through ``Tensor.copy_`` as before.
 :func:`empty_host` allocates the tensor a retrieve fills with transparent huge pages
 where the kernel offers them: the first touch of fresh memory is what a retrieve into a
 new tensor mostly pays for (a 32 MiB fresh tensor filled in 9-11 ms with 4 KiB pages,
-3 ms with 2 MiB ones, on the project's machine: ``benchmarks/bench_host_copy.py``).
+3 ms with 2 MiB ones, on the project's machine: ``python -m benchmarks.bench_host_copy``).
 """
 
 from __future__ import annotations
