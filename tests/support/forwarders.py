@@ -67,7 +67,9 @@ class ZmqForwarder:
     def __enter__(self) -> ZmqForwarder:
         return self.start()
 
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def _run(self) -> None:
@@ -163,5 +165,7 @@ class HttpForwarder:
     def __enter__(self) -> HttpForwarder:
         return self.start()
 
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
