@@ -29,7 +29,12 @@ SCRIPT = REPO_ROOT / "tests" / "support" / "ctrl_c_script.py"
 EXIT_BOUND_S = 4.0
 #: What the script may take to start, connect and store once (a loaded machine).
 READY_TIMEOUT_S = 60.0
-NOISE = ("Unclosed client session", "Unclosed connector", "Task was destroyed but it is pending", "ResourceWarning")
+NOISE = (
+    "Unclosed client session",
+    "Unclosed connector",
+    "Task was destroyed but it is pending",
+    "ResourceWarning",
+)
 
 
 @contextmanager
