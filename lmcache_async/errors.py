@@ -7,6 +7,7 @@ Where callers already catch a builtin, the error also derives from it::
      +-- LMCacheTimeoutError         (also TimeoutError)     no reply before the deadline
      +-- LMCacheConnectionError      (also ConnectionError)  socket/HTTP unreachable, lost
      |    +-- ClientClosedError      (also ClientStateError) the client was closed
+     |    +-- ServerReplacedError                            the server was replaced mid-operation
      +-- ClientStateError            (also RuntimeError)     the client cannot take calls here, now
      |    +-- ClientNotOpenError                             not opened yet (or still opening)
      |    +-- WrongEventLoopError                            used from another event loop than its own

@@ -715,8 +715,9 @@ class Client:
             raise ClientClosedError("the client is closed")
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        if exc_type is not None and not issubclass(exc_type, Exception):
+    def __exit__(self, *exc: object) -> None:
+        exc_type = exc[0] if exc else None
+        if isinstance(exc_type, type) and not issubclass(exc_type, Exception):
             # Ctrl-C (or SystemExit) out of the block: the user wants out; a server that
             # hangs must not hold the exit for cleanup_grace + the unregister.
             self._close(_INTERRUPT_CLOSE)
