@@ -769,10 +769,10 @@ class AsyncClient:
             if self._watch.due():  # silence: was the server replaced behind the connection?
                 await self._watch.check_quietly(op.remaining())
             for attempt in (1, 2):
-                await self._ensure_registered(op.remaining())
-                if op.abandoned:  # the caller left before anything was sent
-                    raise _Abandoned
                 try:
+                    await self._ensure_registered(op.remaining())
+                    if op.abandoned:  # the caller left before anything was sent
+                        raise _Abandoned
                     return await body(self._operations(), op)
                 except LMCacheTimeoutError:
                     # Unanswered prepare/commit requests are what a reaped registration looks

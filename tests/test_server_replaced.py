@@ -68,7 +68,9 @@ def _kill(srv: Any) -> None:
     srv.stop()
 
 
-@pytest.mark.parametrize(("generation", "mode"), [("0.5.6", "shm"), ("0.5.6", "pickle"), ("0.5.7", "shm")])
+@pytest.mark.parametrize(
+    ("generation", "mode"), [("0.5.6", "shm"), ("0.5.6", "pickle"), ("0.5.7", "shm"), ("0.5.7", "pickle")]
+)
 async def test_first_store_and_retrieve_after_a_hidden_restart_succeed(
     fresh_real_server: Any, forwarded: Any, generation: str, mode: str
 ) -> None:
@@ -148,3 +150,68 @@ async def test_an_operation_in_flight_during_the_swap_succeeds_or_says_so(
         assert await c.drain(10)
         l1 = srv.status()["storage_manager"]["l1_manager"]
         assert (l1["write_locked_count"], l1["read_locked_count"]) == (0, 0)
+
+
+async def test_an_operation_replaced_twice_fails_with_the_typed_error(
+    fresh_real_server: Any, forwarded: Any
+) -> None:
+    """The forwarder holds the client's requests while the server behind it is restarted:
+    the watch sees the new server and the store runs again (its registration held too);
+    told of a second replacement then (as the watch would be), the store cannot run again
+    and raises ServerReplacedError, before its deadline. The held requests, delivered to
+    the new server afterwards, act on nothing (they carry retired ids)."""
+    srv = fresh_real_server("shm", chunk_size=CS)
+    zf, hf = forwarded(srv)
+    deadline = 20.0
+    async with _client(zf, hf, deadline) as c:
+        tokens = fresh_tokens(2 * CS)
+        kv = random_kv(SMALL_GEOMETRY, len(tokens))
+        zf.hold.set()
+        start = time.monotonic()
+        first_id = c.instance_id
+        task = asyncio.create_task(c.store(kv, tokens))
+        await asyncio.sleep(0.3)
+        assert c._conn.in_flight == 1  # its prepare_store, held
+        await asyncio.to_thread(_kill, srv)
+        await asyncio.to_thread(srv.start)
+        lock = c._reg_lock
+        assert lock is not None
+        end = time.monotonic() + 10
+        while not (c.instance_id != first_id and lock.locked() and c._conn.in_flight == 1):
+            assert time.monotonic() < end, "the store was not run again"  # registering, held
+            await asyncio.sleep(0.01)
+        assert c._watch.replacements == 1
+        c._replaced("another-server")
+        with pytest.raises(
+            lmc.ServerReplacedError, match=r"^store: .* was replaced .*\(again, after running it once more\)$"
+        ):
+            await task
+        assert time.monotonic() - start < deadline
+        zf.hold.clear()
+        # The next operation checks the server, registers afresh and works.
+        assert await c.store(kv, tokens) is True
+        got = await c.retrieve(tokens)
+        assert got is not None and torch.equal(got, kv)
+        assert await c.drain(10)
+        l1 = srv.status()["storage_manager"]["l1_manager"]
+        assert (l1["write_locked_count"], l1["read_locked_count"]) == (0, 0)
+
+
+async def test_a_busy_client_never_checks_the_server_identity(fresh_real_server: Any, forwarded: Any) -> None:
+    """The hot path: operations back to back (replies never silent for a second) make no
+    identity check, so no HTTP request; after a second of silence, one operation makes one."""
+    srv = fresh_real_server("shm", chunk_size=CS)
+    zf, hf = forwarded(srv)
+    async with _client(zf, hf, 10.0) as c:
+        tokens = fresh_tokens(2 * CS)
+        kv = random_kv(SMALL_GEOMETRY, len(tokens))
+        assert await c.store(kv, tokens) is True
+        checks = c._watch.checks
+        for _ in range(100):
+            assert await c.lookup(tokens) == 2 * CS
+            got = await c.retrieve(tokens)
+            assert got is not None and torch.equal(got, kv)
+        assert c._watch.checks == checks
+        await asyncio.sleep(1.2)
+        assert await c.lookup(tokens) == 2 * CS
+        assert c._watch.checks == checks + 1

@@ -10,7 +10,9 @@ visible disconnect, as through a proxy or a service mesh).
   sees the client's frames unchanged and the replies go back to the right peer. The
   DEALERs reconnect to a restarted server by themselves; the client's TCP connection to
   the forwarder never drops. Requests sent while the server is down are queued by the
-  DEALER and delivered to the server that comes back (as a proxy would).
+  DEALER and delivered to the server that comes back (as a proxy would). While
+  :attr:`ZmqForwarder.hold` is set, the client's messages are held (a server that does
+  not answer, while its HTTP side still does) and sent on, in order, once it is cleared.
 * :class:`HttpForwarder`: a threaded HTTP server on a fresh loopback port that forwards
   ``GET`` requests to the server's HTTP endpoint; 502 while the server is down.
 
@@ -45,6 +47,8 @@ class ZmqForwarder:
         self.port = free_loopback_port()
         self.url = f"tcp://127.0.0.1:{self.port}"
         self.forwarded = 0  # client messages sent on to the server
+        #: While set, client messages are held back (sent on in order once cleared).
+        self.hold = threading.Event()
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -82,21 +86,19 @@ class ZmqForwarder:
             poller = zmq.Poller()
             poller.register(front, zmq.POLLIN)
             self._ready.set()
+            held: list[list[bytes]] = []
             while not self._stop.is_set():
+                if held and not self.hold.is_set():
+                    for msg in held:
+                        self._forward(ctx, poller, backs, msg)
+                    held.clear()
                 for sock, _ in poller.poll(20):
                     if sock is front:
-                        ident, *frames = front.recv_multipart(copy=True)
-                        back = backs.get(ident)
-                        if back is None:
-                            back = ctx.socket(zmq.DEALER)
-                            back.setsockopt(zmq.LINGER, 0)
-                            back.setsockopt(zmq.RECONNECT_IVL, 100)
-                            back.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
-                            back.connect(self.backend)
-                            backs[ident] = back
-                            poller.register(back, zmq.POLLIN)
-                        back.send_multipart(frames)
-                        self.forwarded += 1
+                        msg = front.recv_multipart(copy=True)
+                        if self.hold.is_set() or held:
+                            held.append(msg)
+                        else:
+                            self._forward(ctx, poller, backs, msg)
                     else:
                         ident = next(i for i, b in backs.items() if b is sock)
                         frames = sock.recv_multipart(copy=True)
@@ -109,6 +111,22 @@ class ZmqForwarder:
                 back.close(linger=0)
             front.close(linger=0)
             ctx.term()
+
+    def _forward(
+        self, ctx: zmq.Context[Any], poller: zmq.Poller, backs: dict[bytes, zmq.Socket[Any]], msg: list[bytes]
+    ) -> None:
+        ident, *frames = msg
+        back = backs.get(ident)
+        if back is None:
+            back = ctx.socket(zmq.DEALER)
+            back.setsockopt(zmq.LINGER, 0)
+            back.setsockopt(zmq.RECONNECT_IVL, 100)
+            back.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+            back.connect(self.backend)
+            backs[ident] = back
+            poller.register(back, zmq.POLLIN)
+        back.send_multipart(frames)
+        self.forwarded += 1
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
