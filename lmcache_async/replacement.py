@@ -29,6 +29,8 @@ __all__ = ["CHECK_TIMEOUT_S", "POLL_S", "QUIET_S", "ServerWatch"]
 
 log = logging.getLogger(__name__)
 
+_monotonic = time.monotonic
+
 #: Seconds without a reply after which the server's identity is checked before an
 #: operation, and while requests wait.
 QUIET_S: Final = 1.0
@@ -84,8 +86,8 @@ class ServerWatch:
     def due(self) -> bool:
         """Whether the connection was silent long enough that the identity is checked
         (no reply, and no check, for :attr:`quiet` seconds). Costs one clock read."""
-        conn = self._conn
-        return time.monotonic() - max(conn.last_reply, self._verified) > self.quiet
+        now = _monotonic()
+        return now - self._conn.last_reply > self.quiet and now - self._verified > self.quiet
 
     async def check(self, timeout: float | None = None) -> bool:
         """Fetch the identity and compare; True when the server was replaced (and
