@@ -130,13 +130,18 @@ async def test_an_operation_in_flight_during_the_swap_succeeds_or_says_so(
         assert not task.done()
         await asyncio.to_thread(_kill, srv)
         await asyncio.to_thread(srv.start)
+        healthy = time.monotonic()
         try:
             result: Any = await task
         except lmc.ServerReplacedError as exc:
             result = exc
-        elapsed = time.monotonic() - start
+        done = time.monotonic()
+        elapsed = done - start
         assert elapsed < deadline
-        print(f"\n[in flight {mode}/{operation}] {type(result).__name__} after {elapsed:.3f}s")
+        print(
+            f"\n[in flight {mode}/{operation}] {type(result).__name__} after {elapsed:.3f}s "
+            f"({done - healthy:.3f}s after healthy again)"
+        )
         if operation == "store":
             assert result is True or isinstance(result, lmc.ServerReplacedError)
         else:
