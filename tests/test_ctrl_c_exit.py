@@ -27,7 +27,7 @@ from tests.support.real_server import REPO_ROOT
 SCRIPT = REPO_ROOT / "tests" / "support" / "ctrl_c_script.py"
 #: The exit bound asserted (measured: about 2.5 s with a hung server, 0.5-1.7 s with one that
 #: answers, 3.1 s for a client never closed, whose close the exit hook bounds at 2.5 s).
-EXIT_BOUND_S = 4.0
+EXIT_BOUND_S = {"with": 4.0, "open": 5.0}
 #: What the script may take to start, connect and store once (a loaded machine).
 READY_TIMEOUT_S = 60.0
 NOISE = (
@@ -97,4 +97,4 @@ def test_ctrl_c_exits_within_the_bound_and_quietly(fresh_real_server: Any, style
     assert "KeyboardInterrupt" in err
     for noise in NOISE if style == "with" else NOISE[:3]:  # "open": a ResourceWarning is due
         assert noise not in err, err[-3000:]
-    assert elapsed < EXIT_BOUND_S, err[-3000:]
+    assert elapsed < EXIT_BOUND_S[style], err[-3000:]
