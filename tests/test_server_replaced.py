@@ -109,11 +109,11 @@ async def test_first_store_and_retrieve_after_a_hidden_restart_succeed(
 
 
 @pytest.mark.parametrize("operation", ["store", "retrieve"])
-@pytest.mark.parametrize("mode", ["shm", "pickle"])
+@pytest.mark.parametrize(("generation", "mode"), [("0.5.6", "shm"), ("0.5.6", "pickle"), ("0.5.7", "shm")])
 async def test_an_operation_in_flight_during_the_swap_succeeds_or_says_so(
-    fresh_real_server: Any, forwarded: Any, mode: str, operation: str
+    fresh_real_server: Any, forwarded: Any, generation: str, mode: str, operation: str
 ) -> None:
-    srv = fresh_real_server(mode, chunk_size=CS)
+    srv = fresh_real_server(mode, generation=generation, chunk_size=CS)
     zf, hf = forwarded(srv)
     deadline = 20.0
     async with _client(zf, hf, deadline) as c:
@@ -139,7 +139,7 @@ async def test_an_operation_in_flight_during_the_swap_succeeds_or_says_so(
         elapsed = done - start
         assert elapsed < deadline
         print(
-            f"\n[in flight {mode}/{operation}] {type(result).__name__} after {elapsed:.3f}s "
+            f"\n[in flight {generation}/{mode}/{operation}] {type(result).__name__} after {elapsed:.3f}s "
             f"({done - healthy:.3f}s after healthy again)"
         )
         if operation == "store":
