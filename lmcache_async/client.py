@@ -215,6 +215,9 @@ class AsyncClient:
         num_kv_readers: read locks a lookup reserves per object (>= 1).
         ping_interval: seconds between keep-alive refreshes of the registration (<= 30);
             a refresh is also made at once when the connection comes back after a loss.
+            A server replaced behind a connection that stays up (a proxy) is noticed
+            sooner, after 1 s without replies (docs/design.md, "A server replaced behind
+            the connection").
         cleanup_grace: extra seconds an abandoned operation may spend cleaning up.
         metadata_ttl: seconds ``/config`` and ``/status`` stay cached.
         prefault_shm: map the pages of each SHM slot into this process (one
