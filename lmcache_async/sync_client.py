@@ -99,7 +99,7 @@ _EXIT_WAIT: Final = 3.0
 #: KeyboardInterrupt (Ctrl-C) or SystemExit: the close is then cancelled, which still
 #: closes socket and session (operations still cleaning up against a hung server are
 #: cancelled, the unregister is skipped; what they held expires on the server).
-_INTERRUPT_CLOSE: Final = 2.0
+_INTERRUPT_CLOSE: Final = 1.5
 
 
 async def _bounded_aclose(aclient: AsyncClient, bound: float) -> None:
@@ -736,7 +736,7 @@ class Client:
         (fork) it only marks the client closed. From the loop thread: LoopThreadCallError.
 
         A ``with`` block left by ``KeyboardInterrupt`` (Ctrl-C) or ``SystemExit`` closes
-        with a bound instead: at most 2 s (``_INTERRUPT_CLOSE``), after which the close
+        with a bound instead: at most 1.5 s (``_INTERRUPT_CLOSE``), after which the close
         is cancelled, which still closes socket and session (cleanups of interrupted
         operations against a server that does not answer, and the unregister, are left
         to expire on the server).
