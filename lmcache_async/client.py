@@ -42,12 +42,14 @@ from lmcache_async.errors import (
     LMCacheTimeoutError,
     ProtocolError,
     ServerError,
+    ServerReplacedError,
     TransferError,
     WrongEventLoopError,
 )
 from lmcache_async.geometry import KVGeometry, dtype_name
 from lmcache_async.metadata import Metadata
 from lmcache_async.operations import Operations, OpState, Registration, RemapResult, run_detached
+from lmcache_async.replacement import ServerWatch
 from lmcache_async.shm import ShmPool
 from lmcache_async.task_cancel import cancel_and_wait
 from lmcache_async.tensor_checks import check_tensor_storage
@@ -57,6 +59,7 @@ from lmcache_async.wire import (
     RegisterPayload,
     WireGeneration,
     generation_for_version,
+    op_name,
     parse_register_response,
     validate_cache_salt,
     validate_model_name,
@@ -112,18 +115,24 @@ class _Abandoned(Exception):
 
 
 class _ConnectionChannel:
-    """The :class:`~lmcache_async.operations.Channel` of a ZMQ connection."""
+    """The :class:`~lmcache_async.operations.Channel` of a ZMQ connection, for the
+    operations of one server: when that server is found replaced, the channel is retired
+    (a new one serves the new server) and its operations' requests fail at once with
+    :class:`ServerReplacedError`, cleanups included (nothing of theirs exists there)."""
 
-    __slots__ = ("_conn",)
+    __slots__ = ("_conn", "retired")
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
+        self.retired = False
 
     @property
     def usable(self) -> bool:
-        return self._conn.usable
+        return not self.retired and self._conn.usable
 
     async def call(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> Any:
+        if self.retired:
+            raise ServerReplacedError(_replaced_message(opcode, self._conn.url))
         reply = await self._conn.call(opcode, args, timeout=timeout)
         return reply.value()
 
@@ -131,7 +140,16 @@ class _ConnectionChannel:
         """Send a request now and return the future of its reply (a
         :class:`~lmcache_async.wire.Reply`) without waiting; ``None`` when it cannot be
         sent at once (see :meth:`~lmcache_async.connection.Connection.send_nowait`)."""
+        if self.retired:
+            return None
         return self._conn.send_nowait(opcode, args, timeout=timeout)
+
+
+def _replaced_message(opcode: Op, url: str) -> str:
+    return (
+        f"{op_name(opcode)}: the LMCache server behind {url} was replaced (a new server instance, "
+        "with no visible disconnect); the client registers with the new one"
+    )
 
 
 async def connect(
@@ -197,6 +215,9 @@ class AsyncClient:
         num_kv_readers: read locks a lookup reserves per object (>= 1).
         ping_interval: seconds between keep-alive refreshes of the registration (<= 30);
             a refresh is also made at once when the connection comes back after a loss.
+            A server replaced behind a connection that stays up (a proxy) is noticed
+            sooner, after 1 s without replies (docs/design.md, "A server replaced behind
+            the connection").
         cleanup_grace: extra seconds an abandoned operation may spend cleaning up.
         metadata_ttl: seconds ``/config`` and ``/status`` stay cached.
         prefault_shm: map the pages of each SHM slot into this process (one
@@ -283,6 +304,10 @@ class AsyncClient:
         self._gates: dict[tuple[Any, ...], list[Any]] = {}
         self._operations_cache: tuple[tuple[Any, ...], Operations] | None = None
         self._keepalive: asyncio.Task[None] | None = None
+        self._watch = ServerWatch(
+            self._conn, self._fetch_identity, lambda: self._server_instance, self._replaced
+        )
+        self._watch_task: asyncio.Task[None] | None = None
         self._closed_event: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ properties
@@ -379,6 +404,7 @@ class AsyncClient:
             await self._check_chunk_size_over_zmq(_remaining(deadline))
             await self._register(_remaining(deadline))
             self._keepalive = asyncio.create_task(self._keepalive_loop(), name="lmcache-keepalive")
+            self._watch_task = asyncio.create_task(self._watch.run(), name="lmcache-server-watch")
             self._state = _Lifecycle.OPEN
         except BaseException:
             self._state = _Lifecycle.CLOSING
@@ -435,6 +461,8 @@ class AsyncClient:
 
     async def _shutdown(self, *, unregister: bool) -> None:
         try:
+            if self._watch_task is not None:
+                await cancel_and_wait(self._watch_task, "the server watch")
             if self._keepalive is not None:
                 await cancel_and_wait(self._keepalive, "the keep-alive")
             registered = self._registered_id is not None and self._registered_id == self._instance_id
@@ -468,6 +496,7 @@ class AsyncClient:
         self._meta.drop_inherited()
         self._pool = None
         self._keepalive = None
+        self._watch_task = None
         self._ops = set()
         self._posted = set()
 
@@ -649,9 +678,10 @@ class AsyncClient:
 
     async def _refresh_registration(self) -> None:
         config = await self._meta.config(max_age=0, timeout=10.0)
-        if Metadata.mp_section(config).get("instance_id") != self._server_instance:
+        identity = Metadata.mp_section(config).get("instance_id")
+        if identity != self._server_instance:
             log.info("server restarted (instance id changed); re-registering")
-            self._stale = True
+            self._replaced(identity)
         if self._stale or self._reg_generation != self._conn.generation:
             await self._ensure_registered(30.0)
             return
@@ -684,6 +714,37 @@ class AsyncClient:
                 log.warning("the server's chunk size changed from %d to %d", before, self._chunk_size)
             await self._register(timeout)
 
+    async def _fetch_identity(self, timeout: float) -> object:
+        """The server's identity: ``/config`` ``mp.instance_id`` (new for every server
+        process, on both generations; see :mod:`lmcache_async.replacement`)."""
+        config = await self._meta.config(max_age=0, timeout=timeout)
+        return Metadata.mp_section(config).get("instance_id")
+
+    def _replaced(self, identity: object) -> None:
+        """The server now has another identity than the one registered with.
+
+        After a visible disconnect the reconnection already made the registration stale
+        and failed the old server's requests: register again (same id). With no visible
+        disconnect (a proxy kept the connection up), requests of the old server are still
+        waiting and more may reach the new server: fail them with
+        :class:`ServerReplacedError` (their operations are run again once, see
+        :meth:`_run`), retire the channel they use, and retire the registration id too
+        (a fresh one is registered), so nothing sent under it, queued by a proxy and
+        delivered late, can act on the new server.
+        """
+        self._server_instance = identity
+        self._stale = True
+        if self._reg_generation != self._conn.generation:
+            return
+        log.warning(
+            "the LMCache server behind %s was replaced (no disconnect seen); registering again", self.url
+        )
+        self._retire_registration(self._instance_id, "the server was replaced")
+        self._channel.retired = True
+        self._channel = _ConnectionChannel(self._conn)
+        url = self.url
+        self._conn.fail_pending(lambda opcode: ServerReplacedError(_replaced_message(opcode, url)))
+
     def _require_open(self) -> None:
         if self._state is not _Lifecycle.OPEN:
             if self._state in (_Lifecycle.CLOSING, _Lifecycle.CLOSED):
@@ -708,16 +769,28 @@ class AsyncClient:
             # Started while the server is away: wait briefly for the reconnection (then the
             # new server is registered with first), or fail fast with a connection error.
             await self._conn.wait_usable(op.remaining())
-            await self._ensure_registered(op.remaining())
-            if op.abandoned:  # the caller left before anything was sent
-                raise _Abandoned
-            try:
-                return await body(self._operations(), op)
-            except LMCacheTimeoutError:
-                # Unanswered prepare/commit requests are what a reaped registration looks
-                # like; re-registering an existing id is cheap, so do it before the next op.
-                self._stale = True
-                raise
+            if self._watch.due():  # silence: was the server replaced behind the connection?
+                await self._watch.check_quietly(op.remaining())
+            for attempt in (1, 2):
+                try:
+                    await self._ensure_registered(op.remaining())
+                    if op.abandoned:  # the caller left before anything was sent
+                        raise _Abandoned
+                    return await body(self._operations(), op)
+                except LMCacheTimeoutError:
+                    # Unanswered prepare/commit requests are what a reaped registration looks
+                    # like; re-registering an existing id is cheap, so do it before the next op.
+                    self._stale = True
+                    raise
+                except ServerReplacedError as exc:
+                    # Everything this attempt did was on the old server (gone with it) or
+                    # sent under a retired id (nothing for the new one): run it again once,
+                    # on the new server, unless the caller left.
+                    if attempt == 2 or op.abandoned:
+                        again = " (again, after running it once more)" if attempt == 2 else ""
+                        raise ServerReplacedError(f"{name}: {exc}{again}") from exc
+                    log.info("%s: the server was replaced while it ran; running it again", name)
+            raise AssertionError("unreachable")
 
         return await run_detached(name, timeout, self.cleanup_grace, run, self._track)
 

@@ -27,7 +27,10 @@ Design (see docs/design.md):
 * :meth:`Connection.open` waits for the TCP connection (bounded): a refused or wrong
   endpoint is reported as such within seconds;
 * when the reader task stops (the event loop is shutting down, or a bug) every pending
-  call fails at once and new calls are refused: nothing waits for a reply nobody reads.
+  call fails at once and new calls are refused: nothing waits for a reply nobody reads;
+* :attr:`Connection.last_reply` is when a reply last arrived (one clock read per batch of
+  replies routed): the client's check for a server replaced behind a connection that
+  stayed up (:mod:`lmcache_async.replacement`) runs only after some silence.
 
 The server never sends error replies, so every call has a deadline.
 """
@@ -89,6 +92,7 @@ _zget = zmq.backend.Socket.get
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
 _RCVMORE = int(zmq.RCVMORE)
+_monotonic = time.monotonic
 
 
 class _Expired(Exception):
@@ -197,6 +201,8 @@ class Connection:
         self._first_connect: asyncio.Event | None = None
         #: Set each time the peer comes back after a loss (the client re-registers at once).
         self.reconnected: asyncio.Event | None = None
+        #: ``time.monotonic()`` when a reply last arrived (or the connection was made).
+        self.last_reply = time.monotonic()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -345,6 +351,11 @@ class Connection:
         self._fds = []
         self._tasks = []
         self._table = PendingTable()
+
+    def fail_pending(self, exc_factory: Any) -> int:
+        """Fail every request in flight with ``exc_factory(op)`` (their replies, if any
+        come, are dropped); returns how many."""
+        return self._table.fail_all(exc_factory)
 
     @property
     def closed(self) -> bool:
@@ -589,13 +600,15 @@ class Connection:
         sock = self._sock
         if sock is None or not self._reader_alive:
             return
-        for _ in range(READ_BATCH):
+        for i in range(READ_BATCH):
             try:
                 frames: list[Any] = [_zrecv(sock, _NOBLOCK, True, False)]
                 while _zget(sock, _RCVMORE):
                     # uid and op (tiny) as bytes; a payload as a Frame (not copied)
                     frames.append(_zrecv(sock, _NOBLOCK, len(frames) < 2, False))
             except zmq.Again:
+                if i:
+                    self.last_reply = _monotonic()
                 return
             except zmq.ZMQError as exc:
                 if self._closed:
@@ -606,6 +619,7 @@ class Connection:
                 )
                 return
             self._route(frames)
+        self.last_reply = _monotonic()
         if not self._drain_scheduled:  # more may be waiting: another turn
             self._drain_scheduled = True
             assert self._loop is not None
@@ -640,6 +654,7 @@ class Connection:
     def _on_event(self, event: int) -> None:
         if event == zmq.EVENT_CONNECTED:
             self.connected = True
+            self.last_reply = time.monotonic()
             if self._ever_connected:
                 self.generation += 1
                 log.info("reconnected to %s (generation %d)", self.url, self.generation)

@@ -7,6 +7,7 @@ Where callers already catch a builtin, the error also derives from it::
      +-- LMCacheTimeoutError         (also TimeoutError)     no reply before the deadline
      +-- LMCacheConnectionError      (also ConnectionError)  socket/HTTP unreachable, lost
      |    +-- ClientClosedError      (also ClientStateError) the client was closed
+     |    +-- ServerReplacedError                            the server was replaced mid-operation
      +-- ClientStateError            (also RuntimeError)     the client cannot take calls here, now
      |    +-- ClientNotOpenError                             not opened yet (or still opening)
      |    +-- WrongEventLoopError                            used from another event loop than its own
@@ -53,6 +54,7 @@ __all__ = [
     "ModelNotRegisteredError",
     "ProtocolError",
     "ServerError",
+    "ServerReplacedError",
     "SyncUsageError",
     "TransferError",
     "UnsafePayloadError",
@@ -97,6 +99,14 @@ class LMCacheTimeoutError(LMCacheError, TimeoutError):
 
 class LMCacheConnectionError(LMCacheError, ConnectionError):
     """The server could not be reached, or the connection was lost mid-call."""
+
+
+class ServerReplacedError(LMCacheConnectionError):
+    """The server behind the connection was replaced (restarted with a new instance id,
+    e.g. behind a proxy that kept the connection up) while this operation ran, and it
+    could not be run again on the new server: it had already been run again once, or its
+    caller had left. Nothing it did on the old server survives; the client has registered
+    with the new server, so the next operation works."""
 
 
 class ClientStateError(LMCacheError, RuntimeError):

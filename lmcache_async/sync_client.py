@@ -95,6 +95,26 @@ _CLOSE_EXTRA: Final = 10.0
 _JOIN_TIMEOUT: Final = 10.0
 #: Longest wait at interpreter exit for clients left open to close (issue 12, defect 10).
 _EXIT_WAIT: Final = 3.0
+#: Longest wait for the close of a client whose ``with`` block is left by a
+#: KeyboardInterrupt (Ctrl-C) or SystemExit: the close is then cancelled, which still
+#: closes socket and session (operations still cleaning up against a hung server are
+#: cancelled, the unregister is skipped; what they held expires on the server).
+_INTERRUPT_CLOSE: Final = 1.5
+
+
+async def _bounded_aclose(aclient: AsyncClient, bound: float) -> None:
+    """``aclient.aclose()``, cancelled after ``bound`` seconds (it then still closes
+    socket and session, without waiting for cleanups or the unregister)."""
+    try:
+        async with asyncio.timeout(bound):
+            await aclient.aclose()
+    except TimeoutError:
+        log.warning(
+            "lmcache-async: the close of %r did not finish within %.1f s (a server that does not "
+            "answer?); socket and session closed, cleanups left to expire on the server",
+            aclient,
+            bound,
+        )
 
 
 _tls = threading.local()
@@ -346,8 +366,9 @@ class _LoopThread:
             raise ClientClosedError("the lmcache-async event-loop thread has stopped") from exc
         return call
 
-    def close_in_background(self, aclient: AsyncClient) -> _LoopCall[None] | None:
-        """Schedule ``aclient.aclose()`` without waiting (holds a reference until done)."""
+    def close_in_background(self, aclient: AsyncClient, bound: float | None = None) -> _LoopCall[None] | None:
+        """Schedule ``aclient.aclose()`` without waiting (holds a reference until done);
+        with ``bound``, the close is cancelled after that many seconds."""
         with _LoopThread._lock:
             if not self.alive():
                 return None
@@ -360,7 +381,10 @@ class _LoopThread:
             self.release()
 
         try:
-            call = self.submit(aclient.aclose, on_done=finished)
+            if bound is None:
+                call = self.submit(aclient.aclose, on_done=finished)
+            else:
+                call = self.submit(lambda: _bounded_aclose(aclient, bound), on_done=finished)
         except ClientClosedError:
             self.release()
             return None
@@ -402,12 +426,20 @@ def _finalize(aclient: AsyncClient, lt: _LoopThread, pid: int, desc: str) -> Non
             stacklevel=2,
         )
     finally:
-        lt.close_in_background(aclient)  # holds its own reference until the close is done
+        # At exit the close is bounded (it must end before the exit hook stops the loop,
+        # so that socket and session are closed quietly).
+        bound = _EXIT_WAIT - 0.5 if _exiting else None
+        lt.close_in_background(aclient, bound)  # holds its own reference until the close is done
         lt.release()
+
+
+_exiting = False
 
 
 def _at_exit() -> None:
     """Close clients left open (with a ResourceWarning), then stop the loop thread."""
+    global _exiting
+    _exiting = True
     for client in list(_live):
         client._finalizer()
     lt = _LoopThread._current
@@ -684,7 +716,13 @@ class Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        exc_type = exc[0] if exc else None
+        if isinstance(exc_type, type) and not issubclass(exc_type, Exception):
+            # Ctrl-C (or SystemExit) out of the block: the user wants out; a server that
+            # hangs must not hold the exit for cleanup_grace + the unregister.
+            self._close(_INTERRUPT_CLOSE)
+        else:
+            self.close()
 
     def close(self) -> None:
         """Close the client (as :meth:`AsyncClient.aclose`): refuse new calls, let
@@ -696,7 +734,16 @@ class Client:
         KeyboardInterrupt cancels the close, which still closes socket and session on
         the loop, and is re-raised. In a child process that inherited the client
         (fork) it only marks the client closed. From the loop thread: LoopThreadCallError.
+
+        A ``with`` block left by ``KeyboardInterrupt`` (Ctrl-C) or ``SystemExit`` closes
+        with a bound instead: at most 1.5 s (``_INTERRUPT_CLOSE``), after which the close
+        is cancelled, which still closes socket and session (cleanups of interrupted
+        operations against a server that does not answer, and the unregister, are left
+        to expire on the server).
         """
+        self._close(None)
+
+    def _close(self, bound: float | None) -> None:
         if os.getpid() != self._pid:
             self._closed = True
             return
@@ -707,7 +754,11 @@ class Client:
         self._closed = True
         lt = self._lt
         try:
-            lt.submit(self._async.aclose).wait("close", self._grace + _CLOSE_EXTRA, self._grace)
+            if bound is None:
+                lt.submit(self._async.aclose).wait("close", self._grace + _CLOSE_EXTRA, self._grace)
+            else:
+                aclient = self._async
+                lt.submit(lambda: _bounded_aclose(aclient, bound)).wait("close", bound + 1.0, 1.0)
         except LMCacheTimeoutError:
             log.warning("lmcache-async: closing %r took too long; left to the event loop", self)
         except ClientClosedError:
