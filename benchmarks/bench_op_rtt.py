@@ -13,10 +13,12 @@ SHM, chunk 256, 4 GB pool, prefaulted), geometry 32 layers x 1024 hidden bf16 (o
   rounds alternating; ``end_session`` of an unknown id likewise (a worker-pool handler);
 * 1 chunk: ``lookup`` (a hit), ``store`` (fresh tokens) and ``retrieve(out=)`` of a CPU
   tensor and, with CUDA, of a CUDA tensor (whole call, median);
-* the phases of a 16-chunk ``store`` and ``retrieve(out=)`` (CUDA when there is a GPU,
-  else CPU): every request the operation sends (from the moment it is handed to the
-  connection to its reply), every copy (in its worker thread) and the whole call, as
-  offsets from the call's start in ms, median over ``--reps`` calls.
+* the phases of a 16-chunk ``store`` and ``retrieve(out=)`` (CPU, and CUDA when there
+  is a GPU): every request the operation sends (from the moment it is handed to the
+  connection to its reply; ``*``: answered in the background), every copy function and
+  the whole call, as offsets from the call's start in ms, median over ``--reps`` calls;
+  on CUDA also with each of the grouped store, the background commit of a retrieve and
+  the copies enqueued on the loop switched off in turn, and all three (``_before``).
 
 Nothing in the library is changed: the client's channel is wrapped by a tracing one and
 the copy functions of ``lmcache_async.cuda`` / ``lmcache_async.operations`` by timers.
@@ -47,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CS = 256
 GEOM = lmc.KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
 #: Copy functions timed when they exist (the CUDA module's and the CPU path's).
-CUDA_COPY_FUNCS = ("_run_copies", "_staged_to_device", "_encode_staged", "_copy_pairs", "_wait_copies")
+CUDA_COPY_FUNCS = ("_copy", "_launch", "_wait_copies", "_run_copies", "_staged_to_device", "_encode_staged")
 CPU_COPY_FUNCS = ("fill_slots", "copy_chunks_out")
 
 
@@ -101,6 +103,17 @@ def trace_client(client: lmc.AsyncClient) -> None:
 
 
 def timed_fn(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    if asyncio.iscoroutinefunction(fn):
+
+        async def awrapper(*args: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return await fn(*args, **kw)
+            finally:
+                EVENTS.append((label, t0, time.perf_counter()))
+
+        return awrapper
+
     def wrapper(*args: Any, **kw: Any) -> Any:
         t0 = time.perf_counter()
         try:
@@ -262,6 +275,60 @@ async def sixteen_chunks(client: lmc.AsyncClient, toks: Tokens, device: str, rep
     return res
 
 
+def _patch(obj: Any, name: str, value: Any) -> Callable[[], None]:
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    return lambda: setattr(obj, name, old)
+
+
+def _ungrouped(client: lmc.AsyncClient) -> Callable[[], None]:
+    """A CUDA store in one group (one prepare_store, one commit_store)."""
+    from lmcache_async import operations
+
+    if not hasattr(operations, "store_groups"):
+        return lambda: None
+    return _patch(operations, "store_groups", lambda n: [(0, n)])
+
+
+def _commit_awaited(client: lmc.AsyncClient) -> Callable[[], None]:
+    """A CUDA retrieve waits for its commit_retrieve's answer."""
+    from lmcache_async import operations
+
+    if not hasattr(operations.Operations, "_commit_retrieve_later"):
+        return lambda: None
+    return _patch(operations.Operations, "_commit_retrieve_later", lambda self, *a: False)
+
+
+def _thread_launch(client: lmc.AsyncClient) -> Callable[[], None]:
+    """Copies enqueued in a worker thread (the pool is still registered: only the path
+    that a pool left unpinned takes is chosen)."""
+    pool = client._pool
+    if pool is None or not pool.cuda_pinned:
+        return lambda: None
+    return _patch(pool, "cuda_pinned", False)
+
+
+def _all_off(client: lmc.AsyncClient) -> Callable[[], None]:
+    undo = [f(client) for f in (_ungrouped, _commit_awaited, _thread_launch)]
+
+    def restore() -> None:
+        for u in reversed(undo):
+            u()
+
+    return restore
+
+
+#: 16-chunk CUDA variants: each switches one of issue 11's later changes off
+#: (``_before``: all of them), so their effect is measured in the same run.
+VARIANTS: dict[str, Callable[[lmc.AsyncClient], Callable[[], None]]] = {
+    "": lambda client: lambda: None,
+    "_ungrouped": _ungrouped,
+    "_commit_awaited": _commit_awaited,
+    "_thread_launch": _thread_launch,
+    "_before": _all_off,
+}
+
+
 async def run(n: int, reps: int, pool: str) -> dict[str, Any]:
     proc, ep = start_server(pool)
     geometry = f"{GEOM.num_layers} layers x 1024 hidden bf16, chunk 256"
@@ -284,7 +351,12 @@ async def run(n: int, reps: int, pool: str) -> dict[str, Any]:
                 results[f"chunks1_{device}"] = await single_chunk(client, toks, device, reps)
             results["chunks16_cpu"] = await sixteen_chunks(client, toks, "cpu", max(3, reps // 2))
             if torch.cuda.is_available():
-                results["chunks16_cuda"] = await sixteen_chunks(client, toks, "cuda", reps)
+                for name, switch in VARIANTS.items():
+                    undo = switch(client)
+                    try:
+                        results[f"chunks16_cuda{name}"] = await sixteen_chunks(client, toks, "cuda", reps)
+                    finally:
+                        undo()
     finally:
         proc.terminate()
         proc.wait(timeout=30)
