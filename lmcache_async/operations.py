@@ -896,8 +896,10 @@ class Operations:
         groups: Sequence[tuple[int, int]] | None = None,
     ) -> bool:
         """A CUDA store on SHM in groups of chunks (:func:`store_groups`), pipelined: every
-        group's ``prepare_store`` goes out at once (one session, one token list, the
-        group's ``[start, end)``); each group's copy starts as soon as its slots are
+        group's ``prepare_store`` goes out at once (each group a session of its own, its
+        key the tokens up to the group's end with ``start`` at its first chunk, as the
+        inline store keys the chunks after a cached prefix: the first, small group's
+        request is small and answered soonest); each group's copy starts as soon as its slots are
         known, while the other groups' requests are in flight, and each group is
         committed as soon as its copy is done, while later groups still copy. The call
         waits for the first group's reservation, the copy, and the last group's commit.
@@ -911,15 +913,14 @@ class Operations:
         :func:`store_groups`); ``mark`` None: a CPU ``kv`` (tests).
         """
         cs = self.reg.chunk_size
-        rid = request_id("store")
-        key = self._key(toks, end, rid, salt, worker=True, configs=configs)
         if groups is None:
             groups = store_groups(end // cs)
+        rids = [request_id("store") for _ in groups]
         reserved = [_Reserved() for _ in groups]
 
         async def group(i: int) -> bool:
             first, last = groups[i]
-            gkey = {**key, "start": first * cs, "end": last * cs}
+            gkey = self._key(toks, last * cs, rids[i], salt, start=first * cs, worker=True, configs=configs)
             reserved[i].sent = True
             resp = await self.call(op, Op.PREPARE_STORE, gkey, self.reg.instance_id)
             slots, indices = parse_prepare_store(resp)
@@ -952,7 +953,8 @@ class Operations:
         finally:
             for one in reserved:
                 self._settle(one)
-            await self.cleanup_later(Op.END_SESSION, rid)
+            for rid in rids:
+                await self.cleanup_later(Op.END_SESSION, rid)
 
     async def _fill_reserved(
         self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], nbytes: int, mark: Mark | None = None
