@@ -318,14 +318,32 @@ def _all_off(client: lmc.AsyncClient) -> Callable[[], None]:
     return restore
 
 
+def _plan(sizes: Sequence[int]) -> Callable[[lmc.AsyncClient], Callable[[], None]]:
+    """Another split of a CUDA store (group sizes in chunks; for 16 chunks)."""
+
+    def switch(client: lmc.AsyncClient) -> Callable[[], None]:
+        from lmcache_async import operations
+
+        bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+        plan = [(bounds[k], bounds[k + 1]) for k in range(len(sizes))]
+        return _patch(operations, "store_groups", lambda n: plan if n == bounds[-1] else [(0, n)])
+
+    return switch
+
+
 #: 16-chunk CUDA variants: each switches one of issue 11's later changes off
-#: (``_before``: all of them), so their effect is measured in the same run.
+#: (``_before``: all of them), so their effect is measured in the same run; ``_plan_*``:
+#: other splits of the grouped store (the default for 16 chunks: 2, 6, 6, 2).
 VARIANTS: dict[str, Callable[[lmc.AsyncClient], Callable[[], None]]] = {
     "": lambda client: lambda: None,
     "_ungrouped": _ungrouped,
     "_commit_awaited": _commit_awaited,
     "_thread_launch": _thread_launch,
     "_before": _all_off,
+    "_plan_1_7_7_1": _plan([1, 7, 7, 1]),
+    "_plan_1_3_6_6": _plan([1, 3, 6, 6]),
+    "_plan_2_14": _plan([2, 14]),
+    "_plan_2_4_4_4_2": _plan([2, 4, 4, 4, 2]),
 }
 
 
@@ -381,6 +399,15 @@ def summary(res: dict[str, Any]) -> str:
                 lines.append(
                     f"  {p['what']:<28}{p['start_ms']:8.2f} -> {p['end_ms']:8.2f}  ({p['ms']:.2f} ms)"
                 )
+    variants = [k for k in res if k.startswith("chunks16_cuda")]
+    if variants:
+        lines.append("\n16 chunks, CUDA: whole call (ms, GB/s)      store            retrieve_out")
+        for k in variants:
+            st, rt, nbytes = res[k]["store"]["whole_ms"], res[k]["retrieve_out"]["whole_ms"], res[k]["bytes"]
+            lines.append(
+                f"  {k[len('chunks16_cuda') :] or '(as shipped)':<36}{st:7.2f} {nbytes / st / 1e6:5.1f}"
+                f"     {rt:7.2f} {nbytes / rt / 1e6:5.1f}"
+            )
     return "\n".join(lines)
 
 
