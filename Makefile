@@ -40,9 +40,11 @@ demo: venv
 test: venv lmcache-venv lint typecheck pytest
 
 ## Everything that needs no LMCache server (lint, types, the tests not marked
-## real_server), in under a minute: run it before every commit.
+## real_server), in under a minute: run it before every commit. Two pytest workers
+## (pytest-xdist) and hypothesis' "check" profile: a quarter of each property test's
+## examples (tests/hypothesis_budget.py); `make test` runs them all.
 check: venv lint typecheck
-	$(BIN)/python -m pytest -q -m "not real_server"
+	$(BIN)/python -m pytest -q -n 2 --hypothesis-profile=check -m "not real_server"
 
 lint: venv
 	$(BIN)/ruff check lmcache_async tests benchmarks examples
@@ -59,7 +61,7 @@ pytest: venv lmcache-venv redis
 
 ## The issue-2 smoke run: real LMCache server, our client, chunk size + noop RTT.
 smoke: venv lmcache-venv
-	$(BIN)/python benchmarks/smoke_real_server.py
+	$(BIN)/python -m benchmarks.smoke_real_server
 
 ## The KV-edit experiment with a real transformers model (docs/hf.md), on an embedded
 ## server; pass ARGS="--url tcp://host:5555 --http-url http://host:8080" for a running one.
@@ -75,14 +77,14 @@ $(BENCH_STAMP): $(STAMP)
 	touch $(BENCH_STAMP)
 
 bench: venv lmcache-venv $(BENCH_STAMP)
-	$(BIN)/python benchmarks/suite.py $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.suite $(BENCH_ARGS)
 
 bench-quick:
 	BENCH_QUICK=1 $(MAKE) bench
 
 ## Re-render docs/benchmarks.md from the JSON already in benchmarks/results/.
 bench-render: $(BENCH_STAMP)
-	$(BIN)/python benchmarks/render.py
+	$(BIN)/python -m benchmarks.render
 
 clean:
 	rm -rf $(VENV) .lmcache-venv .lmcache-venv-057 .mypy_cache .ruff_cache .pytest_cache .coverage

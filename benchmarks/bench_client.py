@@ -1,6 +1,6 @@
 """Single operations: AsyncClient vs the official SDK on the same real LMCache server, same run.
 
-    .venv/bin/python benchmarks/bench_client.py [--mode shm|pickle] [--chunks 1 4 16]
+    .venv/bin/python -m benchmarks.bench_client [--mode shm|pickle] [--chunks 1 4 16]
         [--iters 8] [--rounds 3] [--generation 0.5.6|0.5.7] [--json]
 
 (``make bench`` runs this as the ``single_shm`` and ``single_pickle`` sections.)
@@ -41,9 +41,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import (
+import lmcache_async as lmc
+from benchmarks.harness import (
     SDKBench,
     check_client_supports,
     clear_l1,
@@ -54,8 +53,6 @@ from harness import (
     spread,
     workers,
 )
-
-import lmcache_async as lmc
 from tests.support.real_server import RealLMCacheServer
 from tests.support.workers import EngineWorker
 

@@ -1,6 +1,6 @@
 """Many small operations at once: throughput and client CPU per operation vs concurrency.
 
-    .venv/bin/python benchmarks/bench_concurrent.py [--prompts 256] [--rounds 3]
+    .venv/bin/python -m benchmarks.bench_concurrent [--prompts 256] [--rounds 3]
         [--concurrency 1 8 64] [--threads 1 8] [--ops retrieve store] [--json]
 
 (``make bench`` runs this as the ``concurrent`` section.)
@@ -35,11 +35,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import SDKBench, clear_l1, sdk_call, server_python, settle, spread, workers
-
 import lmcache_async as lmc
+from benchmarks.harness import SDKBench, clear_l1, sdk_call, server_python, settle, spread, workers
 from tests.support.real_server import RealLMCacheServer
 from tests.support.workers import EngineWorker
 

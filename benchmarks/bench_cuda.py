@@ -1,7 +1,7 @@
 """CUDA tensors in and out (issue 11): our client vs the link, the SDK's path, a pinned vs
 an unpinned pool. Needs a CUDA GPU.
 
-    python benchmarks/bench_cuda.py [--reps 7] [--json out.json]
+    python -m benchmarks.bench_cuda [--reps 7] [--json out.json]
 
 Starts the embedded server in its own process (``lmcache-async serve``, SHM, chunk 256,
 4 GB pool, prefaulted; and a pickle one), geometry 32 layers x 8 KV heads x 128 (1024
@@ -40,12 +40,11 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import lmcache_async as lmc
+from lmcache_async.pickle_codec import encode_tensor_list
+from lmcache_async.wire import GEN_0_5_6
 
-import lmcache_async as lmc  # noqa: E402
-from lmcache_async.pickle_codec import encode_tensor_list  # noqa: E402
-from lmcache_async.wire import GEN_0_5_6  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 CS = 256
 GEOM = lmc.KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)

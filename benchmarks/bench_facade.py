@@ -1,7 +1,7 @@
 """The sync facade's added latency per call: ``Client.x()`` vs ``await AsyncClient.x()``.
 
-    .venv/bin/python benchmarks/bench_facade.py [--iters 2000] [--rounds 5] [--json]
-    .venv/bin/python benchmarks/bench_facade.py --url tcp://h:p --http-url http://h:p
+    .venv/bin/python -m benchmarks.bench_facade [--iters 2000] [--rounds 5] [--json]
+    .venv/bin/python -m benchmarks.bench_facade --url tcp://h:p --http-url http://h:p
 
 (``make bench`` runs this as the ``facade`` section, on the suite's SHM server: chunk 256.)
 
@@ -39,20 +39,13 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from harness import settle  # noqa: E402
-
-import lmcache_async as lmc  # noqa: E402
-from lmcache_async.sync_client import Client  # noqa: E402
+import lmcache_async as lmc
+from benchmarks.harness import settle
+from lmcache_async.sync_client import Client
 
 GEOM = lmc.KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_size=16)
 MODEL = "bench-facade"

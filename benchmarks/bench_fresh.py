@@ -1,6 +1,6 @@
 """A fresh client: the 16-chunk retrieve into ``out=`` right after connect.
 
-    .venv/bin/python benchmarks/bench_fresh.py [--reps 5] [--settle 6] [--l1-gb 8] [--json]
+    .venv/bin/python -m benchmarks.bench_fresh [--reps 5] [--settle 6] [--l1-gb 8] [--json]
 
 (``make bench`` runs this as the ``fresh`` section.)
 
@@ -32,11 +32,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import SDKBench, sdk_call, server_python, spread, workers
-
 import lmcache_async as lmc
+from benchmarks.harness import SDKBench, sdk_call, server_python, spread, workers
 from tests.support.real_server import RealLMCacheServer
 from tests.support.workers import EngineWorker
 

@@ -1,12 +1,17 @@
 """Host copies: ``Tensor.copy_`` (torch's intra-op pool) vs ``lmcache_async.host_copy.copy_into``.
 
-    .venv/bin/python benchmarks/bench_host_copy.py [--json]
+    .venv/bin/python -m benchmarks.bench_host_copy [--json]
 
 One chunk of a ``[2, L, 256, D]`` bf16 KV copied into the chunk-sized slice of a
 ``[2, L, 1024, D]`` tensor (what a retrieve does per chunk), warm buffers, alternating the
 two copies; wall time and process CPU time per copy (CPU includes torch's pool threads).
 Run it twice: as is, and while another process loads the machine (e.g. a server), where
 the pool's threads wait for each other. The bytes copied are compared after each run.
+
+Then a retrieve into a new tensor: allocate a ``[2, 32, 256 x chunks, 1024]`` bf16 tensor
+and copy one warm source into it (``Tensor.copy_``), with ``torch.empty`` (4 KiB pages) and
+with ``lmcache_async.host_copy.empty_host`` (transparent huge pages where the kernel
+offers them); every allocation is fresh, so its first touch is timed.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from lmcache_async.host_copy import copy_into
+from lmcache_async.host_copy import copy_into, empty_host
 
 CASES = [(2, 128, "256 KiB"), (8, 512, "4 MiB"), (32, 1024, "32 MiB")]
 
@@ -57,13 +62,32 @@ def main() -> None:
             wall = sorted(v[0] for v in vals)[len(vals) // 2]
             cpu = sorted(v[1] for v in vals)[len(vals) // 2]
             rows.append({"payload": label, "copy": who, "wall_us": round(wall, 1), "cpu_us": round(cpu, 1)})
-    out = {"torch_threads": torch.get_num_threads(), "rows": rows}
+    fresh = []
+    for chunks in (1, 4):
+        shape = (2, 32, 256 * chunks, 1024)
+        src = torch.randn(shape).to(torch.bfloat16)
+        allocs = {"torch.empty": torch.empty, "empty_host": empty_host}
+        times: dict[str, list[float]] = {k: [] for k in allocs}
+        for _ in range(args.rounds * 5):
+            for who, alloc in allocs.items():
+                t0 = time.perf_counter()
+                dst = alloc(shape, dtype=torch.bfloat16)
+                dst.copy_(src)
+                times[who].append((time.perf_counter() - t0) * 1e3)
+                assert torch.equal(dst, src)
+                del dst
+        for who, vals in times.items():
+            fresh.append({"chunks": chunks, "alloc": who, "ms": round(sorted(vals)[len(vals) // 2], 2)})
+    out = {"torch_threads": torch.get_num_threads(), "rows": rows, "fresh": fresh}
     if args.json:
         print(json.dumps(out, indent=2))
         return
     print(f"torch intra-op threads: {out['torch_threads']}; medians of {args.rounds}")
     for r in rows:
         print(f"{r['payload']:>8}  {r['copy']:<12} {r['wall_us']:>10.1f} µs wall {r['cpu_us']:>10.1f} µs CPU")
+    print("new tensor + copy_ (32 MiB a chunk), medians:")
+    for r in fresh:
+        print(f"{r['chunks']:>3} chunks  {r['alloc']:<12} {r['ms']:>8.2f} ms")
 
 
 if __name__ == "__main__":

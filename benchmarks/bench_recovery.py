@@ -11,7 +11,7 @@ Each round, on one server (same ports throughout):
    ``store`` + ``retrieve`` (deadline ``--op-timeout`` each) until both succeed: time to
    the first success and the failures on the way.
 
-    .venv/bin/python benchmarks/bench_recovery.py [--generation 0.5.6|0.5.7]
+    .venv/bin/python -m benchmarks.bench_recovery [--generation 0.5.6|0.5.7]
         [--mode shm|pickle] [--rounds 3] [--op-timeout 5] [--venv-python PATH]
 
 Prints one line per round and the medians. Wall-clock times on a shared machine: read
@@ -28,11 +28,8 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lmcache_async as lmc
 from tests.support.real_server import RealLMCacheServer, lmcache_venv_python

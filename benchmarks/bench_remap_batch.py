@@ -1,6 +1,6 @@
 """remap_many vs the official SDK doing the same remaps in a loop, on one real server.
 
-    .venv/bin/python benchmarks/bench_remap_batch.py [--rounds 5] [--pairs 64] [--l1-gb 10] [--json]
+    .venv/bin/python -m benchmarks.bench_remap_batch [--rounds 5] [--pairs 64] [--l1-gb 10] [--json]
 
 (``make bench`` runs this as the ``remap`` section.)
 
@@ -48,16 +48,10 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from harness import settle, workers  # noqa: E402
-
-import lmcache_async as lmc  # noqa: E402
-from tests.support.real_server import RealLMCacheServer, lmcache_venv_python  # noqa: E402
-from tests.support.workers import EngineWorker, _JsonLinesWorker  # noqa: E402
+import lmcache_async as lmc
+from benchmarks.harness import BENCH_DIR, settle, workers
+from tests.support.real_server import RealLMCacheServer, lmcache_venv_python
+from tests.support.workers import SUPPORT_DIR, EngineWorker, _JsonLinesWorker
 
 CS = 256
 GEOMETRY = lmc.KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
@@ -70,7 +64,8 @@ ITEM_BYTES = TOKENS * GEOMETRY.bytes_per_token  # 128 MiB
 
 
 class SDKRemap(_JsonLinesWorker):
-    SCRIPT = "../../benchmarks/sdk_remap_worker.py"
+    SCRIPT = str(BENCH_DIR / "sdk_remap_worker.py")
+    IMPORT_DIRS = (SUPPORT_DIR,)  # its bare `from _worker_loop import ...`
     KIND = "sdk-remap"
 
 

@@ -3,7 +3,7 @@ DEALER, against the same real LMCache 0.5.6 server, for a SYNC handler (``noop``
 worker-pool handler (``end_session`` of an unknown id). The blocking DEALER is the floor:
 the server's own cost per request plus the least a client can add.
 
-    .venv/bin/python benchmarks/bench_rtt.py [--n 300] [--rounds 3] [--json]
+    .venv/bin/python -m benchmarks.bench_rtt [--n 300] [--rounds 3] [--json]
 
 (``make bench`` runs this as the ``rtt`` section.) Each round times ``--n`` requests one
 after another on each side (the order alternates between rounds) and keeps the median of
@@ -16,18 +16,13 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import settle, spread
-
 import lmcache_async as lmc
+from benchmarks.harness import settle, spread
 from lmcache_async import wire
 from lmcache_async.wire import Op
 from tests.support.real_server import RealLMCacheServer, lmcache_venv_python

@@ -22,26 +22,25 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from tests.support.real_server import LMCacheServerError, RealLMCacheServer, lmcache_venv_python
+from tests.support.workers import SUPPORT_DIR, _JsonLinesWorker
 
-from tests.support.real_server import LMCacheServerError, RealLMCacheServer, lmcache_venv_python  # noqa: E402
-from tests.support.workers import _JsonLinesWorker  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = ROOT / "benchmarks"
 
 GENERATIONS = ("0.5.6", "0.5.7")
-RESULTS_DIR = ROOT / "benchmarks" / "results"
+RESULTS_DIR = BENCH_DIR / "results"
 
 
 class SDKBench(_JsonLinesWorker):
     """The official SDK in the lmcache venv (``benchmarks/sdk_bench_worker.py``)."""
 
-    SCRIPT = "../../benchmarks/sdk_bench_worker.py"
+    SCRIPT = str(BENCH_DIR / "sdk_bench_worker.py")
+    IMPORT_DIRS = (SUPPORT_DIR,)  # its bare `from _worker_loop import ...`
     KIND = "sdk-bench"
 
 

@@ -1,6 +1,6 @@
 """Render ``docs/benchmarks.md`` and its plots (``docs/img/bench_*.png``) from the JSON results.
 
-    .venv/bin/python benchmarks/render.py [--results benchmarks/results] [--doc docs/benchmarks.md]
+    .venv/bin/python -m benchmarks.render [--results benchmarks/results] [--doc docs/benchmarks.md]
 
 (``make bench`` runs it after ``benchmarks/suite.py``; run it alone to re-render.) Reads every
 ``<results>/*.json`` written by the suite (``rtt``, ``facade``, ``concurrent``, ``single_shm``,
@@ -37,13 +37,13 @@ WHY_PLACEHOLDER = (
 NOTES_PLACEHOLDER = ""
 
 COMMANDS = {
-    "rtt": ".venv/bin/python benchmarks/bench_rtt.py",
-    "facade": ".venv/bin/python benchmarks/bench_facade.py",
-    "concurrent": ".venv/bin/python benchmarks/bench_concurrent.py",
-    "single_shm": ".venv/bin/python benchmarks/bench_client.py --mode shm",
-    "single_pickle": ".venv/bin/python benchmarks/bench_client.py --mode pickle",
-    "fresh": ".venv/bin/python benchmarks/bench_fresh.py",
-    "remap": ".venv/bin/python benchmarks/bench_remap_batch.py",
+    "rtt": ".venv/bin/python -m benchmarks.bench_rtt",
+    "facade": ".venv/bin/python -m benchmarks.bench_facade",
+    "concurrent": ".venv/bin/python -m benchmarks.bench_concurrent",
+    "single_shm": ".venv/bin/python -m benchmarks.bench_client --mode shm",
+    "single_pickle": ".venv/bin/python -m benchmarks.bench_client --mode pickle",
+    "fresh": ".venv/bin/python -m benchmarks.bench_fresh",
+    "remap": ".venv/bin/python -m benchmarks.bench_remap_batch",
 }
 
 

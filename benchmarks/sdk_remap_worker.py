@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
-
+# Run as a script with an lmcache venv's python: its own directory is sys.path[0]
+# (sdk_worker_ready), and the spawner puts tests/support on PYTHONPATH (_worker_loop).
 from _worker_loop import WorkerExit, error_reply, send, serve, take_protocol_stdout
 from sdk_worker_ready import ready_line
 

@@ -1,7 +1,7 @@
 """Smoke run: start the real LMCache 0.5.6 server (from .lmcache-venv), connect with
 lmcache_async, print the server's chunk size and the median ``noop`` round trip, stop.
 
-    .venv/bin/python benchmarks/smoke_real_server.py   (or: make smoke)
+    .venv/bin/python -m benchmarks.smoke_real_server   (or: make smoke)
 """
 
 from __future__ import annotations
@@ -9,11 +9,8 @@ from __future__ import annotations
 import asyncio
 import statistics
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lmcache_async as lmc
 from tests.support.real_server import RealLMCacheServer, lmcache_venv_python

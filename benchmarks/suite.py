@@ -1,6 +1,6 @@
 """The whole benchmark suite in one command: ``make bench`` (or ``make bench-quick``).
 
-    .venv/bin/python benchmarks/suite.py [--quick] [--generation 0.5.6|0.5.7]
+    .venv/bin/python -m benchmarks.suite [--quick] [--generation 0.5.6|0.5.7]
         [--sections rtt facade concurrent single_shm fresh remap single_pickle] [--no-render]
 
 ``BENCH_QUICK=1`` in the environment is the same as ``--quick``. Starts the real LMCache
@@ -41,16 +41,22 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_client
-import bench_concurrent
-import bench_facade
-import bench_fresh
-import bench_remap_batch
-import bench_rtt
-from harness import GENERATIONS, RESULTS_DIR, check_client_supports, server_python, stamp, start_servers
-
+from benchmarks import (
+    bench_client,
+    bench_concurrent,
+    bench_facade,
+    bench_fresh,
+    bench_remap_batch,
+    bench_rtt,
+)
+from benchmarks.harness import (
+    GENERATIONS,
+    RESULTS_DIR,
+    check_client_supports,
+    server_python,
+    stamp,
+    start_servers,
+)
 from tests.support.real_server import RealLMCacheServer
 
 SHM_SECTIONS = ("rtt", "facade", "concurrent", "single_shm", "fresh", "remap")

@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 
 from lmcache_async._defaults import DEFAULT, DefaultType, resolve_timeout
+from lmcache_async.host_copy import empty_host
 from lmcache_async.wire import validate_cache_salt, validate_tokens
 
 if TYPE_CHECKING:
@@ -393,7 +394,7 @@ class _ByteBudget:
 
 def _allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Allocate one KV buffer (a seam for tests that track allocations)."""
-    return torch.empty(shape, dtype=dtype)
+    return empty_host(shape, dtype)
 
 
 class _Lease:

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 import torch
 
+from lmcache_async.host_copy import empty_host
+
 if TYPE_CHECKING:
     from lmcache_async.cuda import Mark
 
@@ -79,7 +81,7 @@ def new_target(
     """A tensor for a retrieve without ``out``: on the CPU, or on ``mark``'s GPU (with the
     mark the copies into it wait on)."""
     if mark is None:
-        return torch.empty(shape, dtype=dtype), None
+        return empty_host(shape, dtype), None
     from lmcache_async import cuda
 
     return cuda.empty(shape, dtype, mark)

@@ -659,11 +659,14 @@ class Operations:
             raise ProtocolError(f"prefetch status {value!r} is not a chunk count in [0, {limit}]")
         return value
 
-    async def _lookup_locked(self, op: OpState, key: dict[str, Any], rid: str, *, release: bool) -> int:
+    async def _lookup_locked(
+        self, op: OpState, key: dict[str, Any], rid: str, *, release: bool, release_later: bool = False
+    ) -> int:
         """lookup + consume status; when ``release``, free the locks and end the session.
 
         Returns tokens hit. Whatever happens, the status is consumed and (when
-        ``release``) locks and session are released.
+        ``release``) locks and session are released: awaited, or, with ``release_later``
+        and an answered lookup, posted (:meth:`cleanup_later`: the caller goes on at once).
         """
         geom = self.reg.geometry
         chunks: int | None = None
@@ -685,7 +688,10 @@ class Operations:
         finally:
             if chunks is None:
                 chunks = await self._drain_prefetch(rid, limit)
-            if release and self.reg.fifo_cpu:
+            if release and release_later and ok:
+                await self._free_locks(key, chunks, later=True)
+                await self.cleanup_later(Op.END_SESSION, rid)
+            elif release and self.reg.fifo_cpu:
                 await self._release_pipelined(key, rid, chunks)
             else:
                 if release or not ok:
@@ -719,12 +725,14 @@ class Operations:
                 return 0
         return 0
 
-    async def _free_locks(self, key: dict[str, Any], chunks: int) -> None:
-        """Release the read locks a lookup took on its first ``chunks`` chunks."""
+    async def _free_locks(self, key: dict[str, Any], chunks: int, *, later: bool = False) -> None:
+        """Release the read locks a lookup took on its first ``chunks`` chunks (``later``:
+        posted, see :meth:`cleanup_later`)."""
         if chunks:
             end = chunks * self.reg.chunk_size
             free_key = self.reg.wire.key_prefix(key, end)
-            await self.cleanup_call(Op.FREE_LOOKUP_LOCKS, free_key, key["world_size"])
+            release = self.cleanup_later if later else self.cleanup_call
+            await release(Op.FREE_LOOKUP_LOCKS, free_key, key["world_size"])
 
     async def _retrieve_shm(
         self,
@@ -1018,9 +1026,10 @@ class Operations:
         rid = request_id("store")
         lookup_key = self._key(toks, end, rid, salt, worker=False)
         try:
-            # The lookup tells which chunks are cached already; its locks are not needed.
+            # The lookup tells which chunks are cached already; its locks are not needed
+            # (released in the background: they cover other chunks than the commit's).
             hit = await self._lookup_locked(op, lookup_key, rid, release=False)
-            await self._free_locks(lookup_key, hit // self.reg.chunk_size)
+            await self._free_locks(lookup_key, hit // self.reg.chunk_size, later=True)
             if hit >= end:
                 return False
             first = hit // self.reg.chunk_size
@@ -1062,7 +1071,7 @@ class Operations:
             await asyncio.sleep(delay)
             rid = request_id("store-check")
             key = self._key(toks, end, rid, salt, worker=False)
-            cached = await self._lookup_locked(op, key, rid, release=True)
+            cached = await self._lookup_locked(op, key, rid, release=True, release_later=True)
             if cached >= end:
                 return
             delay = min(max(delay * 2, 0.02), 0.5)

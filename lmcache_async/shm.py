@@ -16,12 +16,13 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
 from lmcache_async.errors import TransferError
 from lmcache_async.geometry import dtype_name
+from lmcache_async.host_copy import madvise
 from lmcache_async.wire import SlotDescriptor
 
 __all__ = ["ShmPool"]
@@ -34,18 +35,7 @@ _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 GRANULE = 2 << 20
 
 
-def _load_madvise() -> Callable[[int, int, int], int] | None:
-    # Through ctypes, which releases the GIL (mmap.madvise holds it for the whole call).
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_madvise = _load_madvise()
+_madvise = madvise
 
 
 class ShmPool:

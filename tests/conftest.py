@@ -52,13 +52,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
+from tests.hypothesis_budget import PROFILE_ENV
 from tests.support.real_server import (
     Generation,
     LMCacheServerError,
     RealLMCacheServer,
     lmcache_venv_python,
 )
+
+# The hypothesis profile named by the environment (tests/hypothesis_budget.py registers
+# "check"); pytest's --hypothesis-profile, applied after this import, wins over it.
+if os.environ.get(PROFILE_ENV):
+    settings.load_profile(os.environ[PROFILE_ENV])
 
 #: Chunk size of the shared session servers (tokens). Small on purpose.
 SESSION_CHUNK_SIZE = 16

@@ -15,6 +15,7 @@ from lmcache_async.errors import ClientClosedError, LMCacheConnectionError, LMCa
 from lmcache_async.wire import Op, Reply
 from tests import server_wire
 from tests.fake_router import FakeRouter
+from tests.hypothesis_budget import examples
 
 pytestmark = pytest.mark.anyio
 
@@ -172,7 +173,7 @@ events = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(events)
 def test_table_never_leaks_or_misroutes(script: list[tuple[str, object]]) -> None:
     loop = asyncio.new_event_loop()

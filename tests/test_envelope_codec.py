@@ -22,6 +22,7 @@ from lmcache_async.envelope_codec import (
     encode_tensor_envelope,
 )
 from lmcache_async.errors import ProtocolError
+from tests.hypothesis_budget import examples
 from tests.support.real_server import LMCACHE_QUIET_ENV
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.uint8, torch.float8_e4m3fn]
@@ -66,7 +67,7 @@ def test_the_bytes_are_the_servers_typed_envelope() -> None:
     assert encode_tensor_envelope([t], msgpack_bin=False) == payload
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     st.sampled_from(DTYPES),
     st.lists(st.integers(0, 5), min_size=0, max_size=5),
@@ -187,7 +188,7 @@ def test_encode_limits() -> None:
 _VALID = _payload(_tensors(2))
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=300))
 def test_any_bytes_decode_or_raise_protocol_error(data: bytes) -> None:
     try:
@@ -197,7 +198,7 @@ def test_any_bytes_decode_or_raise_protocol_error(data: bytes) -> None:
     assert len(got) == 2 and all(tuple(t.shape) == SHAPE for t in got)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(st.data())
 def test_mutated_valid_envelopes_decode_or_raise_protocol_error(data: st.DataObject) -> None:
     raw = bytearray(_VALID)

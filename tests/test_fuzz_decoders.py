@@ -46,6 +46,7 @@ from lmcache_async.shm import ShmPool
 from lmcache_async.testing import InProcessServer, NoReply
 from lmcache_async.testing.dialect import Protocol
 from tests.conftest import SMALL_GEOMETRY
+from tests.hypothesis_budget import examples
 
 T = TypeVar("T")
 
@@ -53,7 +54,7 @@ T = TypeVar("T")
 ALLOC_SLACK = 1 << 20
 
 FUZZ = settings(
-    max_examples=150,
+    max_examples=examples(150),
     deadline=2000,  # a hang fails the example
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
@@ -534,7 +535,7 @@ async def _run_tampered(
 @pytest.mark.parametrize("mode", ["shm", "pickle"])
 @GENERATIONS
 @pytest.mark.parametrize("case", ["lookup", "retrieve", "store", "remap"])
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), tamper_at=st.integers(1, 8))
 def test_operations_given_one_wrong_reply(
     mode: Literal["shm", "pickle"],

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from lmcache_async import host_copy
 from lmcache_async.host_copy import copy_into
+from tests.hypothesis_budget import examples
 
 DTYPES = [
     torch.bfloat16,
@@ -28,7 +29,7 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) ->
     return raw.view(dtype)  # every bit pattern, NaN payloads included
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     dtype=st.sampled_from(DTYPES),
     planes=st.integers(1, 2),
@@ -78,19 +79,25 @@ def test_the_copy_runs_on_the_calling_thread_only(monkeypatch: pytest.MonkeyPatc
     assert int(dst.sum()) == src.numel()
 
 
+@pytest.fixture
+def copy_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """One entry per ``Tensor.copy_`` call made while the test runs."""
+    calls: list[bool] = []
+    real = torch.Tensor.copy_
+
+    def spy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        calls.append(True)
+        return real(self, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    return calls
+
+
 @pytest.mark.parametrize(
     "case",
     ["dtype change", "last dim strided", "grad", "conj", "meta", "sparse", "zero-dim", "bool"],
 )
-def test_what_numpy_cannot_view_goes_through_copy(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    fallbacks: list[str] = []
-    real = torch.Tensor.copy_
-
-    def spy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-        fallbacks.append(case)
-        return real(self, src, non_blocking)
-
-    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+def test_what_numpy_cannot_view_goes_through_copy(case: str, copy_calls: list[bool]) -> None:
     if case == "dtype change":
         dst, src = torch.zeros(4, 8), torch.ones(4, 8, dtype=torch.float64)
     elif case == "last dim strided":
@@ -99,19 +106,19 @@ def test_what_numpy_cannot_view_goes_through_copy(case: str, monkeypatch: pytest
         dst, src = torch.zeros(4, 8, requires_grad=True), torch.ones(4, 8)
         with torch.no_grad():
             copy_into(dst, src)
-        assert fallbacks == [case] and torch.equal(dst.detach(), src)
+        assert copy_calls == [True] and torch.equal(dst.detach(), src)
         return
     elif case == "conj":
         dst, src = torch.zeros(4, dtype=torch.complex64), (torch.ones(4) + 2j * torch.ones(4)).conj()
     elif case == "meta":
         dst, src = torch.empty(4, 8, device="meta"), torch.empty(4, 8, device="meta")
         copy_into(dst, src)
-        assert fallbacks == [case]
+        assert copy_calls == [True]
         return
     elif case == "sparse":  # copy_ refuses it: the same error reaches the caller
         with pytest.raises(RuntimeError, match="between dense and sparse"):
             copy_into(torch.zeros(4, 8), torch.eye(4, 8).to_sparse())
-        assert fallbacks == [case]
+        assert copy_calls == [True]
         return
     elif case == "bool":  # copy_ normalises bytes other than 0/1: keep its semantics
         dst, src = (
@@ -119,12 +126,12 @@ def test_what_numpy_cannot_view_goes_through_copy(case: str, monkeypatch: pytest
             torch.tensor([2, 0, 1, 255], dtype=torch.uint8).view(torch.bool),
         )
         copy_into(dst, src)
-        assert fallbacks == [case] and dst.view(torch.uint8).tolist() == [1, 0, 1, 1]
+        assert copy_calls == [True] and dst.view(torch.uint8).tolist() == [1, 0, 1, 1]
         return
     else:
         dst, src = torch.tensor(0.0), torch.tensor(3.0)
     copy_into(dst, src)
-    assert fallbacks == [case]
+    assert copy_calls == [True]
     assert torch.equal(dst, src.to(dst.dtype))
 
 
@@ -142,17 +149,52 @@ def test_bytes_view_refuses_what_it_cannot_express() -> None:
     [(None, False), (host_copy.POOL_COPY_BYTES - 1, False), (host_copy.POOL_COPY_BYTES, True)],
 )
 def test_copy_host_wakes_the_pool_only_for_large_copies(
-    nbytes: int | None, pool: bool, monkeypatch: pytest.MonkeyPatch
+    nbytes: int | None, pool: bool, copy_calls: list[bool]
 ) -> None:
-    used: list[bool] = []
-    real = torch.Tensor.copy_
-
-    def spy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-        used.append(True)
-        return real(self, src, non_blocking)
-
-    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    used = copy_calls
     src, dst = torch.arange(64, dtype=torch.float32).view(8, 8), torch.zeros(8, 8)
     host_copy.copy_host(dst, src, nbytes)
     assert used == ([True] if pool else [])
     assert torch.equal(dst, src)
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return "absent"
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+def _anon_huge_bytes(ptr: int) -> int:
+    """AnonHugePages of the mapping of this process that contains ``ptr``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
+def test_empty_host_memory_is_mapped_with_huge_pages() -> None:
+    """A retrieve's new tensor: its aligned part is backed by 2 MiB pages once touched
+    (the first touch maps 512x fewer pages); same shape, dtype and bytes as torch.empty."""
+    t = host_copy.empty_host((2, 4, 64, 32768), torch.bfloat16)  # 32 MiB
+    assert t.shape == (2, 4, 64, 32768) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    t.fill_(1.5)
+    assert _anon_huge_bytes(t.data_ptr() + (16 << 20)) >= 16 << 20
+    assert bool((t == 1.5).all())
+
+
+def test_empty_host_without_madvise_is_plain_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_copy, "madvise", None)
+    t = host_copy.empty_host((3, 5), torch.float16)
+    assert t.shape == (3, 5) and t.dtype == torch.float16
+    small = host_copy.empty_host((0,), torch.float32)  # nothing to advise
+    assert small.numel() == 0

@@ -17,11 +17,12 @@ from hypothesis import strategies as st
 
 from lmcache_async.errors import ProtocolError, UnsafePayloadError
 from lmcache_async.pickle_codec import decode_tensor_list, encode_tensor_list
+from tests.hypothesis_budget import examples
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.uint8]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     st.sampled_from(DTYPES),
     st.lists(st.integers(1, 5), min_size=1, max_size=4),

@@ -70,8 +70,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class _JsonLinesWorker:
+    #: The worker script: a name in this directory, or an absolute path.
     SCRIPT: str = ""
     KIND: str = ""
+    #: Directories put on the child's ``PYTHONPATH`` (``child_env`` drops the caller's): a
+    #: script outside this directory that imports ``_worker_loop`` by its bare name names
+    #: :data:`SUPPORT_DIR` here.
+    IMPORT_DIRS: tuple[Path, ...] = ()
 
     def __init__(
         self,
@@ -142,12 +147,17 @@ class _JsonLinesWorker:
                 stdout=subprocess.PIPE,
                 stderr=err,
                 cwd=str(self._tmp),  # never inside an lmcache source tree
-                env=child_env(),
+                env=child_env(self._child_env_extra()),
                 start_new_session=True,
             )
         self.pid = self._proc.pid
         self._ready = False
         return self
+
+    def _child_env_extra(self) -> dict[str, str] | None:
+        if not self.IMPORT_DIRS:
+            return None
+        return {"PYTHONPATH": os.pathsep.join(str(d) for d in self.IMPORT_DIRS)}
 
     def stderr_tail(self, n: int = 40) -> str:
         if self._stderr_path is None:
