@@ -16,9 +16,11 @@ Stream semantics (``docs/design.md``, "CUDA tensors"):
   before the call returns. A tensor allocated for ``device=`` is allocated on the
   caller's stream.
 * Copies run on two side streams per device (chunks alternate between them, so a chunk's
-  on-device reshuffle overlaps the next chunk's PCIe transfer) and are waited for in a
-  worker thread: the event loop never blocks on the GPU. ``commit_store`` /
-  ``commit_retrieve`` are sent only after that wait.
+  on-device reshuffle overlaps the next chunk's PCIe transfer). Between the GPU and the
+  pinned pool they are enqueued on the event loop's thread (asynchronous copies: no
+  thread hand-off before the first chunk moves) and waited for in a worker thread: the
+  event loop never blocks on the GPU. ``commit_store`` / ``commit_retrieve`` are sent
+  only after that wait.
 
 The SHM pool is registered with ``cudaHostRegister`` (through ``_cudart()``)
 once per mapping, on the first CUDA copy, and unregistered before it is unmapped
@@ -299,29 +301,80 @@ async def _ensure_pinned(pool: ShmPool | None) -> None:
 # ---------------------------------------------------------------- copies
 
 
+def _launch(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], mark: Mark, keep_alive: Sequence[torch.Tensor]
+) -> list[torch.cuda.Event]:
+    """Enqueue ``dst.copy_(src)`` for every pair on the copy streams (alternating), after
+    ``mark``; return one event per stream, recorded after this call's copies (other calls
+    may share the streams). Does not wait: with pinned host memory on the host side every
+    copy is asynchronous, so this may run on the event loop's thread."""
+    st = _state(mark.device)
+    with torch.no_grad(), torch.cuda.device(mark.device):
+        for s in st.streams:
+            s.wait_event(mark.event)
+            for t in keep_alive:  # a caller freeing its tensor meanwhile cannot recycle it
+                t.record_stream(s)
+        for i, (dst, src) in enumerate(pairs):
+            with torch.cuda.stream(st.streams[i % len(st.streams)]):
+                dst.copy_(src, non_blocking=True)
+        done = [_event() for _ in st.streams]
+        for e, s in zip(done, st.streams, strict=True):
+            e.record(s)
+    return done
+
+
+def _wait_copies(done: Sequence[torch.cuda.Event]) -> None:
+    """Block until the copies behind ``done`` have finished (a worker thread's job)."""
+    try:
+        for e in done:
+            e.synchronize()
+    except RuntimeError as exc:
+        raise TransferError(f"a CUDA copy failed: {exc}") from exc
+
+
 def _run_copies(
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], mark: Mark, keep_alive: Sequence[torch.Tensor]
 ) -> None:
-    """Enqueue ``dst.copy_(src)`` for every pair on the copy streams (alternating), after
-    ``mark``; wait until all are done. Runs in a worker thread."""
-    st = _state(mark.device)
+    """:func:`_launch` and wait until all are done, in a worker thread (the path of a
+    pool that is not pinned: a copy to or from pageable memory blocks its thread)."""
     try:
-        with torch.no_grad(), torch.cuda.device(mark.device):
-            for s in st.streams:
-                s.wait_event(mark.event)
-                for t in keep_alive:  # a caller freeing its tensor meanwhile cannot recycle it
-                    t.record_stream(s)
-            for i, (dst, src) in enumerate(pairs):
-                with torch.cuda.stream(st.streams[i % len(st.streams)]):
-                    dst.copy_(src, non_blocking=True)
-            # Wait for this call's copies only (other calls may share the streams).
-            done = [_event() for _ in st.streams]
-            for e, s in zip(done, st.streams, strict=True):
-                e.record(s)
-            for e in done:
-                e.synchronize()
+        done = _launch(pairs, mark, keep_alive)
     except RuntimeError as exc:
         raise TransferError(f"a CUDA copy failed: {exc}") from exc
+    _wait_copies(done)
+
+
+async def _copy(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    mark: Mark,
+    keep_alive: Sequence[torch.Tensor],
+    pool: ShmPool | None,
+) -> None:
+    """Copy ``pairs`` between the GPU and slots of ``pool``, complete on return.
+
+    With the pool pinned, the copies are enqueued right here on the event loop's thread
+    (asynchronous: the first chunk crosses the link while the next ones are enqueued, and
+    no thread hand-off delays it) and only the wait runs in a worker thread. Otherwise
+    the whole copy runs in a worker thread.
+
+    Cancellation: the copies run to their end before ``CancelledError`` is re-raised, so
+    no slot is read or written by a copy that outlives its operation's step.
+    """
+    if pool is not None and pool.cuda_pinned:
+        try:
+            done = _launch(pairs, mark, keep_alive)
+        except RuntimeError as exc:
+            raise TransferError(f"a CUDA copy failed: {exc}") from exc
+        fut = asyncio.ensure_future(asyncio.to_thread(_wait_copies, done))
+    else:
+        fut = asyncio.ensure_future(asyncio.to_thread(_run_copies, pairs, mark, keep_alive))
+    try:
+        await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait({fut})
+        if not fut.cancelled() and fut.exception() is not None:
+            log.debug("a CUDA copy failed after its task was cancelled: %r", fut.exception())
+        raise
 
 
 async def to_host(
@@ -330,12 +383,11 @@ async def to_host(
     """Copy CUDA sources into host destinations (SHM slot views of ``pool``), ordered
     after ``mark``, complete on return.
 
-    Cancellation: the copy runs on in its worker thread to the end (the caller's task is
-    shielded by the client; a store whose slots were reserved is always completed).
+    Cancellation: the copy runs to its end before ``CancelledError`` is re-raised (a
+    store whose slots were reserved is always completed).
     """
     await _ensure_pinned(pool)
-    sources = _storages_of(src for _, src in pairs)
-    await asyncio.to_thread(_run_copies, pairs, mark, sources)
+    await _copy(pairs, mark, _storages_of(src for _, src in pairs), pool)
 
 
 async def to_device(
@@ -351,14 +403,16 @@ async def to_device(
     sources are pageable buffers (an inline reply: pickle or tensor envelope); they go through a reused pinned
     staging buffer, two chunks in flight.
 
-    Cancellation: a copy already running finishes in its worker thread.
+    Cancellation: a copy from the pool runs to its end before ``CancelledError`` is
+    re-raised (the read locks on its slots are released only after it); a staged copy
+    runs on in its worker thread.
     """
     await _ensure_pinned(pool)
     targets = _storages_of(dst for dst, _ in pairs)
     if staged:
         await asyncio.to_thread(_staged_to_device, pairs, mark, targets)
     else:
-        await asyncio.to_thread(_run_copies, pairs, mark, targets)
+        await _copy(pairs, mark, targets, pool)
 
 
 def _storages_of(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:

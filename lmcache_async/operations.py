@@ -73,6 +73,7 @@ __all__ = [
     "fill_slots",
     "refill_slots",
     "run_detached",
+    "store_groups",
 ]
 
 log = logging.getLogger(__name__)
@@ -192,10 +193,15 @@ class _Reserved:
 
 
 class _RetrieveState:
-    __slots__ = ("prepared",)
+    __slots__ = ("ended", "gate", "prepared")
 
     def __init__(self) -> None:
         self.prepared = False
+        #: The key gate held around prepare/commit (a CUDA retrieve may keep it until its
+        #: commit is answered in the background).
+        self.gate: _Gate | None = None
+        #: ``end_session`` is taken care of (chained after a background commit).
+        self.ended = False
 
 
 async def run_detached(
@@ -376,9 +382,24 @@ class _Gate:
 
     async def __aexit__(self, *exc: object) -> None:
         entry = self._entry
-        assert entry is not None
+        if entry is None:  # handed over by defer()
+            return
+        self._entry = None
         entry[0].release()
         self._leave(entry)
+
+    def defer(self) -> Callable[[], None]:
+        """Keep holding the lock after the ``async with`` block; the returned function
+        releases it (call it once)."""
+        entry = self._entry
+        assert entry is not None
+        self._entry = None
+
+        def release() -> None:
+            entry[0].release()
+            self._leave(entry)
+
+        return release
 
     def _leave(self, entry: list[Any]) -> None:
         entry[1] -= 1
@@ -547,12 +568,14 @@ class Operations:
                 return await self._retrieve_pickle(op, rkey, hit, target, state, mark)
             # The server keys pending SHM reads by (instance, key) without the request
             # id: concurrent retrieves of one prefix must not overlap their pairs.
-            async with self._gate(("retrieve", salt, tuple(toks[:hit]))):
-                return await self._retrieve_shm(op, rkey, hit, target, state, mark)
+            state.gate = self._gate(("retrieve", salt, tuple(toks[:hit])))
+            async with state.gate:
+                return await self._retrieve_shm(op, rkey, hit, target, state, mark, rid)
         finally:
             if hit and not state.prepared:
                 await self._free_locks(key, hit // self.reg.chunk_size)
-            await self.cleanup_later(Op.END_SESSION, rid)
+            if not state.ended:
+                await self.cleanup_later(Op.END_SESSION, rid)
 
     async def store(
         self,
@@ -573,6 +596,8 @@ class Operations:
         # the chunks "being written" and could not tell that from out-of-memory.
         async with self._gate(("store", salt, tuple(toks[:end]))):
             if self.reg.pool is not None:
+                if mark is not None and len(store_groups(end // self.reg.chunk_size)) > 1:
+                    return await self._store_shm_grouped(op, kv, toks, end, salt, configs, mark)
                 return await self._store_shm(op, kv, toks, end, salt, configs, mark)
             return await self._store_pickle(op, kv, toks, end, salt, configs, mark)
 
@@ -717,6 +742,7 @@ class Operations:
         target: torch.Tensor | None,
         state: _RetrieveState,
         mark: Mark | None = None,
+        rid: str | None = None,
     ) -> torch.Tensor | None:
         geom = self.reg.geometry
         assert self.reg.pool is not None
@@ -739,11 +765,45 @@ class Operations:
                 target, mark = new_target(geom.kv_shape(hit), geom.dtype, mark)
             await self._copy_chunks(target, views, mark)
             committed = True
-            await self.call(op, Op.COMMIT_RETRIEVE, rkey, self.reg.instance_id)
+            if mark is None or rid is None or not self._commit_retrieve_later(rkey, rid, state):
+                await self.call(op, Op.COMMIT_RETRIEVE, rkey, self.reg.instance_id)
             return target
         finally:
             if not committed:
                 await self.cleanup_call(Op.COMMIT_RETRIEVE, rkey, self.reg.instance_id)
+
+    def _commit_retrieve_later(self, rkey: dict[str, Any], rid: str, state: _RetrieveState) -> bool:
+        """CUDA retrieve: send ``commit_retrieve`` now and let the call return without
+        waiting for its answer (the KV is already in the caller's tensor). The key gate
+        stays held, and ``end_session`` is sent, only once the commit is answered (an
+        ``end_session`` ahead of it would let it recreate the session; a retrieve of the
+        same prefix must not prepare before it). Both replies are tracked by the client
+        (``drain()``, ``aclose()``). False (nothing sent) where the channel cannot post.
+        """
+        post = self._post
+        if post is None or not self.channel.usable or state.gate is None:
+            return False
+        fut = post(Op.COMMIT_RETRIEVE, (rkey, self.reg.instance_id), self.cleanup_grace)
+        if fut is None:
+            return False
+        release = state.gate.defer()
+        state.ended = True
+
+        def answered(f: asyncio.Future[Any]) -> None:
+            release()
+            _cleanup_done(Op.COMMIT_RETRIEVE, f)
+            end = post(Op.END_SESSION, (rid,), self.cleanup_grace) if self.channel.usable else None
+            if end is not None:
+                end.add_done_callback(functools.partial(_cleanup_done, Op.END_SESSION))
+            elif self.channel.usable:
+                end = asyncio.ensure_future(self.cleanup_call(Op.END_SESSION, rid))
+            if end is not None and self._track is not None:
+                self._track(end)
+
+        fut.add_done_callback(answered)
+        if self._track is not None:
+            self._track(fut)
+        return True
 
     async def _retrieve_pickle(
         self,
@@ -831,6 +891,78 @@ class Operations:
         finally:
             self._settle(reserved)
             await self.cleanup_later(Op.END_SESSION, rid)
+
+    async def _store_shm_grouped(
+        self,
+        op: OpState,
+        kv: torch.Tensor,
+        toks: list[int],
+        end: int,
+        salt: str,
+        configs: Configs,
+        mark: Mark | None,
+        groups: Sequence[tuple[int, int]] | None = None,
+    ) -> bool:
+        """A CUDA store on SHM in groups of chunks (:func:`store_groups`), pipelined: every
+        group's ``prepare_store`` goes out at once (each group a session of its own, its
+        key the tokens up to the group's end with ``start`` at its first chunk, as the
+        inline store keys the chunks after a cached prefix: the first, small group's
+        request is small and answered soonest); each group's copy starts as soon as its slots are
+        known, while the other groups' requests are in flight, and each group is
+        committed as soon as its copy is done, while later groups still copy. The call
+        waits for the first group's reservation, the copy, and the last group's commit.
+
+        Each group is a store of its own for the server (its own pending reservation):
+        a group whose ``prepare_store`` was sent is filled and committed, or its
+        registration is retired, exactly as :meth:`_store_shm` does for the whole. A
+        group with nothing reserved (cached, another writer's, no memory) is checked as
+        :meth:`_store_shm` checks an empty reservation, after the others are committed.
+        ``groups``: chunk ranges covering ``[0, end)`` in order (default
+        :func:`store_groups`); ``mark`` None: a CPU ``kv`` (tests).
+        """
+        cs = self.reg.chunk_size
+        if groups is None:
+            groups = store_groups(end // cs)
+        rids = [request_id("store") for _ in groups]
+        reserved = [_Reserved() for _ in groups]
+
+        async def group(i: int) -> bool:
+            first, last = groups[i]
+            gkey = self._key(toks, last * cs, rids[i], salt, start=first * cs, worker=True, configs=configs)
+            reserved[i].sent = True
+            resp = await self.call(op, Op.PREPARE_STORE, gkey, self.reg.instance_id)
+            slots, indices = parse_prepare_store(resp)
+            if not slots:
+                reserved[i].sent = False  # nothing reserved: no pending entry on the server
+                return False
+            if max(indices) >= last - first:
+                raise ProtocolError(f"prepare_store asked for chunk {max(indices)} of {last - first}")
+            assert self.reg.pool is not None
+            shape = self.reg.geometry.kv_shape(cs)
+            views = [self.reg.pool.view(sl, shape, self.reg.geometry.dtype) for sl in slots]
+            pairs = [(v, self._chunk(kv, first + j)) for v, j in zip(views, indices, strict=True)]
+            await self._fill_reserved(pairs, sum(v.numel() for v in views) * kv.element_size(), mark)
+            reserved[i].filled = True
+            ok = await self.call(op, Op.COMMIT_STORE, gkey, self.reg.instance_id, b"")
+            if ok is not True:
+                raise TransferError("the server refused the SHM commit (registration lost?)")
+            return True
+
+        try:
+            results = await asyncio.gather(*(group(i) for i in range(len(groups))), return_exceptions=True)
+            for res in results:
+                if isinstance(res, BaseException):
+                    raise res
+            if not all(results):
+                # A group reserved nothing: cached, being written by another writer, or no
+                # memory. A lookup tells which (as for an empty reservation of a whole store).
+                await self._check_stored(op, toks, end, salt, "reserve memory for")
+            return any(results)
+        finally:
+            for one in reserved:
+                self._settle(one)
+            for rid in rids:
+                await self.cleanup_later(Op.END_SESSION, rid)
 
     async def _fill_reserved(
         self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], nbytes: int, mark: Mark | None = None
@@ -1039,6 +1171,20 @@ class Operations:
         finally:
             if not committed:
                 await self.cleanup_call(Op.COMMIT_RETRIEVE, rkey, self.reg.instance_id)
+
+
+def store_groups(n_chunks: int) -> list[tuple[int, int]]:
+    """How a CUDA store of ``n_chunks`` chunks on SHM is split (chunk ranges
+    ``[first, last)``, in order): one group below 4 chunks; else a small first group (its
+    reservation comes back soonest, so the copy starts early), a small last group (its
+    commit is the one the call waits for) and the rest in two halves between them."""
+    if n_chunks < 4:
+        return [(0, n_chunks)]
+    edge = max(1, n_chunks // 8)
+    middle = n_chunks - 2 * edge
+    half = middle // 2
+    bounds = [0, edge, edge + half, n_chunks - edge, n_chunks]
+    return [(bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1) if bounds[k + 1] > bounds[k]]
 
 
 def request_id(kind: str) -> str:

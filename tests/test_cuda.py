@@ -18,7 +18,7 @@ import logging
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -280,59 +280,112 @@ async def test_bad_cuda_arguments_are_refused_before_anything_is_sent(gpu_server
         sent_before = next(c._conn._table._uids)
         shape = geom.kv_shape(2 * CS)
         n = torch.cuda.device_count()
-        cases: list[tuple[Any, type[Exception], str]] = [
+        # Factories, not coroutines: a case that fails must not leave the others unawaited.
+        cases: list[tuple[Callable[[], Awaitable[Any]], type[Exception], str]] = [
             (
-                c.retrieve(tokens, out=torch.empty(shape, dtype=torch.float16, device="cuda")),
+                lambda: c.retrieve(tokens, out=torch.empty(shape, dtype=torch.float16, device="cuda")),
                 TypeError,
                 "out has dtype torch.float16, the geometry says torch.bfloat16",
             ),
             (
-                c.retrieve(tokens, out=torch.empty(geom.kv_shape(CS), dtype=torch.bfloat16, device="cuda")),
+                lambda: c.retrieve(
+                    tokens, out=torch.empty(geom.kv_shape(CS), dtype=torch.bfloat16, device="cuda")
+                ),
                 ValueError,
                 r"out has shape \[2, 8, 256, 1024\], expected \[2, 8, 512, 1024\]",
             ),
             (
-                c.retrieve(tokens, out=torch.empty(shape, dtype=torch.bfloat16, device="cuda"), device="cpu"),
+                lambda: c.retrieve(
+                    tokens, out=torch.empty(shape, dtype=torch.bfloat16, device="cuda"), device="cpu"
+                ),
                 ValueError,
                 "out is on cuda:0, device= says cpu",
             ),
             (
-                c.retrieve(tokens, out=torch.empty(shape, dtype=torch.bfloat16), device="cuda"),
+                lambda: c.retrieve(tokens, out=torch.empty(shape, dtype=torch.bfloat16), device="cuda"),
                 ValueError,
                 "out is on cpu, device= says cuda:0",
             ),
             (
-                c.retrieve(tokens, device=f"cuda:{n}"),
+                lambda: c.retrieve(tokens, device=f"cuda:{n}"),
                 ValueError,
                 rf"device cuda:{n} does not exist \({n} CUDA devices\)",
             ),
             (
-                c.retrieve(tokens, device="meta"),
+                lambda: c.retrieve(tokens, device="meta"),
                 ValueError,
                 "device must be the CPU or a CUDA device, got meta",
             ),
-            (c.retrieve(tokens, device="nonsense"), ValueError, "device must be a torch.device or a device"),
             (
-                c.retrieve(tokens, out=torch.empty(shape, dtype=torch.bfloat16, device="meta")),
+                lambda: c.retrieve(tokens, device="nonsense"),
+                ValueError,
+                "device must be a torch.device or a device",
+            ),
+            (
+                lambda: c.retrieve(tokens, out=torch.empty(shape, dtype=torch.bfloat16, device="meta")),
                 ValueError,
                 r"out is a meta tensor \(it has no data\)",
             ),
             (
-                c.store(kv.to(torch.float16), tokens),
+                lambda: c.store(kv.to(torch.float16), tokens),
                 TypeError,
                 "kv has dtype torch.float16, the geometry says torch.bfloat16",
             ),
-            (c.store(kv[:, :, :CS], tokens), ValueError, r"kv has shape \[2, 8, 256, 1024\]"),
             (
-                c.store(torch.empty(shape, dtype=torch.bfloat16, device="meta"), tokens),
+                # (a kv covering fewer tokens than given is stored under tokens[:T]: issue 9)
+                lambda: c.store(kv[:, :, :, : geom.hidden_dim // 2], tokens),
+                ValueError,
+                r"kv has shape \[2, 8, 512, 512\], expected \[2, 8, 512, 1024\]",
+            ),
+            (
+                lambda: c.store(torch.empty(shape, dtype=torch.bfloat16, device="meta"), tokens),
                 ValueError,
                 r"kv is a meta tensor \(it has no data\)",
             ),
         ]
-        for coro, exc_type, message in cases:
+        for make, exc_type, message in cases:
             with pytest.raises(exc_type, match=message):
-                await coro
+                await make()
         assert next(c._conn._table._uids) == sent_before + 1  # nothing was sent meanwhile
+
+
+@pytest.mark.anyio
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU")
+async def test_grouped_gpu_store_and_background_commits_are_bitwise_and_clean(
+    gpu_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16 chunks: the store goes in pipelined groups, the retrieves' commits are answered
+    in the background (two concurrent retrieves of one prefix stay serialized on the
+    server side); bitwise, and no session or pending read is left."""
+    if gpu_server.mode != "shm":
+        pytest.skip("SHM only")
+    from lmcache_async import operations
+
+    real = operations.store_groups
+    plans: list[list[tuple[int, int]]] = []
+
+    def spy(n: int) -> list[tuple[int, int]]:
+        plans.append(real(n))
+        return plans[-1]
+
+    monkeypatch.setattr(operations, "store_groups", spy)
+    geom = geometry()
+    async with aclient(gpu_server, geom) as c:
+        base = await sessions(c)
+        tokens = fresh_tokens(16 * CS)
+        kv = rand_kv(geom, len(tokens))
+        assert await c.store(kv, tokens) is True
+        assert plans and len(plans[-1]) == 4
+        assert await c.store(kv, tokens) is False  # every group cached
+        outs = [torch.zeros_like(kv) for _ in range(3)]
+        got = await asyncio.gather(*(c.retrieve(tokens, out=o) for o in outs))
+        for g, o in zip(got, outs, strict=True):
+            assert g is not None and torch.equal(o, kv)
+        again = await c.retrieve(tokens, device="cuda")
+        assert again is not None and torch.equal(again, kv)
+        assert await c.drain(timeout=30)
+        assert await sessions(c) == base
 
 
 # ------------------------------------------------------------------ the pinned pool
