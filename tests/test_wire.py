@@ -6,13 +6,14 @@ import msgpack
 import numpy
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_async import wire
 from lmcache_async.errors import ProtocolError
 from lmcache_async.wire import CacheKey, Op, RegisterPayload, SlotDescriptor
 from tests import server_wire
+from tests.hypothesis_budget import examples
 
 salts = st.text(max_size=128).filter(lambda s: not any(c in s for c in "@/\\\x00"))
 names = st.text(min_size=1, max_size=40).filter(lambda s: "@" not in s)
@@ -217,3 +218,35 @@ def test_reply_parsers_reject_malformed_replies() -> None:
         wire.parse_prepare_store({"context": {"slots": [{"offset": "0", "length": 1, "shape": [], "dtype": "x"}],
                                               "chunk_indices": [0]}})  # fmt: skip
     assert wire.parse_prepare_retrieve({"success": False, "data": b"", "context": {}}) == (False, b"", [])
+
+
+_MSGPACK_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=40)
+    | st.binary(max_size=300)
+    | st.binary(max_size=70).map(bytearray),
+    lambda inner: (
+        st.lists(inner, max_size=6)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(_MSGPACK_VALUES)
+def test_packb_is_byte_identical_to_msgpack_python(value: object) -> None:
+    """The request encoder (a reused msgspec encoder) writes exactly what
+    ``msgpack.packb(value, use_bin_type=True)`` writes, for every kind of value a
+    request carries (ints at every width boundary, NaN, bytes-likes, nesting)."""
+    assert wire.packb(value) == msgpack.packb(value, use_bin_type=True)
+
+
+@pytest.mark.parametrize("value", [0, 127, 128, -32, -33, 255, 256, 2**16, 2**32, 2**63, -(2**63), 2**64 - 1])
+def test_packb_int_boundaries(value: int) -> None:
+    assert wire.packb(value) == msgpack.packb(value, use_bin_type=True)
+    assert wire.packb([value, Op.LOOKUP]) == msgpack.packb([value, int(Op.LOOKUP)], use_bin_type=True)
