@@ -3,8 +3,8 @@
 Real parts only: Debian's ``redis-server`` (``tests/support/redis_server.py``, installed
 by ``tests/support/ensure_redis.sh``) and real LMCache servers started with
 ``--l2-adapter '{"type":"resp","host":"127.0.0.1","port":PORT}'`` -- 0.5.6 from
-``.lmcache-venv`` and, for the rolling upgrade, 0.5.7rc3 from ``LMCACHE_057_VENV``
-(default ``/work/venv057``). "Hosts" are servers on loopback ports with their own L1;
+``.lmcache-venv`` and, for the rolling upgrade, 0.5.7rc3 from ``.lmcache-venv-057``
+(the ``lmcache057_python`` fixture, built by the test set-up like the 0.5.6 one). "Hosts" are servers on loopback ports with their own L1;
 the L2 is the only thing they share, as on separate machines.
 
 What LMCache 0.5.6 does (read in its source, checked here):
@@ -54,7 +54,6 @@ pytestmark = pytest.mark.anyio
 CS = 16
 GEOM = SMALL_GEOMETRY
 #: The 0.5.7rc3 venv (reference/lmcache-0.5.7.md); the rolling-upgrade test needs it.
-VENV_057 = Path(os.environ.get("LMCACHE_057_VENV", "/work/venv057"))
 
 
 # --------------------------------------------------------------------------- topology
@@ -482,20 +481,14 @@ async def test_remap_batch_sharded_over_two_hosts(cluster: Cluster, tmp_path: Pa
 # --------------------------------------------------------------------------- rolling upgrade
 
 
-def _require_057() -> Path:
-    python = VENV_057 / "bin" / "python"
-    if not (VENV_057 / "bin" / "lmcache").exists():
-        pytest.fail(
-            f"the lmcache 0.5.7rc3 venv is missing at {VENV_057} (set LMCACHE_057_VENV)", pytrace=False
-        )
-    return python
-
-
 @pytest.fixture(scope="module")
-def server_057(cluster: Cluster, _real_server_registry: Any) -> Iterator[RealLMCacheServer]:
+def server_057(
+    cluster: Cluster, _real_server_registry: Any, lmcache057_python: Path
+) -> Iterator[RealLMCacheServer]:
     """A 0.5.7rc3 server (same flags) on the cluster's Redis."""
-    python = _require_057()
-    srv = _real_server_registry.start("shm", python, name="l2_057", extra_args=l2_args(cluster.redis))
+    srv = _real_server_registry.start(
+        "shm", lmcache057_python, name="l2_057", extra_args=l2_args(cluster.redis)
+    )
     assert srv.get_json("/lmc_version") == "0.5.7rc3.dev0"
     yield srv
     srv.stop()
@@ -504,7 +497,7 @@ def server_057(cluster: Cluster, _real_server_registry: Any) -> Iterator[RealLMC
 
 @pytest.mark.timeout(240)
 async def test_rolling_upgrade_056_and_057_share_redis(
-    cluster: Cluster, server_057: RealLMCacheServer, lmcache_python: Path
+    cluster: Cluster, server_057: RealLMCacheServer, lmcache_python: Path, lmcache057_python: Path
 ) -> None:
     """KV written through a 0.5.6 server is read bitwise through a 0.5.7rc3 server sharing
     the Redis L2, and the other way round (same chunk hashes, same Redis keys, same bytes).
@@ -522,7 +515,7 @@ async def test_rolling_upgrade_056_and_057_share_redis(
         random_kv(geometry, 2 * CS),
         random_kv(geometry, 3 * CS),
     )
-    python_057 = _require_057()
+    python_057 = lmcache057_python
     with (
         EngineWorker(server_057.url, python=python_057) as new_engine,
         SDKWorker(python=python_057) as new,
