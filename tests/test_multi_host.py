@@ -78,9 +78,12 @@ def cluster(_real_server_registry: Any, lmcache_python: Path) -> Iterator[Cluste
     module's tests (each uses its own model name)."""
     redis = RedisServer().start()
     try:
-        a = _real_server_registry.start("shm", lmcache_python, name="l2_a", extra_args=l2_args(redis))
-        b = _real_server_registry.start("pickle", lmcache_python, name="l2_b", extra_args=l2_args(redis))
+        a, b = _real_server_registry.start_together(
+            ("shm", lmcache_python, {"name": "l2_a", "extra_args": l2_args(redis)}),
+            ("pickle", lmcache_python, {"name": "l2_b", "extra_args": l2_args(redis)}),
+        )
         yield Cluster(redis, a, b)
+        a.terminate(), b.terminate()  # they shut down in parallel
         for srv in (a, b):
             srv.stop()
             assert srv.leftovers() == []
@@ -248,8 +251,10 @@ async def test_redis_restart_is_not_survived_until_servers_restart(
     its log) and other servers miss it silently -- until that LMCache server restarts."""
     model = unique_model("mh-redis")
     with RedisServer(persistent=True) as redis:
-        a = fresh_real_server("shm", name="l2r_a", extra_args=l2_args(redis))
-        b = fresh_real_server("pickle", name="l2r_b", extra_args=l2_args(redis))
+        a, b = fresh_real_server.together(
+            {"mode": "shm", "name": "l2r_a", "extra_args": l2_args(redis)},
+            {"mode": "pickle", "name": "l2r_b", "extra_args": l2_args(redis)},
+        )
         before, kv1 = fresh_tokens(2 * CS), random_kv(GEOM, 2 * CS)
         after, kv2 = fresh_tokens(2 * CS), random_kv(GEOM, 2 * CS)
         async with client_of(a, model) as ca:
@@ -279,6 +284,7 @@ async def test_redis_restart_is_not_survived_until_servers_restart(
             got = await cb.retrieve(before)
             assert got is not None and torch.equal(got, kv1)
             assert await cb.retrieve(after) is None  # never reached Redis
+        a.terminate(), b.terminate()  # they shut down in parallel
         for srv in (a, b):
             srv.stop()
             assert srv.leftovers() == []
@@ -508,19 +514,25 @@ async def test_rolling_upgrade_056_and_057_share_redis(
 
     model = unique_model("mh-upgrade")
     geometry = KVGeometry(2, 2, 8, torch.bfloat16, 4)
-    reg = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "num_blocks": 64}
+    reg: dict[str, Any] = {
+        "num_layers": 2,
+        "num_kv_heads": 2,
+        "head_dim": 8,
+        "block_size": 4,
+        "num_blocks": 64,
+    }
     ours, theirs, engine_056 = fresh_tokens(2 * CS), fresh_tokens(2 * CS), fresh_tokens(3 * CS)
     kv_ours, kv_theirs, kv_056 = (
         random_kv(geometry, 2 * CS),
         random_kv(geometry, 2 * CS),
         random_kv(geometry, 3 * CS),
     )
-    python_057 = lmcache057_python
-    with (
-        EngineWorker(server_057.url, python=python_057) as new_engine,
-        SDKWorker(python=python_057) as new,
-        EngineWorker(cluster.a.url, python=lmcache_python) as old,
-    ):
+    new_engine = EngineWorker(server_057.url, python=lmcache057_python)
+    new = SDKWorker(python=lmcache057_python)
+    old = EngineWorker(cluster.a.url, python=lmcache_python)
+    for worker in (new_engine, new, old):
+        worker.spawn()  # overlap the three ~2.5 s interpreter startups
+    with new_engine, new, old:
         new_engine.register(model, **reg)  # registration only: /status gets the layout
         assert new.connect(server_057.url, server_057.http_url, model)["chunk_size"] == CS
         old.register(model, **reg)
