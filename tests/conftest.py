@@ -23,6 +23,11 @@ Real-server fixtures (the REAL LMCache MP server, run from its own venv built by
   servers it made are stopped at teardown (and checked: no process, no
   ``/dev/shm`` segment left). For restart tests (``server.restart()`` keeps
   ports and shm name).
+* ``module_real_server`` (module, parametrized indirectly with a dict of
+  ``fresh_real_server``'s arguments): a server of the module's own, shared by the
+  tests that ask for the same arguments (pytest runs them together, so one is alive
+  at a time), stopped and checked after the last of them: for tests that need a
+  server no other module uses (they clear it, count its sessions) but not one each.
 * The 0.5.7 generation: ``lmcache057_python`` (session, the 0.5.7 venv's
   python), ``real_server_057_shm`` / ``real_server_057_pickle`` (session,
   chunk size 16, like the 0.5.6 ones) and ``real_server_057`` (function,
@@ -46,6 +51,8 @@ process started here is alive and no shm segment it created remains.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import os
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
@@ -83,6 +90,7 @@ REAL_SERVER_FIXTURES: set[str] = {
     "real_server_shm",
     "real_server_pickle",
     "fresh_real_server",
+    "module_real_server",
     "lmcache057_python",
     "real_server_057",
     "real_server_057_shm",
@@ -210,6 +218,12 @@ class _Registry:
             _fail(f"could not start the real LMCache {srv.generation} server (mode={mode})", exc)
         return srv
 
+    def start_together(self, *specs: tuple[str, Path, dict[str, Any]]) -> list[RealLMCacheServer]:
+        """:meth:`start` for each ``(mode, python, kw)`` at once: a start is ~3 s, mostly
+        lmcache's imports on one CPU, and several overlap. Raises the first failure (the
+        servers that did start are registered, so stopped and checked at session end)."""
+        return _together([functools.partial(self.start, mode, python, **kw) for mode, python, kw in specs])
+
 
 @pytest.fixture(scope="session")
 def _real_server_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Registry]:
@@ -304,6 +318,29 @@ class _FreshServers:
         self.servers.append(srv)
         return srv
 
+    def together(self, *calls: dict[str, Any]) -> list[RealLMCacheServer]:
+        """Several servers started at once, one per dict of this factory's arguments
+        (``mode``, ``generation``, ``**kw``), returned in that order."""
+        return _together([functools.partial(self, **call) for call in calls])
+
+
+def _together(starts: list[Callable[[], RealLMCacheServer]]) -> list[RealLMCacheServer]:
+    with concurrent.futures.ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+    return [f.result() for f in futures]
+
+
+def _stop_and_check(servers: list[RealLMCacheServer], what: str) -> None:
+    """Stop ``servers`` (SIGTERM to all first: a server takes ~2 s to shut down, and they
+    do it in parallel), then assert that none left a process or a /dev/shm segment."""
+    for srv in servers:
+        srv.terminate()
+    problems: list[str] = []
+    for srv in servers:
+        srv.stop()
+        problems += [f"{srv!r}: {p}" for p in srv.leftovers()]
+    assert not problems, f"{what} leftovers:\n" + "\n".join(problems)
+
 
 @pytest.fixture
 def fresh_real_server(
@@ -312,11 +349,26 @@ def fresh_real_server(
     """Factory ``make(mode="shm", generation="0.5.6", **kw)`` for servers owned by one test."""
     factory = _FreshServers(_real_server_registry, pytestconfig)
     yield factory
-    problems: list[str] = []
-    for srv in factory.servers:
-        srv.stop()
-        problems += [f"{srv!r}: {p}" for p in srv.leftovers()]
-    assert not problems, "fresh server leftovers:\n" + "\n".join(problems)
+    _stop_and_check(factory.servers, "fresh server")
+
+
+@pytest.fixture(scope="module")
+def module_real_server(
+    request: pytest.FixtureRequest,
+    _real_server_registry: _Registry,
+    lmcache_python: Path,
+    pytestconfig: pytest.Config,
+) -> Iterator[RealLMCacheServer]:
+    """A server of the module's own, shared by the module's tests that ask for the same
+    one: parametrize it indirectly with the ``fresh_real_server`` arguments as a dict
+    (``{"mode": "shm", "generation": "0.5.7"}``). pytest runs the tests of one parameter
+    together, so one such server is alive at a time. For tests that need a server no other
+    module uses (they clear it, count its sessions) but not one each. Stopped and checked
+    after its last test."""
+    factory = _FreshServers(_real_server_registry, pytestconfig)
+    srv = factory(**request.param)
+    yield srv
+    _stop_and_check(factory.servers, "module server")
 
 
 @pytest.fixture(autouse=True)

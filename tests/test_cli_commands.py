@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import os
 import re
@@ -70,6 +71,14 @@ def cli(*args: str, cwd: Path, timeout: float = 120.0) -> subprocess.CompletedPr
         env={k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
     )
     return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(), proc.stderr.decode())
+
+
+def cli_many(*argvs: list[str], cwd: Path) -> list[subprocess.CompletedProcess[str]]:
+    """:func:`cli` for each argv at once (independent commands: each is ~2.5 s of
+    interpreter and torch start-up, which overlap), the results in argv order."""
+    with concurrent.futures.ThreadPoolExecutor(len(argvs)) as pool:
+        futures = [pool.submit(cli, *argv, cwd=cwd) for argv in argvs]
+    return [f.result() for f in futures]
 
 
 def ok(proc: subprocess.CompletedProcess[str], code: int = 0) -> subprocess.CompletedProcess[str]:
@@ -169,14 +178,16 @@ def test_official_package_is_stored_looked_up_and_retrieved(
     model = unique_model("cli-pkg")
     start = fresh_tokens(1)[0]
     official = tmp_path / "official.pt"
-    said = write_official_package(lmcache_python, official, model, "s1", 3, 16, start, 7)
-    assert said == f"wrote {official} with shape (2, 2, 48, 16) and dtype torch.bfloat16\n"
-
-    # Our make-package with the same flags writes the same bytes.
     ours = tmp_path / "ours.pt"
-    made = ok(cli("make-package", "--output", str(ours), "--model-name", model, "--cache-salt", "s1",
-                  "--chunk-size", "16", "--num-chunks", "3", "--num-layers", "2", "--hidden-dim", "16",
-                  "--token-start", str(start), "--seed", "7", cwd=tmp_path))  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two independent start-ups
+        writing = pool.submit(write_official_package, lmcache_python, official, model, "s1", 3, 16, start, 7)
+        # Our make-package with the same flags writes the same bytes.
+        making = pool.submit(cli, "make-package", "--output", str(ours), "--model-name", model,
+                             "--cache-salt", "s1", "--chunk-size", "16", "--num-chunks", "3",
+                             "--num-layers", "2", "--hidden-dim", "16", "--token-start", str(start),
+                             "--seed", "7", cwd=tmp_path)  # fmt: skip
+    said, made = writing.result(), ok(making.result())
+    assert said == f"wrote {official} with shape (2, 2, 48, 16) and dtype torch.bfloat16\n"
     assert made.stdout == f"wrote {ours} with shape (2, 2, 48, 16) and dtype torch.bfloat16\n"
     a = torch.load(official, weights_only=True)
     b = torch.load(ours, weights_only=True)
@@ -209,16 +220,30 @@ def test_official_package_is_stored_looked_up_and_retrieved(
     }
 
     geo = ["--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8"]  # 2 x 8 = the package's 16
-    looked = ok(cli("lookup", *server_args(real_server), "--model-name", model, "--cache-salt", "s1",
-                    "--token-start", str(start), "--num-tokens", "40", *geo, cwd=tmp_path))  # fmt: skip
+    out = tmp_path / "got.pt"
+    nothing = tmp_path / "none.pt"
+    # Four reads of what is stored, at once (none changes the server's contents).
+    looked, unsalted, got, miss = (
+        ok(proc)
+        for proc in cli_many(
+            ["lookup", *server_args(real_server), "--model-name", model, "--cache-salt", "s1",
+             "--token-start", str(start), "--num-tokens", "40", *geo],
+            ["lookup", *server_args(real_server), "--model-name", model, "--tokens",
+             f"{start}:{start + 48}", *geo, "--json"],
+            ["retrieve", *server_args(real_server), "--model-name", model, "--cache-salt", "s1",
+             "--token-start", str(start), "--num-tokens", "60", "--output", str(out), *geo],
+            # A miss writes nothing.
+            ["retrieve", *server_args(real_server), "--model-name", model, "--token-start",
+             str(start), "--num-tokens", "48", "--output", str(nothing), *geo, "--json"],
+            cwd=tmp_path,
+        )
+    )  # fmt: skip
     assert looked.stdout == lines(
         ("model", model),
         ("cache salt", "'s1'"),
         ("tokens", "40"),
         ("cached", "32 tokens (2 chunks) of 32 looked up"),
     )
-    unsalted = ok(cli("lookup", *server_args(real_server), "--model-name", model, "--tokens",
-                      f"{start}:{start + 48}", *geo, "--json", cwd=tmp_path))  # fmt: skip
     assert json.loads(unsalted.stdout) == {
         "model_name": model,
         "cache_salt": "",
@@ -227,10 +252,6 @@ def test_official_package_is_stored_looked_up_and_retrieved(
         "chunk_size": CS,
     }
 
-    out = tmp_path / "got.pt"
-    got = ok(cli("retrieve", *server_args(real_server), "--model-name", model, "--cache-salt", "s1",
-                 "--token-start", str(start), "--num-tokens", "60", "--output", str(out), *geo,
-                 cwd=tmp_path))  # fmt: skip
     assert got.stdout == lines(
         ("model", model),
         ("cache salt", "'s1'"),
@@ -243,11 +264,6 @@ def test_official_package_is_stored_looked_up_and_retrieved(
     assert pkg["tokens"] == list(range(start, start + 48))
     assert torch.equal(pkg["kv"], a["kv"])
 
-    # A miss writes nothing.
-    nothing = tmp_path / "none.pt"
-    miss = ok(cli("retrieve", *server_args(real_server), "--model-name", model, "--token-start",
-                  str(start), "--num-tokens", "48", "--output", str(nothing), *geo, "--json",
-                  cwd=tmp_path))  # fmt: skip
     assert json.loads(miss.stdout) == {
         "model_name": model,
         "cache_salt": "",
@@ -704,15 +720,18 @@ def test_usage_errors_exit_2(real_server_shm: RealLMCacheServer, tmp_path: Path)
             f"{srv.http_url} as --http-url",
         ),
     ]
-    for argv, message in cases:
-        proc = ok(cli(*argv, cwd=tmp_path), 2)
-        assert (proc.stdout, proc.stderr) == ("", f"{PROG} {argv[0]}: error: {message}\n")
-    bad_range = ok(
-        cli("remap", "--model-name", "m", "--source-tokens", "9:3", "--target-tokens", "1", cwd=tmp_path), 2
+    *procs, bad_range, unregistered = cli_many(
+        *(argv for argv, _ in cases),
+        ["remap", "--model-name", "m", "--source-tokens", "9:3", "--target-tokens", "1"],
+        ["lookup", *server_args(srv), "--model-name", "nobody-registered-this", "--num-tokens", "16"],
+        cwd=tmp_path,
     )
+    for (argv, message), proc in zip(cases, procs, strict=True):
+        ok(proc, 2)
+        assert (proc.stdout, proc.stderr) == ("", f"{PROG} {argv[0]}: error: {message}\n")
+    ok(bad_range, 2)
     assert bad_range.stderr.endswith("error: argument --source-tokens: range '9:3' ends before it starts\n")
-    unregistered = ok(cli("lookup", *server_args(srv), "--model-name", "nobody-registered-this",
-                          "--num-tokens", "16", cwd=tmp_path), 1)  # fmt: skip
+    ok(unregistered, 1)
     assert unregistered.stderr.startswith(
         f"{PROG} lookup: error: model 'nobody-registered-this' is not registered on the server (registered: "
     )

@@ -316,7 +316,9 @@ async def test_interop_with_the_official_sdk(real_server: Any) -> None:
     from tests.support.workers import EngineWorker, SDKWorker
 
     model = unique_model("sdk")
-    with EngineWorker(server.url) as eng, SDKWorker() as sdk:
+    eng, sdk = EngineWorker(server.url), SDKWorker()
+    eng.spawn(), sdk.spawn()  # overlap the two ~2.5 s interpreter startups
+    with eng, sdk:
         # The SDK needs an engine registration in /status to learn the geometry.
         eng.register(model, num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=64)
         sdk.connect(server.url, server.http_url, model)
@@ -336,8 +338,10 @@ async def test_interop_with_the_official_sdk(real_server: Any) -> None:
 
 
 async def test_reregisters_after_a_server_restart(fresh_real_server: Any) -> None:
-    for mode in ("shm", "pickle"):
-        srv = fresh_real_server(mode)
+    # Both transports at once: their servers start, and restart, in parallel.
+    servers = fresh_real_server.together({"mode": "shm"}, {"mode": "pickle"})
+
+    async def restart_and_reuse(srv: Any) -> None:
         async with AsyncClient(
             srv.url, srv.http_url, unique_model(), geometry=SMALL_GEOMETRY, timeout=30
         ) as c:
@@ -359,7 +363,10 @@ async def test_reregisters_after_a_server_restart(fresh_real_server: Any) -> Non
             assert await c.store(kv, tokens) is True
             got = await c.retrieve(tokens)
             assert got is not None and torch.equal(got, kv)
-            assert c.transfer == mode
+            assert c.transfer == srv.mode
+
+    await asyncio.gather(*(restart_and_reuse(srv) for srv in servers))
+    assert [srv.mode for srv in servers] == ["shm", "pickle"]
 
 
 async def test_closed_client_refuses_calls(server: Any) -> None:

@@ -3,8 +3,8 @@
 Real parts only: Debian's ``redis-server`` (``tests/support/redis_server.py``, installed
 by ``tests/support/ensure_redis.sh``) and real LMCache servers started with
 ``--l2-adapter '{"type":"resp","host":"127.0.0.1","port":PORT}'`` -- 0.5.6 from
-``.lmcache-venv`` and, for the rolling upgrade, 0.5.7rc3 from ``LMCACHE_057_VENV``
-(default ``/work/venv057``). "Hosts" are servers on loopback ports with their own L1;
+``.lmcache-venv`` and, for the rolling upgrade, 0.5.7rc3 from ``.lmcache-venv-057``
+(the ``lmcache057_python`` fixture, built by the test set-up like the 0.5.6 one). "Hosts" are servers on loopback ports with their own L1;
 the L2 is the only thing they share, as on separate machines.
 
 What LMCache 0.5.6 does (read in its source, checked here):
@@ -54,7 +54,6 @@ pytestmark = pytest.mark.anyio
 CS = 16
 GEOM = SMALL_GEOMETRY
 #: The 0.5.7rc3 venv (reference/lmcache-0.5.7.md); the rolling-upgrade test needs it.
-VENV_057 = Path(os.environ.get("LMCACHE_057_VENV", "/work/venv057"))
 
 
 # --------------------------------------------------------------------------- topology
@@ -79,9 +78,12 @@ def cluster(_real_server_registry: Any, lmcache_python: Path) -> Iterator[Cluste
     module's tests (each uses its own model name)."""
     redis = RedisServer().start()
     try:
-        a = _real_server_registry.start("shm", lmcache_python, name="l2_a", extra_args=l2_args(redis))
-        b = _real_server_registry.start("pickle", lmcache_python, name="l2_b", extra_args=l2_args(redis))
+        a, b = _real_server_registry.start_together(
+            ("shm", lmcache_python, {"name": "l2_a", "extra_args": l2_args(redis)}),
+            ("pickle", lmcache_python, {"name": "l2_b", "extra_args": l2_args(redis)}),
+        )
         yield Cluster(redis, a, b)
+        a.terminate(), b.terminate()  # they shut down in parallel
         for srv in (a, b):
             srv.stop()
             assert srv.leftovers() == []
@@ -249,8 +251,10 @@ async def test_redis_restart_is_not_survived_until_servers_restart(
     its log) and other servers miss it silently -- until that LMCache server restarts."""
     model = unique_model("mh-redis")
     with RedisServer(persistent=True) as redis:
-        a = fresh_real_server("shm", name="l2r_a", extra_args=l2_args(redis))
-        b = fresh_real_server("pickle", name="l2r_b", extra_args=l2_args(redis))
+        a, b = fresh_real_server.together(
+            {"mode": "shm", "name": "l2r_a", "extra_args": l2_args(redis)},
+            {"mode": "pickle", "name": "l2r_b", "extra_args": l2_args(redis)},
+        )
         before, kv1 = fresh_tokens(2 * CS), random_kv(GEOM, 2 * CS)
         after, kv2 = fresh_tokens(2 * CS), random_kv(GEOM, 2 * CS)
         async with client_of(a, model) as ca:
@@ -280,6 +284,7 @@ async def test_redis_restart_is_not_survived_until_servers_restart(
             got = await cb.retrieve(before)
             assert got is not None and torch.equal(got, kv1)
             assert await cb.retrieve(after) is None  # never reached Redis
+        a.terminate(), b.terminate()  # they shut down in parallel
         for srv in (a, b):
             srv.stop()
             assert srv.leftovers() == []
@@ -482,20 +487,14 @@ async def test_remap_batch_sharded_over_two_hosts(cluster: Cluster, tmp_path: Pa
 # --------------------------------------------------------------------------- rolling upgrade
 
 
-def _require_057() -> Path:
-    python = VENV_057 / "bin" / "python"
-    if not (VENV_057 / "bin" / "lmcache").exists():
-        pytest.fail(
-            f"the lmcache 0.5.7rc3 venv is missing at {VENV_057} (set LMCACHE_057_VENV)", pytrace=False
-        )
-    return python
-
-
 @pytest.fixture(scope="module")
-def server_057(cluster: Cluster, _real_server_registry: Any) -> Iterator[RealLMCacheServer]:
+def server_057(
+    cluster: Cluster, _real_server_registry: Any, lmcache057_python: Path
+) -> Iterator[RealLMCacheServer]:
     """A 0.5.7rc3 server (same flags) on the cluster's Redis."""
-    python = _require_057()
-    srv = _real_server_registry.start("shm", python, name="l2_057", extra_args=l2_args(cluster.redis))
+    srv = _real_server_registry.start(
+        "shm", lmcache057_python, name="l2_057", extra_args=l2_args(cluster.redis)
+    )
     assert srv.get_json("/lmc_version") == "0.5.7rc3.dev0"
     yield srv
     srv.stop()
@@ -504,7 +503,7 @@ def server_057(cluster: Cluster, _real_server_registry: Any) -> Iterator[RealLMC
 
 @pytest.mark.timeout(240)
 async def test_rolling_upgrade_056_and_057_share_redis(
-    cluster: Cluster, server_057: RealLMCacheServer, lmcache_python: Path
+    cluster: Cluster, server_057: RealLMCacheServer, lmcache_python: Path, lmcache057_python: Path
 ) -> None:
     """KV written through a 0.5.6 server is read bitwise through a 0.5.7rc3 server sharing
     the Redis L2, and the other way round (same chunk hashes, same Redis keys, same bytes).
@@ -515,19 +514,25 @@ async def test_rolling_upgrade_056_and_057_share_redis(
 
     model = unique_model("mh-upgrade")
     geometry = KVGeometry(2, 2, 8, torch.bfloat16, 4)
-    reg = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "num_blocks": 64}
+    reg: dict[str, Any] = {
+        "num_layers": 2,
+        "num_kv_heads": 2,
+        "head_dim": 8,
+        "block_size": 4,
+        "num_blocks": 64,
+    }
     ours, theirs, engine_056 = fresh_tokens(2 * CS), fresh_tokens(2 * CS), fresh_tokens(3 * CS)
     kv_ours, kv_theirs, kv_056 = (
         random_kv(geometry, 2 * CS),
         random_kv(geometry, 2 * CS),
         random_kv(geometry, 3 * CS),
     )
-    python_057 = _require_057()
-    with (
-        EngineWorker(server_057.url, python=python_057) as new_engine,
-        SDKWorker(python=python_057) as new,
-        EngineWorker(cluster.a.url, python=lmcache_python) as old,
-    ):
+    new_engine = EngineWorker(server_057.url, python=lmcache057_python)
+    new = SDKWorker(python=lmcache057_python)
+    old = EngineWorker(cluster.a.url, python=lmcache_python)
+    for worker in (new_engine, new, old):
+        worker.spawn()  # overlap the three ~2.5 s interpreter startups
+    with new_engine, new, old:
         new_engine.register(model, **reg)  # registration only: /status gets the layout
         assert new.connect(server_057.url, server_057.http_url, model)["chunk_size"] == CS
         old.register(model, **reg)

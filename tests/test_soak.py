@@ -19,8 +19,14 @@ and its table of operations are empty; ``/status``'s ``active_sessions`` and
 again and reads back bitwise; the client's RSS grew by less than ``RSS_BOUND`` after
 the warm-up.
 
-CI runs the short versions (about 1,000 operations on 0.5.6, 300 on 0.5.7);
-``pytest -m slow tests/test_soak.py`` runs 10,000 on 0.5.6 and 2,000 on 0.5.7.
+Each generation and transport has a server of this module's own (``module_real_server``: no
+other module's client is counted in its sessions, and the final ``clear`` evicts only what
+the soaks stored); its short and its long soak run one after the other on it, each with its
+own model and prompts, each from the baseline it measures.
+
+CI runs the short versions (1,000 operations on 0.5.6 SHM, 300 on the others);
+``pytest -m slow tests/test_soak.py`` runs the long ones: 10,000 on 0.5.6 SHM, 2,000 on 0.5.6
+inline and 0.5.7 SHM, 1,000 on 0.5.7 inline.
 """
 
 from __future__ import annotations
@@ -273,26 +279,31 @@ async def run_soak(srv: Any, n_ops: int, seed: int) -> None:
         assert c._conn.in_flight == 0
 
 
-CI = [
-    pytest.param("0.5.6", "shm", 1000, id="056-shm-1k"),
-    pytest.param("0.5.6", "pickle", 300, id="056-pickle-300"),
-    pytest.param("0.5.7", "shm", 300, id="057-shm-300"),
+#: The module's servers (``module_real_server``'s arguments): the short and the long soak
+#: of one server run one after the other on it, then it is stopped.
+SERVERS = [
+    pytest.param({"generation": g, "mode": m}, id=f"{g.replace('.', '')[:3]}-{m}")
+    for g, m in (("0.5.6", "shm"), ("0.5.6", "pickle"), ("0.5.7", "shm"), ("0.5.7", "pickle"))
 ]
-SLOW = [
-    pytest.param("0.5.6", "shm", 10_000, id="056-shm-10k"),
-    pytest.param("0.5.6", "pickle", 2_000, id="056-pickle-2k"),
-    pytest.param("0.5.7", "shm", 2_000, id="057-shm-2k"),
-    pytest.param("0.5.7", "pickle", 1_000, id="057-pickle-1k"),
-]
+#: Operations per soak, by server: CI's short run and the long one (``-m slow``).
+SHORT = {("0.5.6", "shm"): 1000, ("0.5.6", "pickle"): 300, ("0.5.7", "shm"): 300, ("0.5.7", "pickle"): 300}
+LONG = {
+    ("0.5.6", "shm"): 10_000,
+    ("0.5.6", "pickle"): 2_000,
+    ("0.5.7", "shm"): 2_000,
+    ("0.5.7", "pickle"): 1_000,
+}
 
 
-@pytest.mark.parametrize(("generation", "mode", "n_ops"), CI)
-async def test_soak(fresh_real_server: Any, generation: str, mode: str, n_ops: int) -> None:
-    await run_soak(fresh_real_server(mode, generation=generation), n_ops, seed=n_ops)
+@pytest.mark.parametrize("module_real_server", SERVERS, indirect=True)
+async def test_soak(module_real_server: Any) -> None:
+    n_ops = SHORT[module_real_server.generation, module_real_server.mode]
+    await run_soak(module_real_server, n_ops, seed=n_ops)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize(("generation", "mode", "n_ops"), SLOW)
-async def test_soak_long(fresh_real_server: Any, generation: str, mode: str, n_ops: int) -> None:
-    await run_soak(fresh_real_server(mode, generation=generation), n_ops, seed=n_ops + 1)
+@pytest.mark.parametrize("module_real_server", SERVERS, indirect=True)
+async def test_soak_long(module_real_server: Any) -> None:
+    n_ops = LONG[module_real_server.generation, module_real_server.mode]
+    await run_soak(module_real_server, n_ops, seed=n_ops + 1)
