@@ -111,6 +111,7 @@ client = Client(os.environ["LMCACHE_URL"], os.environ["LMCACHE_HTTP_URL"], os.en
                 geometry=geometry)
 toks = list(range(7, 7 + 64))
 assert client.store(torch.ones(geometry.kv_shape(64), dtype=torch.bfloat16), toks) is True
+assert client.drain(timeout=10) is True  # the store's end_session, sent in the background
 """
 
 _SLOW_CALL = """

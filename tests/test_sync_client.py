@@ -77,7 +77,13 @@ def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 def _in_flight(client: Client) -> int:
-    return len(client._async._ops)  # test-only peek at the async client's operations
+    """Operations running (test-only peek at the async client): their tasks, not the
+    cleanup replies (``end_session`` and the like) awaited in the background."""
+    return sum(isinstance(t, asyncio.Task) for t in list(client._async._ops))
+
+
+def _cleanups_pending(client: Client) -> int:
+    return len(client._async._ops)  # operations and background cleanup replies
 
 
 @contextlib.contextmanager
@@ -428,6 +434,7 @@ def test_keyboard_interrupt_cancels_and_leaves_no_server_session(
     kv = _kv(n)
     with _client(srv, cleanup_grace=10.0) as client:
         assert client.store(kv, toks) is True
+        assert client.drain(timeout=10) is True  # the store's end_session, sent in the background
         baseline = srv.status()["active_sessions"]
         calls: list[Callable[[], object]] = [
             lambda: client.lookup(toks, timeout=60),
@@ -441,7 +448,7 @@ def test_keyboard_interrupt_cancels_and_leaves_no_server_session(
             ):
                 call()
             # The server runs again: the abandoned operation ends its session on its own.
-            _wait_for(lambda: _in_flight(client) == 0, 30, "the abandoned operation to clean up")
+            _wait_for(lambda: _cleanups_pending(client) == 0, 30, "the abandoned operation to clean up")
             _wait_for(
                 lambda: (
                     srv.status()["active_sessions"] == baseline and srv.status()["active_prefetch_jobs"] == 0
