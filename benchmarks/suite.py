@@ -194,7 +194,7 @@ def main() -> int:
             print(f"[{name}] done in {head['seconds']} s -> {path}", file=sys.stderr)
     print(f"suite: {time.monotonic() - t_start:.0f} s; failed: {failed or 'none'}", file=sys.stderr)
     if not args.no_render:
-        import render
+        from benchmarks import render
 
         render.main([])
     return 1 if failed else 0

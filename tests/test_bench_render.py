@@ -140,3 +140,30 @@ def test_gpu_json_is_rendered_as_tables(render: Any, tmp_path: Path) -> None:
     assert "### `cuda_h200.json`" in gpu
     assert "| device | GPU X |" in gpu
     assert "| case | chunks | ms |\n|---|---|---|\n| retrieve_out | 16 | 12.5 (12.5-12.5) |" in gpu
+
+
+def test_every_import_in_benchmarks_resolves_from_the_repo_root() -> None:
+    """benchmarks/ is a package run as ``python -m benchmarks.X`` with no sys.path edits:
+    every import in it, also one inside a function (the suite imports the renderer only
+    at the end of a run), names a module importable from the repository root."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    missing = []
+    # The SDK workers run as scripts in the lmcache venv, with tests/support on their path.
+    lmcache_venv_scripts = {"sdk_bench_worker.py", "sdk_remap_worker.py"}
+    for path in sorted((root / "benchmarks").glob("*.py")):
+        if path.name in lmcache_venv_scripts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                if importlib.util.find_spec(name) is None:
+                    missing.append(f"{path.name}:{node.lineno} {name}")
+    assert missing == []
