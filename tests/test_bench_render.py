@@ -158,12 +158,13 @@ def test_every_import_in_benchmarks_resolves_from_the_repo_root() -> None:
         if path.name in lmcache_venv_scripts:
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = []
             if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
+                names = [(a.name, node.lineno) for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            for name in names:
+                names = [(node.module, node.lineno)]
+            else:
+                continue
+            for name, line in names:
                 if importlib.util.find_spec(name) is None:
-                    missing.append(f"{path.name}:{node.lineno} {name}")
+                    missing.append(f"{path.name}:{line} {name}")
     assert missing == []
