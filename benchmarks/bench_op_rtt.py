@@ -1,7 +1,6 @@
 """Where a call's time goes: round trips and copies, one operation at a time (issue 11).
 
-    python benchmarks/bench_op_rtt.py [--n 300] [--reps 7] [--json out.json]
-    python -m benchmarks.bench_op_rtt ...          (the same, as a module)
+    python -m benchmarks.bench_op_rtt [--n 300] [--reps 7] [--json out.json]
 
 Run from the repository root with ``lmcache_async`` importable (installed, or
 ``PYTHONPATH=.``). Starts the embedded server in its own process (``lmcache-async serve``,
@@ -39,10 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import zmq
 
 import lmcache_async as lmc
-from lmcache_async import wire
+from benchmarks.bench_rtt import blocking as bare_dealer
 from lmcache_async.wire import Op
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,21 +171,6 @@ def phase_table(runs: list[tuple[float, list[tuple[str, float, float]]]]) -> dic
 
 
 # ------------------------------------------------------------------ round trips
-
-
-def bare_dealer(url: str, op: Op, args: tuple[Any, ...], n: int) -> float:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(url)
-    times = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        sock.send_multipart(wire.encode_request(i, op, args))
-        sock.recv_multipart()
-        times.append(time.perf_counter() - t0)
-    sock.close(0)
-    ctx.term()
-    return statistics.median(times[n // 5 :])
 
 
 async def ours_rtt(
