@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 import lmcache_async as lmc
+from benchmarks.bench_cuda import Tokens
 from benchmarks.bench_rtt import blocking as bare_dealer
 from lmcache_async.wire import Op
 
@@ -209,16 +210,6 @@ async def round_trips(client: lmc.AsyncClient, url: str, n: int, rounds: int) ->
 
 
 # ------------------------------------------------------------------ operations
-
-
-class Tokens:
-    def __init__(self, base: int) -> None:
-        self.next = base
-
-    def fresh(self, n: int) -> list[int]:
-        t = list(range(self.next, self.next + n))
-        self.next += n
-        return t
 
 
 def make_kv(n: int, device: str) -> torch.Tensor:
