@@ -23,7 +23,7 @@ __all__ = ["CopyHook", "decode_inline", "encode_inline"]
 #: ``copy(i, dst, src)``: how tensor ``i`` is written into its flat CPU place in the frame.
 CopyHook = Callable[[int, torch.Tensor, torch.Tensor], None]
 _Encoder = Callable[[Sequence[torch.Tensor], CopyHook | None], bytearray]
-_Decoder = Callable[[bytes, int, tuple[int, ...], torch.dtype], list[torch.Tensor]]
+_Decoder = Callable[[bytes | memoryview, int, tuple[int, ...], torch.dtype], list[torch.Tensor]]
 
 _ENCODERS: Final[dict[str, _Encoder]] = {
     "pickle": lambda tensors, copy: encode_tensor_list(tensors, copy=copy),
@@ -51,7 +51,7 @@ def encode_inline(
 
 
 def decode_inline(
-    wire: WireGeneration, data: bytes, *, count: int, shape: tuple[int, ...], dtype: torch.dtype
+    wire: WireGeneration, data: bytes | memoryview, *, count: int, shape: tuple[int, ...], dtype: torch.dtype
 ) -> list[torch.Tensor]:
     """The ``count`` tensors of ``shape`` x ``dtype`` in a ``prepare_retrieve`` payload.
 

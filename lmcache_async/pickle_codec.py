@@ -17,8 +17,14 @@ is the ZMQ frame itself. Any pickle reader, including the server's unrestricted
 Decoding (:func:`decode_tensor_list`) never runs arbitrary code: a restricted unpickler
 admits only the globals plain tensors need (``_rebuild_tensor_v2``/``v3``,
 ``_load_from_bytes``, ``collections.OrderedDict``, ``torch.<dtype>``), storage blobs are
-loaded with ``torch.load(..., weights_only=True)``, and every rebuilt tensor is checked
-against its storage's bounds. Anything else raises :class:`UnsafePayloadError`.
+parsed here (one legacy storage each: its five small pickles read by a second restricted
+unpickler, then the element count and the raw bytes), and every rebuilt tensor is
+checked against its storage's bounds. Anything else raises :class:`UnsafePayloadError`.
+Nothing is copied on the way: the storage blobs are taken out of the outer pickle before
+it is unpickled (:func:`_detach_blobs`) and each storage is a view of the payload where
+the payload is writable memory (a received ZMQ frame); the caller's one copy is the one
+into place (before, a chunk was copied three times first: into a ``bytes``, into
+``torch.load``'s storage, then into place; ``docs/benchmarks.md``, the pickle section).
 
 Before any unpickler runs, every length and memo index the payload claims is checked
 against the bytes actually present (:func:`_scan_pickle`; CPython's unpickler allocates a
@@ -248,15 +254,27 @@ _TO_NEWLINE: Final = frozenset(
     op.code.encode("latin1")[0] for op in pickletools.opcodes if op.arg is not None and op.arg.n == -1
 )
 _PUT, _BINPUT, _LONG_BINPUT, _STOP = b"p"[0], b"q"[0], b"r"[0], b"."[0]
+_FRAME: Final = 0x95
+_BYTES_OPS: Final = frozenset(b"CB\x8e")  # SHORT_BINBYTES, BINBYTES, BINBYTES8
+_PERSISTENT_OPS: Final = frozenset(b"PQ")  # PERSID, BINPERSID
 _TWO_LINES: Final = frozenset(b"ci")
 _MAX_LINE: Final = 4096
 #: Opcodes one tensor may take in the outer pickle (torch's own: ~45, ours: <= ~120).
 _OPS_PER_TENSOR: Final = 256  # the longest text argument (a global's name, a decimal int)
 
 
-def _scan_pickle(data: memoryview, pos: int = 0, max_ops: int | None = None) -> int:
+def _scan_pickle(
+    data: memoryview,
+    pos: int = 0,
+    max_ops: int | None = None,
+    spans: list[tuple[int, int, int]] | None = None,
+) -> int:
     """Walk the opcodes of the pickle at ``data[pos:]`` without building anything;
     return the position after its STOP.
+
+    With ``spans``, append ``(opcode position, argument position, length)`` for every
+    bytes opcode (``SHORT_BINBYTES``/``BINBYTES``/``BINBYTES8``) and ``(position, -1, 9)``
+    for every ``FRAME``, and refuse persistent ids (what :func:`_detach_blobs` needs).
 
     Raises :class:`UnsafePayloadError` for an unknown opcode, a counted argument longer
     than the bytes left, or a memo index beyond the opcodes seen (each of which would
@@ -281,9 +299,15 @@ def _scan_pickle(data: memoryview, pos: int = 0, max_ops: int | None = None) -> 
                 raise UnsafePayloadError(
                     f"pickle payload claims {n} bytes at byte {pos} but holds {end - pos}"
                 )
+            if spans is not None and code in _BYTES_OPS:
+                spans.append((pos - width - 1, pos, n))
             pos += n
+        elif spans is not None and code in _PERSISTENT_OPS:
+            raise UnsafePayloadError("persistent ids are not allowed in the outer pickle")
         elif code in _FIXED:
             width = _FIXED[code]
+            if spans is not None and code == _FRAME:
+                spans.append((pos - 1, -1, 1 + width))
             if code in (_BINPUT, _LONG_BINPUT) and pos + width <= end:
                 index = int.from_bytes(data[pos : pos + width], "little")
                 if index > seen:
@@ -308,73 +332,127 @@ def _scan_pickle(data: memoryview, pos: int = 0, max_ops: int | None = None) -> 
     raise UnsafePayloadError("malformed pickle payload: truncated (no STOP)")
 
 
-_STORAGE_ITEMSIZE: Final[dict[str, int]] = {
-    **{name: dtype.itemsize for dtype, name in _STORAGE_CLASS.items()},
-    "BoolStorage": 1,
-    "ComplexFloatStorage": 8,
-    "ComplexDoubleStorage": 16,
+_STORAGE_DTYPE: Final[dict[str, torch.dtype]] = {
+    **{name: dtype for dtype, name in _STORAGE_CLASS.items()},
+    "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64,
+    "ComplexDoubleStorage": torch.complex128,
 }
 
 
-def _storage_itemsize(module: str, name: str) -> int:
-    if module != "torch" or name not in _STORAGE_ITEMSIZE:
+def _storage_dtype(module: str, name: str) -> torch.dtype:
+    if module != "torch" or name not in _STORAGE_DTYPE:
         raise UnsafePayloadError(f"storage blob references {module}.{name}, which is not a storage class")
-    return _STORAGE_ITEMSIZE[name]
+    return _STORAGE_DTYPE[name]
+
+
+class _ViewReader:
+    """A file over a memoryview for the unpickler: the small pickles in front of a
+    storage blob's data are read from it without copying the blob."""
+
+    __slots__ = ("_view", "pos")
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self.pos = 0
+
+    def read(self, n: int | None = -1) -> bytes:
+        stop = len(self._view) if n is None or n < 0 else min(len(self._view), self.pos + n)
+        out = bytes(self._view[self.pos : stop])
+        self.pos = max(stop, self.pos)
+        return out
+
+    def readinto(self, buf: Any) -> int:
+        data = self.read(len(buf))
+        buf[: len(data)] = data
+        return len(data)
+
+    def readline(self, size: int | None = -1) -> bytes:
+        limit = len(self._view) if size is None or size < 0 else min(len(self._view), self.pos + size)
+        chunk = bytes(self._view[self.pos : min(limit, self.pos + _MAX_LINE + 1)])
+        nl = chunk.find(b"\n")
+        line = chunk if nl < 0 else chunk[: nl + 1]
+        self.pos += len(line)
+        return line
 
 
 class _BlobHeadReader(pickle.Unpickler):
-    """Reads the small pickles in front of a legacy storage blob, only to add up the
-    bytes its persistent ids claim (torch allocates them before reading the data)."""
+    """Reads one of the small pickles in front of a legacy storage blob's data; the
+    only globals it admits are torch's storage classes, the only persistent id the
+    storage's (recorded in :attr:`pid`)."""
 
-    claimed: int = 0
+    pid: tuple[torch.dtype, str, int] | None = None
 
     def find_class(self, module: str, name: str) -> Any:
-        return _storage_itemsize(module, name)
+        return _storage_dtype(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
         if (
             not isinstance(pid, tuple)
-            or len(pid) < 5
+            or len(pid) not in (5, 6)
             or pid[0] != "storage"
-            or type(pid[1]) is not int
+            or not isinstance(pid[1], torch.dtype)
+            or not isinstance(pid[2], str)
             or type(pid[4]) is not int
             or pid[4] < 0
+            or (len(pid) == 6 and pid[5] is not None)
+            or self.pid is not None
         ):
             raise UnsafePayloadError("storage blob has a malformed persistent id")
-        self.claimed += pid[1] * pid[4]
-        return None
+        self.pid = (pid[1], pid[2], pid[4])
+        return _PID_SEEN
 
 
-def _check_blob_claims(blob: bytes | bytearray) -> None:
-    """Raise :class:`UnsafePayloadError` unless the storages a legacy ``torch.save`` blob
-    declares fit in the bytes it carries (checked before torch allocates them)."""
-    view = memoryview(blob)
-    f = io.BytesIO(blob)
-    claimed = 0
-    for _ in range(5):  # magic, protocol, system info, the object, the storage keys
-        _scan_pickle(view, f.tell())
+_PID_SEEN: Final = object()
+
+
+def _load_storage(blob: object) -> Any:
+    """``torch.storage._load_from_bytes(blob)`` for a legacy ``torch.save`` of one storage:
+    parsed here (five small pickles, the int64 element count, the raw bytes) rather than
+    by ``torch.load``, so the data is never copied: the storage is a view of ``blob``
+    where ``blob`` is writable memory (the received frame), else a copy of it."""
+    if not isinstance(blob, bytes | bytearray | memoryview):
+        raise UnsafePayloadError("storage blob must be bytes")
+    view = memoryview(blob).cast("B")
+    f = _ViewReader(view)
+    heads: list[Any] = []
+    pid: tuple[torch.dtype, str, int] | None = None
+    for _ in range(5):  # magic, protocol, system info, the storage (a persistent id), the keys
+        _scan_pickle(view, f.pos)
         reader = _BlobHeadReader(f)
         try:
-            reader.load()
+            heads.append(reader.load())
         except UnsafePayloadError:
             raise
         except Exception as exc:
             raise UnsafePayloadError(f"malformed storage blob: {type(exc).__name__}: {exc}") from exc
-        claimed += reader.claimed
-    if claimed > len(blob) - f.tell():
-        raise UnsafePayloadError(
-            f"storage blob claims {claimed} bytes of data but holds {len(blob) - f.tell()}"
-        )
-
-
-def _load_storage(blob: object) -> Any:
-    if not isinstance(blob, bytes | bytearray):
-        raise UnsafePayloadError("storage blob must be bytes")
-    _check_blob_claims(blob)
-    try:
-        return torch.load(io.BytesIO(blob), weights_only=True)
-    except Exception as exc:
-        raise UnsafePayloadError(f"storage blob refused by torch.load(weights_only=True): {exc}") from exc
+        if reader.pid is not None:
+            if pid is not None:
+                raise UnsafePayloadError("storage blob holds more than one storage")
+            pid = reader.pid
+    magic, protocol, info, obj, keys = heads
+    if magic != _MAGIC or protocol != _LEGACY_PROTOCOL:
+        raise UnsafePayloadError("storage blob is not a legacy torch.save stream")
+    if not isinstance(info, dict) or info.get("little_endian") is not True:
+        raise UnsafePayloadError("storage blob is not little-endian")
+    if pid is None or obj is not _PID_SEEN or keys != [pid[1]]:
+        raise UnsafePayloadError("storage blob must hold exactly one storage")
+    dtype, _key, numel = pid
+    pos = f.pos
+    nbytes = numel * dtype.itemsize
+    if nbytes + 8 > len(view) - pos:  # the int64 count, then the data
+        raise UnsafePayloadError(f"storage blob claims {nbytes} bytes of data but holds {len(view) - pos}")
+    if int.from_bytes(view[pos : pos + 8], "little", signed=True) != numel:
+        raise UnsafePayloadError("storage blob's element count does not match its storage")
+    pos += 8
+    if nbytes == 0:
+        untyped = torch.empty(0, dtype=torch.uint8).untyped_storage()
+    else:
+        data = view[pos : pos + nbytes]
+        if data.readonly:  # bytes: never hand out tensors over immutable memory
+            data = memoryview(bytearray(data))
+        untyped = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
+    return torch.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)  # type: ignore[no-untyped-call]
 
 
 def _check_rebuild(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any) -> None:
@@ -443,6 +521,10 @@ _ALLOWED: Final[dict[tuple[str, str], Any]] = {
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, blobs: Sequence[memoryview]) -> None:
+        super().__init__(file)
+        self._blobs = blobs
+
     def find_class(self, module: str, name: str) -> Any:
         try:
             return _ALLOWED[(module, name)]
@@ -453,7 +535,39 @@ class _RestrictedUnpickler(pickle.Unpickler):
             ) from None
 
     def persistent_load(self, pid: Any) -> Any:
+        # Only the blobs _detach_blobs took out (the payload's own persistent ids were
+        # refused when it was scanned).
+        if type(pid) is int and 0 <= pid < len(self._blobs):
+            return self._blobs[pid]
         raise UnsafePayloadError("persistent ids are not allowed in the outer pickle")
+
+
+def _detach_blobs(data: memoryview, max_ops: int | None) -> tuple[bytes, list[memoryview]]:
+    """Scan the outer pickle (as :func:`_scan_pickle`) and take its bytes objects out.
+
+    Returns the pickle with every bytes opcode replaced by ``BININT i, BINPERSID`` (and
+    its ``FRAME`` opcodes dropped, as the lengths change), and the views of ``data`` that
+    :meth:`_RestrictedUnpickler.persistent_load` hands back for them: the unpickler never
+    copies a storage blob (a 32 MiB chunk was copied three times before it reached the
+    caller's tensor: into a ``bytes``, into ``torch.load``'s storage, then into place).
+    """
+    spans: list[tuple[int, int, int]] = []
+    _scan_pickle(data, max_ops=max_ops, spans=spans)
+    if not spans:
+        return bytes(data), []
+    parts: list[bytes] = []
+    blobs: list[memoryview] = []
+    pos = 0
+    for at, arg, n in spans:
+        parts.append(bytes(data[pos:at]))
+        if arg < 0:  # a FRAME opcode: dropped
+            pos = at + n
+            continue
+        parts.append(b"J" + struct.pack("<i", len(blobs)) + b"Q")  # BININT i, BINPERSID
+        blobs.append(data[arg : arg + n])
+        pos = arg + n
+    parts.append(bytes(data[pos:]))
+    return b"".join(parts), blobs
 
 
 def decode_tensor_list(
@@ -474,10 +588,10 @@ def decode_tensor_list(
         ProtocolError: the decoded list does not match ``count``/``shape``/``dtype``.
     """
     try:
-        _scan_pickle(
-            memoryview(data).cast("B"), max_ops=None if count is None else _OPS_PER_TENSOR * count + 64
+        small, blobs = _detach_blobs(
+            memoryview(data).cast("B"), None if count is None else _OPS_PER_TENSOR * count + 64
         )
-        obj = _RestrictedUnpickler(io.BytesIO(data)).load()
+        obj = _RestrictedUnpickler(io.BytesIO(small), blobs).load()
     except UnsafePayloadError:
         raise
     except Exception as exc:

@@ -661,8 +661,40 @@ class Reply:
     payload: bytes | memoryview | None = field(default=None)
 
     def value(self) -> Any:
-        """The decoded payload, or ``None`` for a frameless reply."""
-        return None if self.payload is None else unpackb(self.payload)
+        """The decoded payload, or ``None`` for a frameless reply.
+
+        A ``prepare_retrieve`` reply that arrived as a view of its ZMQ frame (a large one:
+        inline KV) is decoded with its ``data`` a view of that frame too (not copied).
+        """
+        payload = self.payload
+        if payload is None:
+            return None
+        if type(payload) is memoryview and self.op in _PREPARE_RETRIEVE_OPS:
+            return _prepare_retrieve_view(payload)
+        return unpackb(payload)
+
+
+class _PrepareRetrieveReply(msgspec.Struct):
+    """The fields of a ``PrepareRetrieveResponse`` the client reads (others ignored)."""
+
+    success: bool
+    data: memoryview = msgspec.field(default_factory=lambda: memoryview(b""))
+    context: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+_PREPARE_RETRIEVE_DECODER: Final = msgspec.msgpack.Decoder(_PrepareRetrieveReply)
+_PREPARE_RETRIEVE_OPS: Final = frozenset({int(Op.PREPARE_RETRIEVE), OP_NAMES[Op.PREPARE_RETRIEVE]})
+
+
+def _prepare_retrieve_view(payload: memoryview) -> Any:
+    """``unpackb(payload)`` for a ``prepare_retrieve`` reply, its ``data`` a view of
+    ``payload`` (msgspec decodes a bin into a ``memoryview`` of its input). A reply of
+    another shape is decoded by :func:`unpackb` (and refused by its parser)."""
+    try:
+        r = _PREPARE_RETRIEVE_DECODER.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return unpackb(payload)
+    return {"success": r.success, "data": r.data, "context": r.context}
 
 
 def encode_request(
@@ -735,14 +767,15 @@ def parse_prepare_store(obj: object) -> tuple[list[SlotDescriptor], list[int]]:
     return slots, indices
 
 
-def parse_prepare_retrieve(obj: object) -> tuple[bool, bytes, list[SlotDescriptor]]:
-    """``PrepareRetrieveResponse`` -> ``(success, pickle_data, slots)``."""
+def parse_prepare_retrieve(obj: object) -> tuple[bool, bytes | memoryview, list[SlotDescriptor]]:
+    """``PrepareRetrieveResponse`` -> ``(success, inline_data, slots)`` (the data a view of
+    the reply's frame where :meth:`Reply.value` made it one)."""
     if not isinstance(obj, dict):
         raise ProtocolError("prepare_retrieve reply must be a map")
     success = obj.get("success")
     data = obj.get("data", b"")
     ctx = obj.get("context", {})
-    if not isinstance(success, bool) or not isinstance(data, bytes) or not isinstance(ctx, dict):
+    if not isinstance(success, bool) or not isinstance(data, bytes | memoryview) or not isinstance(ctx, dict):
         raise ProtocolError("malformed prepare_retrieve reply")
     slots = [SlotDescriptor.from_wire(s) for s in _list(ctx.get("slots", []), "slots")]
     return success, data, slots

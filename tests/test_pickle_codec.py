@@ -103,3 +103,60 @@ def test_refuses_non_lists_and_mismatches() -> None:
 def test_refuses_unsupported_dtypes_on_encode() -> None:
     with pytest.raises(ValueError, match="cannot pickle dtype torch.complex64"):
         encode_tensor_list([torch.zeros(2, dtype=torch.complex64)])
+
+
+def _frame_range(buf: bytearray) -> tuple[int, int]:
+    start = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+    return start, start + len(buf)
+
+
+def test_decoding_a_received_frame_copies_no_data() -> None:
+    # A received ZMQ frame is writable memory: the tensors are views of it (the data was
+    # copied three times before: into a bytes, into torch.load's storage, into place).
+    tensors = [torch.randn(2, 4, 16, 8).to(torch.bfloat16) for _ in range(3)]
+    frame = bytearray(msgpack.unpackb(bytes(encode_tensor_list(tensors))))
+    got = decode_tensor_list(memoryview(frame), count=3, shape=(2, 4, 16, 8), dtype=torch.bfloat16)
+    start, end = _frame_range(frame)
+    for g, want in zip(got, tensors, strict=True):
+        assert torch.equal(g, want)
+        assert start <= g.data_ptr() and g.data_ptr() + g.numel() * g.element_size() <= end
+    assert len({g.data_ptr() for g in got}) == 3
+    del frame  # the tensors keep the memory alive
+    assert all(torch.equal(g, want) for g, want in zip(got, tensors, strict=True))
+
+
+def test_decoding_immutable_bytes_gives_tensors_of_their_own() -> None:
+    t = torch.arange(64, dtype=torch.float32)
+    payload = msgpack.unpackb(bytes(encode_tensor_list([t])))
+    assert type(payload) is bytes
+    (got,) = decode_tensor_list(payload, count=1)
+    got.fill_(-1)  # writing it never touches the immutable payload
+    (again,) = decode_tensor_list(payload, count=1)
+    assert torch.equal(again, t)
+
+
+def test_refuses_persistent_ids_in_the_outer_pickle() -> None:
+    for payload in (b"\x80\x04](K\x00Qe.", b"\x80\x02](P0\ne."):
+        with pytest.raises(UnsafePayloadError, match="persistent ids are not allowed in the outer pickle"):
+            decode_tensor_list(payload)
+
+
+def test_refuses_storage_blobs_that_are_not_one_legacy_storage() -> None:
+    from lmcache_async import pickle_codec
+
+    meta = pickle_codec._blob_meta(torch.float32, 4, "0")
+    good = pickle_codec._BLOB_HEAD + meta + bytes(16)
+    assert pickle_codec._load_storage(good).dtype == torch.float32
+    bad_magic = pickle.dumps(1, protocol=2) + good[len(pickle.dumps(pickle_codec._MAGIC, protocol=2)) :]
+    with pytest.raises(UnsafePayloadError, match="not a legacy torch.save stream"):
+        pickle_codec._load_storage(bad_magic)
+    wrong_count = good[: -(16 + 8)] + (5).to_bytes(8, "little") + bytes(20)
+    with pytest.raises(UnsafePayloadError, match="element count does not match"):
+        pickle_codec._load_storage(wrong_count)
+    other_key = pickle_codec._BLOB_HEAD + meta.replace(
+        pickle.dumps(["0"], protocol=2), pickle.dumps(["1"], protocol=2)
+    )
+    with pytest.raises(UnsafePayloadError, match="exactly one storage"):
+        pickle_codec._load_storage(other_key + bytes(16))
+    with pytest.raises(UnsafePayloadError, match="storage blob must be bytes"):
+        pickle_codec._load_storage("text")

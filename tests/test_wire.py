@@ -250,3 +250,32 @@ def test_packb_is_byte_identical_to_msgpack_python(value: object) -> None:
 def test_packb_int_boundaries(value: int) -> None:
     assert wire.packb(value) == msgpack.packb(value, use_bin_type=True)
     assert wire.packb([value, Op.LOOKUP]) == msgpack.packb([value, int(Op.LOOKUP)], use_bin_type=True)
+
+
+def test_a_large_prepare_retrieve_reply_is_decoded_without_copying_its_data() -> None:
+    # A large reply arrives as a view of its ZMQ frame; its inline KV stays that view.
+    data = bytes(range(256)) * 1024
+    frame = bytearray(msgpack.packb({"success": True, "data": data, "context": {"x": 1}}, use_bin_type=True))
+    for op in (int(Op.PREPARE_RETRIEVE), "prepare_retrieve"):
+        value = wire.Reply(7, op, memoryview(frame)).value()
+        ok, got, slots = wire.parse_prepare_retrieve(value)
+        assert (ok, slots) == (True, [])
+        assert isinstance(got, memoryview) and got.obj is frame
+        assert bytes(got) == data
+    # Another op's reply, or a reply as bytes, is decoded as before (bytes).
+    assert wire.Reply(7, int(Op.LOOKUP), memoryview(frame)).value()["data"] == data
+    assert type(wire.Reply(7, int(Op.PREPARE_RETRIEVE), bytes(frame)).value()["data"]) is bytes
+
+
+def test_a_malformed_large_prepare_retrieve_reply_is_refused_as_before() -> None:
+    for reply in (
+        {"data": b"x" * 70000},
+        {"success": 1, "data": b"x"},
+        {"success": True, "data": "text"},
+        [1],
+    ):
+        frame = memoryview(msgpack.packb(reply, use_bin_type=True))
+        with pytest.raises(ProtocolError, match="prepare_retrieve reply"):
+            wire.parse_prepare_retrieve(wire.Reply(7, int(Op.PREPARE_RETRIEVE), frame).value())
+    with pytest.raises(ProtocolError, match="malformed msgpack payload"):
+        wire.Reply(7, int(Op.PREPARE_RETRIEVE), memoryview(b"\xc1")).value()
