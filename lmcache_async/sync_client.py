@@ -52,6 +52,7 @@ import atexit
 import contextlib
 import logging
 import os
+import selectors
 import threading
 import time
 import warnings
@@ -133,15 +134,56 @@ def _refuse_on_loop_thread(what: str) -> None:
         )
 
 
+class _WakingSelector(selectors.DefaultSelector):
+    """The loop thread's selector: it wakes the callers whose calls finished during a
+    loop iteration right before the loop blocks (and releases the GIL) in ``select``.
+
+    A caller woken at once (from inside a callback) finds the GIL still held by the loop
+    thread for the rest of the iteration and sleeps a second time until the loop thread
+    drops it: two thread wake-ups instead of one, each 25-60 µs on a small VM.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.to_wake: list[threading.Event] = []
+
+    def wake_all(self) -> None:
+        to_wake, self.to_wake = self.to_wake, []
+        for event in to_wake:
+            event.set()
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        if self.to_wake:
+            self.wake_all()
+        return super().select(timeout)
+
+
+def _new_loop() -> tuple[asyncio.AbstractEventLoop, _WakingSelector | None]:
+    if hasattr(selectors, "EpollSelector") or hasattr(selectors, "KqueueSelector"):
+        selector = _WakingSelector()
+        return asyncio.SelectorEventLoop(selector), selector
+    return asyncio.new_event_loop(), None  # pragma: no cover - Windows' proactor
+
+
 class _LoopCall(Generic[T]):
     """One coroutine run on the loop thread on behalf of a waiting (or absent) caller."""
 
-    __slots__ = ("_callbacks", "_cancelled", "_exc", "_factory", "_result", "done", "loop", "task")
+    __slots__ = (
+        "_callbacks", "_cancelled", "_exc", "_factory", "_finished", "_result", "_waker",
+        "done", "loop", "task",
+    )  # fmt: skip
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, factory: Callable[[], Coroutine[Any, Any, T]]
+        self,
+        loop: asyncio.AbstractEventLoop,
+        factory: Callable[[], Coroutine[Any, Any, T]],
+        waker: _WakingSelector | None = None,
     ) -> None:
         self.loop = loop
+        self._waker = waker
+        #: Set (on the loop thread) once the call has finished: ``done`` follows when the
+        #: loop thread next blocks (:class:`_WakingSelector`), or at once without a waker.
+        self._finished = False
         self.done = threading.Event()
         self.task: asyncio.Task[T] | None = None
         self._factory: Callable[[], Coroutine[Any, Any, T]] | None = factory
@@ -174,7 +216,11 @@ class _LoopCall(Generic[T]):
         self._finish()
 
     def _finish(self) -> None:
-        self.done.set()
+        self._finished = True
+        if self._waker is None:
+            self.done.set()
+        else:
+            self._waker.to_wake.append(self.done)
         for callback in self._callbacks:
             try:
                 callback()
@@ -199,7 +245,7 @@ class _LoopCall(Generic[T]):
                 if self.succeeded():
                     on_success(self._result)  # type: ignore[arg-type]
 
-            if self.done.is_set():
+            if self._finished:
                 deliver()
             else:
                 self._callbacks.append(deliver)
@@ -209,7 +255,7 @@ class _LoopCall(Generic[T]):
             self.loop.call_soon_threadsafe(on_loop)
 
     def succeeded(self) -> bool:
-        return self.done.is_set() and not self._cancelled and self._exc is None
+        return self._finished and not self._cancelled and self._exc is None
 
     def outcome(self) -> T:
         if self._exc is not None:
@@ -265,7 +311,7 @@ class _LoopThread:
         self.refs = 0
         self.background: set[_LoopCall[Any]] = set()
         self._idle_gen = 0
-        self.loop = asyncio.new_event_loop()
+        self.loop, self._waker = _new_loop()
         self.thread = threading.Thread(target=self._main, name=LOOP_THREAD_NAME, daemon=True)
         self.thread.start()
 
@@ -288,6 +334,8 @@ class _LoopThread:
                 log.debug("lmcache-async: loop shutdown was not clean", exc_info=True)
             finally:
                 asyncio.set_event_loop(None)
+                if self._waker is not None:
+                    self._waker.wake_all()  # calls that finished in the loop's last iteration
                 loop.close()
 
     def __repr__(self) -> str:
@@ -355,7 +403,7 @@ class _LoopThread:
     ) -> _LoopCall[T]:
         """Schedule ``factory()`` as a task on the loop (the coroutine is created there);
         ``on_done`` runs on the loop once it has finished (registered before it starts)."""
-        call = _LoopCall(self.loop, factory)
+        call = _LoopCall(self.loop, factory, self._waker)
         if on_done is not None:
             call._callbacks.append(on_done)
         if not self.alive():
@@ -390,7 +438,7 @@ class _LoopThread:
             return None
         holder.append(call)
         self.background.add(call)
-        if call.done.is_set():  # it finished before it was added (done is set first)
+        if call._finished:  # it finished before it was added (finished is set first)
             self.background.discard(call)
         return call
 

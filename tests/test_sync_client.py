@@ -624,3 +624,45 @@ def test_a_dropped_client_is_closed_with_a_resource_warning(real_server_pickle: 
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
     registered = srv.status()["registered_non_cuda_instance_ids"]
     assert ids["dropped"] not in registered and ids["kept"] not in registered
+
+
+def test_a_caller_is_woken_when_the_loop_thread_blocks_not_inside_the_iteration() -> None:
+    # The caller of a finished call is woken right before the loop thread blocks in
+    # select (and drops the GIL), not from inside the callback that finished it: woken
+    # there, it would find the GIL held for the rest of the iteration and sleep again.
+    lt = sync_client._LoopThread.acquire()
+    try:
+        seen: list[tuple[bool, bool]] = []
+        gate = threading.Event()
+
+        async def body() -> int:
+            return 7
+
+        def observe(call: sync_client._LoopCall[int]) -> None:  # on the loop thread
+            # Same iteration as the finish: finished, caller not yet woken.
+            seen.append((call._finished, call.done.is_set()))
+            gate.set()
+
+        holder: list[sync_client._LoopCall[int]] = []
+        call = lt.submit(body, on_done=lambda: observe(holder[0]))
+        holder.append(call)
+        assert call.wait("t", 5.0, 1.0) == 7
+        assert gate.is_set() and seen == [(True, False)]
+        assert call.done.is_set()
+    finally:
+        lt.release()
+
+
+def test_a_call_finished_in_the_loops_last_iteration_still_wakes_its_caller() -> None:
+    lt = sync_client._LoopThread()
+    lt.refs = 1
+
+    async def body() -> str:
+        lt.loop.stop()  # the loop's last iteration: no select after it
+        return "done"
+
+    call = lt.submit(body)
+    assert call.done.wait(5.0)
+    assert call.outcome() == "done"
+    lt.thread.join(5.0)
+    assert not lt.thread.is_alive()
