@@ -24,7 +24,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -533,8 +533,65 @@ class Page:
             )
         for name, data in docs:
             self.add(f"### `{name}`\n\n")
-            self.add(generic(data))
+            summary = cuda_summary(data)
+            self.add(generic(data) if summary is None else summary)
         self.keep_block("notes-cuda", NOTES_PLACEHOLDER)
+
+
+#: The rows of a ``bench_cuda.py`` result, in the order shown: (label, store key, retrieve key).
+CUDA_ROWS: Final = (
+    ("raw `copy_`, pinned host memory (the link)", "raw_pinned_d2h", "raw_pinned_h2d"),
+    ("raw `copy_`, a `/dev/shm` mapping registered like the pool", "raw_regshm_d2h", "raw_regshm_h2d"),
+    ("raw `copy_`, pageable host memory", "raw_pageable_d2h", "raw_pageable_h2d"),
+    ("**lmcache_async, SHM, pinned pool: whole call**", "shm_pinned_store", "shm_pinned_retrieve_out"),
+    ("lmcache_async, the copy phase of those calls", "shm_pinned_store__copy_part", "shm_pinned_retrieve_out__copy_part"),
+    ("lmcache_async, SHM, pool left unpinned (the fallback)", "shm_unpinned_store", "shm_unpinned_retrieve_out"),
+    ("the SDK's path, emulated (`kv.cpu()` / `.cuda()`)", "sdk_store", "sdk_retrieve"),
+    ("lmcache_async, inline transport (embedded server; not comparable with the rows above)", "pickle_store", "pickle_retrieve_out"),
+)  # fmt: skip
+
+
+def cuda_summary(data: Any) -> str | None:
+    """A ``bench_cuda.py`` result as two short tables (its stamp; GB/s and ms per case
+    and size, lmcache_async's whole calls also as a share of the pinned link and as a
+    multiple of the SDK's path), or None for JSON of another shape (shown generically)."""
+    if not isinstance(data, dict):
+        return None
+    sizes = [k for k in ("chunks1", "chunks4", "chunks16") if isinstance(data.get(k), dict)]
+    if not sizes:
+        return None
+    meta = [[k, _cell(v)] for k, v in data.items() if not isinstance(v, (dict, list))]
+    out = [table(["field", "value"], meta) + "\n"] if meta else []
+
+    def fig(size: dict[str, Any], key: str, link: str, sdk: str) -> str:
+        v = size.get(key)
+        if not isinstance(v, dict) or "gbps" not in v or "median_s" not in v:
+            return ""
+        text = f"{v['gbps']:.1f} GB/s, {v['median_s'] * 1e3:.2f} ms"
+        if key.startswith("shm_") and not key.endswith("__copy_part"):
+            lk, sk = size.get(link), size.get(sdk)
+            if isinstance(lk, dict) and lk.get("gbps"):
+                text += f" = {v['gbps'] / lk['gbps']:.0%} of the link"
+            if isinstance(sk, dict) and sk.get("gbps"):
+                text += f", {v['gbps'] / sk['gbps']:.1f}x the SDK's path"
+        return text
+
+    for name in sizes:
+        size = data[name]
+        n = name.removeprefix("chunks")
+        mib = size.get("bytes", 0) / (1 << 20)
+        rows = []
+        for label, store, retrieve in CUDA_ROWS:
+            cells = [
+                fig(size, store, "raw_pinned_d2h", "sdk_store"),
+                fig(size, retrieve, "raw_pinned_h2d", "sdk_retrieve"),
+            ]
+            if any(cells):
+                rows.append([label, *cells])
+        if rows:
+            head = f"{n} chunk{'s' if n != '1' else ''} ({mib:.0f} MiB)"
+            out.append(table([head, "store from CUDA", "retrieve into CUDA `out=`"], rows) + "\n")
+    return "".join(out)
 
 
 def _cell(v: Any) -> str:

@@ -176,3 +176,38 @@ def test_every_import_in_benchmarks_resolves_from_the_repo_root() -> None:
                 if bare_sibling or unresolved:
                     missing.append(f"{path.name}:{line} {name}")
     assert missing == []
+
+
+def test_bench_cuda_json_is_summarised_against_the_link_and_the_sdk(render: Any, tmp_path: Path) -> None:
+    results = _write_results(tmp_path)
+
+    def fig(gbps: float, ms: float) -> dict[str, float]:
+        return {"median_s": ms / 1e3, "gbps": gbps, "min_s": ms / 1e3, "max_s": ms / 1e3}
+
+    size = {
+        "bytes": 16 << 25,
+        "raw_pinned_d2h": fig(50.0, 10.0),
+        "raw_pinned_h2d": fig(40.0, 12.5),
+        "shm_pinned_store": fig(40.0, 12.5),
+        "shm_pinned_retrieve_out": fig(30.0, 16.7),
+        "shm_pinned_store__copy_part": fig(49.0, 10.2),
+        "sdk_store": fig(2.0, 250.0),
+        "sdk_retrieve": fig(6.0, 83.0),
+        "pickle_store": fig(0.3, 1600.0),
+    }
+    (results / "cuda_h200.json").write_text(json.dumps({"device": "GPU X", "chunks16": size}))
+    text = render.render(results, tmp_path / "absent.md", tmp_path / "img")
+    gpu = text[text.index("## GPU") :]
+    assert "| device | GPU X |" in gpu
+    assert "| 16 chunks (512 MiB) | store from CUDA | retrieve into CUDA `out=` |" in gpu
+    assert (
+        "| **lmcache_async, SHM, pinned pool: whole call** | 40.0 GB/s, 12.50 ms = 80% of the link, "
+        "20.0x the SDK's path | 30.0 GB/s, 16.70 ms = 75% of the link, 5.0x the SDK's path |"
+    ) in gpu
+    assert "| lmcache_async, the copy phase of those calls | 49.0 GB/s, 10.20 ms |  |" in gpu
+    assert (
+        "| the SDK's path, emulated (`kv.cpu()` / `.cuda()`) | 2.0 GB/s, 250.00 ms | 6.0 GB/s, 83.00 ms |"
+        in gpu
+    )
+    assert "not comparable with the rows above) | 0.3 GB/s, 1600.00 ms |  |" in gpu
+    assert "pageable" not in gpu  # no figures, no row
