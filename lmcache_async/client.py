@@ -220,11 +220,12 @@ class AsyncClient:
             the connection").
         cleanup_grace: extra seconds an abandoned operation may spend cleaning up.
         metadata_ttl: seconds ``/config`` and ``/status`` stay cached.
-        prefault_shm: map the pages of each SHM slot into this process (one
-            ``madvise`` per 2 MiB run) the first time a copy uses them, in the copying
-            thread, instead of faulting page by page during the copy; the cost follows
-            the slots this client touches, never the pool's size (see
-            :meth:`lmcache_async.shm.ShmPool.populate`).
+        prefault_shm: map the pages of each SHM slot this client writes (a store's,
+            a remap's targets) into this process (one ``madvise`` per 2 MiB run) the
+            first time a copy writes them, in the copying thread, instead of faulting
+            page by page during the copy; slots only read fault in during the copy
+            (cheaper there); the cost follows the slots this client touches, never the
+            pool's size (see :meth:`lmcache_async.shm.ShmPool.populate`).
         api_key: sent as ``Authorization: Bearer KEY`` on every HTTP call (servers
             started with an API key answer 401 without it); default: the
             ``LMCACHE_API_KEY`` environment variable. The ZMQ side has no keys.

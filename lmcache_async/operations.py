@@ -266,10 +266,11 @@ def _expire(waiter: asyncio.Future[None]) -> None:
 
 def fill_slots(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pool: ShmPool | None = None) -> None:
     """Copy each ``(target, source)`` pair: chunks into reserved SHM slots (store), or
-    source slots into target slots (SHM remap). ``pool``: map its pages under the slots
-    first (:meth:`~lmcache_async.shm.ShmPool.populate`)."""
+    source slots into target slots (SHM remap). ``pool``: map its pages under the
+    target slots first (:meth:`~lmcache_async.shm.ShmPool.populate`); slots that are
+    only read are left to fault (see there)."""
     if pool is not None:
-        pool.populate(t for pair in pairs for t in pair)
+        pool.populate(target for target, _ in pairs)
     total = sum(t.numel() * t.element_size() for t, _ in pairs)
     for target, source in pairs:
         copy_host(target, source, total)
@@ -288,13 +289,11 @@ def copy_chunks_out(
     chunks: Sequence[torch.Tensor],
     chunk_size: int,
     token_axis: int,
-    pool: ShmPool | None = None,
 ) -> None:
     """Copy ``chunks`` (SHM slot views, or decoded inline tensors) into consecutive
-    chunks of ``target`` along ``token_axis`` (retrieve). ``pool``: map its pages under
-    the slots first (:meth:`~lmcache_async.shm.ShmPool.populate`)."""
-    if pool is not None:
-        pool.populate(chunks)
+    chunks of ``target`` along ``token_axis`` (retrieve). Slots are only read: their
+    pages are left to fault in during the copy (cheaper than mapping them first, see
+    :meth:`~lmcache_async.shm.ShmPool.populate`)."""
     total = sum(c.numel() for c in chunks) * target.element_size()
     for i, chunk in enumerate(chunks):
         copy_host(target.narrow(token_axis, i * chunk_size, chunk_size), chunk, total)
@@ -846,8 +845,8 @@ class Operations:
             await cuda.to_device(pairs, mark, self.reg.pool, staged=self.reg.pool is None)
             return
         total = sum(c.numel() for c in chunks) * target.element_size()
-        axis, size, pool = self.reg.geometry.token_axis, self.reg.chunk_size, self.reg.pool
-        await _maybe_in_thread(total, lambda: copy_chunks_out(target, chunks, size, axis, pool))
+        axis, size = self.reg.geometry.token_axis, self.reg.chunk_size
+        await _maybe_in_thread(total, lambda: copy_chunks_out(target, chunks, size, axis))
 
     async def _store_shm(
         self,

@@ -140,3 +140,33 @@ async def test_a_client_maps_what_it_copies_not_the_pool(
                 assert len(calls) == again  # the same slots: nothing more to map
             else:
                 assert calls == [] and pool.mapped_bytes == 0
+
+
+@pytest.mark.anyio
+async def test_slots_only_read_are_left_to_fault_and_a_remap_maps_its_targets(
+    calls: list[tuple[int, int]],
+) -> None:
+    """A fresh client retrieving what another stored maps nothing first (read faults
+    map neighbouring pages too: cheaper than populating, benchmarks/bench_shm_pages.py);
+    a remap maps the granules under its target slots only, not under its sources."""
+    geometry = lmc.KVGeometry(num_layers=2, num_kv_heads=1, head_dim=128, dtype=torch.bfloat16, block_size=16)
+    tokens = list(range(4 * 256))
+    target_tokens = [t + 100_000 for t in tokens]
+    kv = torch.randn(geometry.kv_shape(len(tokens))).to(geometry.dtype)
+    async with EmbeddedServer(chunk_size=256, mode="shm", size_bytes=1 << 30) as srv:
+        async with lmc.AsyncClient(srv.url, srv.http_url, "m", geometry=geometry) as writer:
+            assert await writer.store(kv, tokens) is True
+        stored_by_writer = len(calls)
+        assert stored_by_writer >= 1
+        async with lmc.AsyncClient(srv.url, srv.http_url, "m", geometry=geometry) as reader:
+            pool: Any = reader._pool
+            got = await reader.retrieve(tokens)
+            assert got is not None and torch.equal(got, kv)
+            assert len(calls) == stored_by_writer and pool.mapped_bytes == 0
+            result = await reader.remap(tokens, target_tokens)
+            assert (result.retrieved_tokens, result.stored_tokens, result.stored_new) == (1024, 1024, True)
+            assert len(calls) > stored_by_writer
+            # 4 target slots of 256 KiB: at most 4 granules (sources not among them).
+            assert 0 < pool.mapped_bytes <= 4 * GRANULE
+            again = await reader.retrieve(target_tokens)
+            assert again is not None and torch.equal(again, kv)
