@@ -8,8 +8,9 @@ machine a 256 KiB copy measured 6.6 µs with one thread and 1.7 ms (1.0 ms of CP
 default pool while the server loaded the other core (``python -m benchmarks.bench_host_copy``).
 Every microsecond of client CPU is taken from a server on the same machine.
 
-:func:`copy_into` copies host tensors through numpy instead: one thread, plain strided
-loops over bytes (numpy releases the GIL for them), the same bytes as ``copy_``. Tensors
+:func:`copy_into` copies host tensors on one thread instead: two contiguous tensors with
+one ``memmove`` (through ctypes, which releases the GIL), others through numpy (plain
+strided loops over bytes; numpy releases the GIL for them); the same bytes as ``copy_``. Tensors
 that numpy cannot view (another device, a dtype change, a last dimension that is not
 contiguous) go through ``Tensor.copy_`` as before.
 
@@ -78,6 +79,9 @@ def empty_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
+_memmove: Final = ctypes.memmove
+
+
 def _bytes_view(t: torch.Tensor) -> np.ndarray | None:
     """``t`` as a numpy ``uint8`` array over the same memory (last axis widened to
     bytes), or ``None`` where numpy cannot express it."""
@@ -101,6 +105,20 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """
     same = dst.dtype == src.dtype and dst.shape == src.shape
     if same and dst.dtype is not torch.bool and not dst.requires_grad:
+        if (
+            dst.device.type == "cpu"
+            and src.device.type == "cpu"
+            and dst.layout == torch.strided
+            and src.layout == torch.strided
+            and dst.is_contiguous()
+            and src.is_contiguous()
+            and dst.dim() > 0
+            and not (src.is_conj() or src.is_neg())
+        ):
+            # One contiguous block each (a 1-chunk slot, a whole chunk): one memmove
+            # through ctypes (GIL released), without numpy's views (~8 µs less per copy).
+            _memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+            return
         d = _bytes_view(dst)
         if d is not None:
             s = _bytes_view(src.detach())

@@ -198,3 +198,32 @@ def test_empty_host_without_madvise_is_plain_empty(monkeypatch: pytest.MonkeyPat
     assert t.shape == (3, 5) and t.dtype == torch.float16
     small = host_copy.empty_host((0,), torch.float32)  # nothing to advise
     assert small.numel() == 0
+
+
+def test_two_contiguous_tensors_are_copied_with_one_memmove(
+    monkeypatch: pytest.MonkeyPatch, copy_calls: list[bool]
+) -> None:
+    moves: list[int] = []
+    real = host_copy._memmove
+
+    def spy(dst: int, src: int, n: int) -> object:
+        moves.append(n)
+        return real(dst, src, n)
+
+    monkeypatch.setattr(host_copy, "_memmove", spy)
+    gen = torch.Generator().manual_seed(3)
+    for dtype in DTYPES:
+        src = _random((2, 2, 256, 16), dtype, gen)
+        dst = torch.zeros_like(src)
+        copy_into(dst, src)
+        assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8))  # bitwise, NaNs too
+    big = _random((2, 2, 40, 16), torch.bfloat16, gen)
+    copy_into(big[1], big[0])  # contiguous views into one tensor
+    assert torch.equal(big[1].view(torch.uint8), big[0].view(torch.uint8))
+    copy_into(torch.empty(0, 3), torch.empty(0, 3))
+    assert moves == [2 * 2 * 256 * 16 * d.itemsize for d in DTYPES] + [2 * 40 * 16 * 2, 0]
+    assert copy_calls == []
+    # Not both contiguous: numpy's strided copy, no memmove.
+    copy_into(big.narrow(2, 0, 8), big.narrow(2, 8, 8))
+    assert len(moves) == len(DTYPES) + 2
+    assert torch.equal(big.narrow(2, 0, 8).view(torch.uint8), big.narrow(2, 8, 8).view(torch.uint8))
