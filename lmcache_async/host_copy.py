@@ -16,8 +16,13 @@ contiguous) go through ``Tensor.copy_`` as before.
 
 :func:`empty_host` allocates the tensor a retrieve fills with transparent huge pages
 where the kernel offers them: the first touch of fresh memory is what a retrieve into a
-new tensor mostly pays for (a 32 MiB fresh tensor filled in 9-11 ms with 4 KiB pages,
-3 ms with 2 MiB ones, on the project's machine: ``python -m benchmarks.bench_host_copy``).
+new tensor mostly pays for. On the project's 2-vCPU VM (``python -m
+benchmarks.bench_host_copy``, load ~2): a new 32 MiB tensor filled in 8.5-8.8 ms with huge
+pages, 22-23 ms with 4 KiB ones (medians); 128 MiB 15-19 vs 46-49 ms; 512 MiB 129-273 vs
+182-185 ms. The tail is the other way round on such a VM: a huge page the hypervisor has
+to back afresh (free memory handed back to it) cost the worst call 1.2 s against 0.3 s
+at 512 MiB, 0.6 vs 0.2 s at 128 MiB. Kept for the medians; where the tail matters more,
+retrieve into a tensor you allocate once (``out=``).
 """
 
 from __future__ import annotations
