@@ -301,9 +301,10 @@ def test_make_package_json_and_refusal_of_unsafe_files(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "p.pt"
-    made = ok(cli("make-package", "--output", str(out), "--model-name", "m", "--chunk-size", "16",
-                  "--num-chunks", "2", "--num-layers", "3", "--hidden-dim", "8", "--dtype", "float16",
-                  "--json", cwd=tmp_path))  # fmt: skip
+    # Through main in this process (make-package runs as a subprocess in the package test).
+    made = ok(in_process(capsys, "make-package", "--output", str(out), "--model-name", "m", "--chunk-size",
+                         "16", "--num-chunks", "2", "--num-layers", "3", "--hidden-dim", "8", "--dtype",
+                         "float16", "--json"))  # fmt: skip
     assert json.loads(made.stdout) == {
         "output": str(out),
         "model_name": "m",
