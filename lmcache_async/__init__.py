@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from lmcache_async._defaults import DEFAULT, DefaultType
@@ -77,9 +78,14 @@ if not TYPE_CHECKING:  # type checkers see the imports above (and flag misspelt 
 
     def __getattr__(name: str) -> Any:
         module = _LAZY.get(name)
-        if module is None:
+        if module is not None:
+            value = getattr(importlib.import_module(module), name)
+        elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            # A submodule (``lmcache_async.client``): an attribute once imported, as the
+            # eager imports of the names above made it before they were lazy.
+            value = importlib.import_module(f"{__name__}.{name}")
+        else:
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
         globals()[name] = value
         return value
 

@@ -90,6 +90,9 @@ def test_the_lazy_names_resolve_to_their_modules() -> None:
     assert lmcache_async.KVGeometry is geometry.KVGeometry
     assert lmcache_async.RemapPair is bulk.RemapPair
     assert set(lmcache_async.__all__) <= set(dir(lmcache_async))
+    # Submodules are attributes on first use, as when the package imported them eagerly.
+    assert lmcache_async.bulk is bulk and lmcache_async.sync_client is sync_client
+    assert lmcache_async.hf.__name__ == "lmcache_async.hf"  # type: ignore[attr-defined]
     try:
         lmcache_async.NoSuchName  # type: ignore[attr-defined]  # noqa: B018
     except AttributeError as exc:
