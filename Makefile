@@ -44,9 +44,10 @@ test: venv lmcache-venv lint typecheck pytest
 ## (pytest-xdist) and hypothesis' "check" profile: a quarter of each property test's
 ## examples (tests/hypothesis_budget.py); `make test` runs them all. Bytecode is cached
 ## even where PYTHONDONTWRITEBYTECODE is set: pytest's assertion rewriting of the test
-## modules alone is ~3.5 s of CPU per worker on every run otherwise.
+## modules alone is ~3.5 s of CPU per worker on every run otherwise. --dist loadgroup: the
+## tests marked xdist_group("transformers") share one worker (one first use of transformers).
 check: venv lint typecheck
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 2 --hypothesis-profile=check -m "not real_server"
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 2 --dist loadgroup --hypothesis-profile=check -m "not real_server"
 
 lint: venv
 	$(BIN)/ruff check lmcache_async tests benchmarks examples

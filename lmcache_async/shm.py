@@ -14,7 +14,6 @@ import contextlib
 import ctypes
 import logging
 import mmap
-import os
 import threading
 from collections.abc import Iterable
 
@@ -23,6 +22,7 @@ import torch
 from lmcache_async.errors import TransferError
 from lmcache_async.geometry import dtype_name
 from lmcache_async.host_copy import madvise
+from lmcache_async.shm_segment import map_segment
 from lmcache_async.wire import SlotDescriptor
 
 __all__ = ["ShmPool"]
@@ -46,25 +46,8 @@ class ShmPool:
     """
 
     def __init__(self, shm_name: str, pool_size: int) -> None:
-        bare = shm_name.lstrip("/")
-        if not bare or "/" in bare or bare in (".", ".."):
-            raise TransferError(f"invalid shm name {shm_name!r}")
-        self.name = bare
+        self.name, self._mmap = map_segment(shm_name, pool_size)
         self.pool_size = pool_size
-        path = os.path.join("/dev/shm", bare)
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            raise TransferError(f"cannot open shared memory {path}: {exc}") from exc
-        try:
-            size = os.fstat(fd).st_size
-            if size < pool_size or pool_size <= 0:
-                raise TransferError(f"{path} has {size} bytes, the server announced {pool_size}")
-            self._mmap = mmap.mmap(fd, pool_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as exc:
-            raise TransferError(f"cannot map {path}: {exc}") from exc
-        finally:
-            os.close(fd)
         self._base: torch.Tensor | None = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self._origin = self._base.data_ptr()
         #: Whether :meth:`populate` maps pages before copies (``prefault_shm`` of the client).

@@ -20,13 +20,15 @@ Real-server fixtures (the REAL LMCache MP server, run from its own venv built by
 * ``fresh_real_server`` (function): a factory ``make(mode="shm",
   generation="0.5.6", **kw)`` returning a NEW started server of its own (kw go
   to :class:`RealLMCacheServer`; ``chunk_size`` defaults to 16 here too); all
-  servers it made are stopped at teardown (and checked: no process, no
-  ``/dev/shm`` segment left). For restart tests (``server.restart()`` keeps
+  servers it made get SIGTERM at teardown and are waited for and checked (no
+  process, no ``/dev/shm`` segment left) on a reaper thread while the next tests
+  run (a shutdown is ~1.5 s, nearly all idle); what any left fails the session's
+  end, naming the test. For restart tests (``server.restart()`` keeps
   ports and shm name).
 * ``module_real_server`` (module, parametrized indirectly with a dict of
   ``fresh_real_server``'s arguments): a server of the module's own, shared by the
   tests that ask for the same arguments (pytest runs them together, so one is alive
-  at a time), stopped and checked after the last of them: for tests that need a
+  at a time), stopped and checked (as ``fresh_real_server``'s) after the last of them: for tests that need a
   server no other module uses (they clear it, count its sessions) but not one each.
 * The 0.5.7 generation: ``lmcache057_python`` (session, the 0.5.7 venv's
   python), ``real_server_057_shm`` / ``real_server_057_pickle`` (session,
@@ -205,6 +207,29 @@ class _Registry:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.servers: list[RealLMCacheServer] = []
+        # Stops that tests do not wait for: a server takes ~1.5-2 s to shut down after
+        # SIGTERM, nearly all of it idle (~0.1 s of CPU), and nothing after its test needs
+        # it gone (the next servers get other ports and SHM names).
+        self._reaper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-server-reaper")
+        self._reaped: list[concurrent.futures.Future[list[str]]] = []
+
+    def stop_later(self, servers: list[RealLMCacheServer], what: str) -> None:
+        """SIGTERM ``servers`` now; wait for them and check what they left (no process, no
+        ``/dev/shm`` segment) on a thread of their own, while the next tests run. Every
+        problem is reported, with ``what`` (the test or module), at the end of the session."""
+        for srv in servers:
+            srv.terminate()
+        self._reaped.append(self._reaper.submit(_stop_and_list, list(servers), what))
+
+    def problems(self) -> list[str]:
+        """What every stop left (waiting for the ones still under way), then every server
+        registered, stopped (idempotent) and checked again."""
+        problems = [p for future in self._reaped for p in future.result()]
+        self._reaper.shutdown()
+        for srv in self.servers:
+            srv.stop()
+            problems += [f"{srv!r}: {p}" for p in srv.leftovers()]
+        return problems
 
     def start(self, mode: str, python: Path, **kw: Any) -> RealLMCacheServer:
         kw.setdefault("chunk_size", SESSION_CHUNK_SIZE)
@@ -230,12 +255,10 @@ def _real_server_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     reg = _Registry(tmp_path_factory.mktemp("lmcache_server_logs"))
     yield reg
     # Runs after every server fixture (they all depend on this one). The
-    # session servers were only sent SIGTERM (so they shut down in parallel);
-    # wait for them here, then check that nothing is left.
-    problems: list[str] = []
-    for srv in reg.servers:
-        srv.stop()
-        problems += [f"{srv!r}: {p}" for p in srv.leftovers()]
+    # session servers were only sent SIGTERM (so they shut down in parallel), the
+    # fresh and module servers are stopped by the reaper; wait for them here, then
+    # check that nothing is left.
+    problems = reg.problems()
     assert not problems, "real-server leftovers:\n" + "\n".join(problems)
 
 
@@ -330,26 +353,29 @@ def _together(starts: list[Callable[[], RealLMCacheServer]]) -> list[RealLMCache
     return [f.result() for f in futures]
 
 
-def _stop_and_check(servers: list[RealLMCacheServer], what: str) -> None:
-    """Stop ``servers`` (SIGTERM to all first: a server takes ~2 s to shut down, and they
-    do it in parallel), then assert that none left a process or a /dev/shm segment."""
+def _stop_and_list(servers: list[RealLMCacheServer], what: str) -> list[str]:
+    """Stop ``servers`` (SIGTERM to all first: they shut down in parallel) and say what
+    any of them left: a process or a /dev/shm segment."""
     for srv in servers:
         srv.terminate()
     problems: list[str] = []
     for srv in servers:
         srv.stop()
-        problems += [f"{srv!r}: {p}" for p in srv.leftovers()]
-    assert not problems, f"{what} leftovers:\n" + "\n".join(problems)
+        problems += [f"{what}: {srv!r}: {p}" for p in srv.leftovers()]
+    return problems
 
 
 @pytest.fixture
 def fresh_real_server(
-    _real_server_registry: _Registry, lmcache_python: Path, pytestconfig: pytest.Config
+    _real_server_registry: _Registry,
+    lmcache_python: Path,
+    pytestconfig: pytest.Config,
+    request: pytest.FixtureRequest,
 ) -> Iterator[Callable[..., RealLMCacheServer]]:
     """Factory ``make(mode="shm", generation="0.5.6", **kw)`` for servers owned by one test."""
     factory = _FreshServers(_real_server_registry, pytestconfig)
     yield factory
-    _stop_and_check(factory.servers, "fresh server")
+    _real_server_registry.stop_later(factory.servers, f"fresh server of {request.node.nodeid}")
 
 
 @pytest.fixture(scope="module")
@@ -363,12 +389,12 @@ def module_real_server(
     one: parametrize it indirectly with the ``fresh_real_server`` arguments as a dict
     (``{"mode": "shm", "generation": "0.5.7"}``). pytest runs the tests of one parameter
     together, so one such server is alive at a time. For tests that need a server no other
-    module uses (they clear it, count its sessions) but not one each. Stopped and checked
-    after its last test."""
+    module uses (they clear it, count its sessions) but not one each. Stopped after its
+    last test, and checked, by the registry's reaper (``_Registry.stop_later``)."""
     factory = _FreshServers(_real_server_registry, pytestconfig)
     srv = factory(**request.param)
     yield srv
-    _stop_and_check(factory.servers, "module server")
+    _real_server_registry.stop_later(factory.servers, f"module server of {request.node.nodeid}")
 
 
 @pytest.fixture(autouse=True)

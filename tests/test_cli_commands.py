@@ -81,6 +81,18 @@ def cli_many(*argvs: list[str], cwd: Path) -> list[subprocess.CompletedProcess[s
     return [f.result() for f in futures]
 
 
+def in_process(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """:func:`cli`'s result, but ``main`` run in this process: no interpreter or torch
+    start-up (~2.5 s). For outputs that a subprocess test of the same command checks too."""
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code if isinstance(exc.code, int) else 2
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess([PROG, *args], code, out, err)
+
+
 def ok(proc: subprocess.CompletedProcess[str], code: int = 0) -> subprocess.CompletedProcess[str]:
     assert proc.returncode == code, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc
@@ -173,8 +185,18 @@ def test_every_command_has_help_and_the_common_flags() -> None:
 
 @pytest.mark.timeout(300)
 def test_official_package_is_stored_looked_up_and_retrieved(
-    real_server: RealLMCacheServer, lmcache_python: Path, tmp_path: Path
+    real_server: RealLMCacheServer, lmcache_python: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # SHM: every command a subprocess, as a user runs it; inline: the same commands and
+    # outputs through ``main`` in this process (the transport is what differs).
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return cli(*args, cwd=tmp_path) if real_server.mode == "shm" else in_process(capsys, *args)
+
+    def run_many(*argvs: list[str]) -> list[subprocess.CompletedProcess[str]]:
+        if real_server.mode == "shm":
+            return cli_many(*argvs, cwd=tmp_path)
+        return [in_process(capsys, *argv) for argv in argvs]
+
     model = unique_model("cli-pkg")
     start = fresh_tokens(1)[0]
     official = tmp_path / "official.pt"
@@ -182,10 +204,10 @@ def test_official_package_is_stored_looked_up_and_retrieved(
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two independent start-ups
         writing = pool.submit(write_official_package, lmcache_python, official, model, "s1", 3, 16, start, 7)
         # Our make-package with the same flags writes the same bytes.
-        making = pool.submit(cli, "make-package", "--output", str(ours), "--model-name", model,
+        making = pool.submit(run, "make-package", "--output", str(ours), "--model-name", model,
                              "--cache-salt", "s1", "--chunk-size", "16", "--num-chunks", "3",
                              "--num-layers", "2", "--hidden-dim", "16", "--token-start", str(start),
-                             "--seed", "7", cwd=tmp_path)  # fmt: skip
+                             "--seed", "7")  # fmt: skip
     said, made = writing.result(), ok(making.result())
     assert said == f"wrote {official} with shape (2, 2, 48, 16) and dtype torch.bfloat16\n"
     assert made.stdout == f"wrote {ours} with shape (2, 2, 48, 16) and dtype torch.bfloat16\n"
@@ -197,7 +219,7 @@ def test_official_package_is_stored_looked_up_and_retrieved(
     assert a["tokens"] == list(range(start, start + 48))
 
     # store: model and salt from the package; no registration, so geometry from its shape.
-    stored = ok(cli("store", *server_args(real_server), "--input", str(official), cwd=tmp_path))
+    stored = ok(run("store", *server_args(real_server), "--input", str(official)))
     assert stored.stdout == lines(
         ("model", model),
         ("cache salt", "'s1'"),
@@ -207,7 +229,7 @@ def test_official_package_is_stored_looked_up_and_retrieved(
         ("geometry", "package (model not in /status)"),
     )
     assert stored.stderr == ""
-    again = ok(cli("store", *server_args(real_server), "--input", str(official), "--json", cwd=tmp_path))
+    again = ok(run("store", *server_args(real_server), "--input", str(official), "--json"))
     assert json.loads(again.stdout) == {
         "input": str(official),
         "model_name": model,
@@ -225,7 +247,7 @@ def test_official_package_is_stored_looked_up_and_retrieved(
     # Four reads of what is stored, at once (none changes the server's contents).
     looked, unsalted, got, miss = (
         ok(proc)
-        for proc in cli_many(
+        for proc in run_many(
             ["lookup", *server_args(real_server), "--model-name", model, "--cache-salt", "s1",
              "--token-start", str(start), "--num-tokens", "40", *geo],
             ["lookup", *server_args(real_server), "--model-name", model, "--tokens",
@@ -235,7 +257,6 @@ def test_official_package_is_stored_looked_up_and_retrieved(
             # A miss writes nothing.
             ["retrieve", *server_args(real_server), "--model-name", model, "--token-start",
              str(start), "--num-tokens", "48", "--output", str(nothing), *geo, "--json"],
-            cwd=tmp_path,
         )
     )  # fmt: skip
     assert looked.stdout == lines(
@@ -280,9 +301,10 @@ def test_make_package_json_and_refusal_of_unsafe_files(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "p.pt"
-    made = ok(cli("make-package", "--output", str(out), "--model-name", "m", "--chunk-size", "16",
-                  "--num-chunks", "2", "--num-layers", "3", "--hidden-dim", "8", "--dtype", "float16",
-                  "--json", cwd=tmp_path))  # fmt: skip
+    # Through main in this process (make-package runs as a subprocess in the package test).
+    made = ok(in_process(capsys, "make-package", "--output", str(out), "--model-name", "m", "--chunk-size",
+                         "16", "--num-chunks", "2", "--num-layers", "3", "--hidden-dim", "8", "--dtype",
+                         "float16", "--json"))  # fmt: skip
     assert json.loads(made.stdout) == {
         "output": str(out),
         "model_name": "m",
@@ -578,8 +600,14 @@ def _wait_sessions(srv: RealLMCacheServer, deadline: float = 30.0) -> int:
 
 @pytest.mark.timeout(300)
 def test_status_of_a_server_with_an_engine_registration(
-    fresh_real_server: Callable[..., RealLMCacheServer], lmcache_python: Path, tmp_path: Path
+    fresh_real_server: Callable[..., RealLMCacheServer],
+    lmcache_python: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    # status as a subprocess, as a user runs it; the --probe status and the store through
+    # ``main`` in this process (each command runs as a subprocess too: status here, store
+    # in the package test).
     srv = fresh_real_server("shm")
     size = 2**30
     segment = f"/dev/shm/lmcache_l1_pool_{srv.shm_name}"
@@ -601,7 +629,7 @@ def test_status_of_a_server_with_an_engine_registration(
             "  model     world  layers  kv heads  head dim  dtype     block  mla  bytes/token\n"
             "  engine-m  1      2       2         8         bfloat16  4      no   128\n"
         )
-        probed = ok(cli("status", *server_args(srv), "--probe", "--json", cwd=tmp_path))
+        probed = ok(in_process(capsys, "status", *server_args(srv), "--probe", "--json"))
         data = json.loads(probed.stdout)
         assert data.pop("noop_rtt_ms") > 0
         assert data.pop("server_instance_id") == srv.config()["mp"]["instance_id"]
@@ -642,7 +670,7 @@ def test_status_of_a_server_with_an_engine_registration(
         kv = random_kv(SMALL_GEOMETRY, 32, seed=11)
         pkg = tmp_path / "e.pt"
         torch.save({"kv": kv, "model_name": "engine-m", "tokens": tokens, "cache_salt": ""}, pkg)
-        stored = ok(cli("store", *server_args(srv), "--input", str(pkg), "--json", cwd=tmp_path))
+        stored = ok(in_process(capsys, "store", *server_args(srv), "--input", str(pkg), "--json"))
         assert json.loads(stored.stdout)["geometry_from"] == "/status"
         got = eng.retrieve(tokens)
         assert got is not None and torch.equal(got, kv)
@@ -702,7 +730,9 @@ def test_zmq_endpoint_not_answering_is_one_line(real_server_shm: RealLMCacheServ
     )
 
 
-def test_usage_errors_exit_2(real_server_shm: RealLMCacheServer, tmp_path: Path) -> None:
+def test_usage_errors_exit_2(real_server_shm: RealLMCacheServer, capsys: pytest.CaptureFixture[str]) -> None:
+    """Argument handling: through ``main`` in this process (the commands' exit codes as
+    processes are checked by the subprocess tests)."""
     srv = real_server_shm
     cases = [
         (
@@ -720,11 +750,13 @@ def test_usage_errors_exit_2(real_server_shm: RealLMCacheServer, tmp_path: Path)
             f"{srv.http_url} as --http-url",
         ),
     ]
-    *procs, bad_range, unregistered = cli_many(
-        *(argv for argv, _ in cases),
-        ["remap", "--model-name", "m", "--source-tokens", "9:3", "--target-tokens", "1"],
-        ["lookup", *server_args(srv), "--model-name", "nobody-registered-this", "--num-tokens", "16"],
-        cwd=tmp_path,
+    *procs, bad_range, unregistered = (
+        in_process(capsys, *argv)
+        for argv in (
+            *(argv for argv, _ in cases),
+            ["remap", "--model-name", "m", "--source-tokens", "9:3", "--target-tokens", "1"],
+            ["lookup", *server_args(srv), "--model-name", "nobody-registered-this", "--num-tokens", "16"],
+        )
     )
     for (argv, message), proc in zip(cases, procs, strict=True):
         ok(proc, 2)
@@ -906,12 +938,16 @@ def test_the_package_and_remap_examples_of_the_docs_run_as_written(
     examples = _doc_examples("make-package", "store", "lookup", "remap")
     assert [argv[0] for argv, _ in examples] == ["store", "make-package", "store", "lookup", "remap"]
     torch.save(torch.nn.Linear(2, 2), tmp_path / "model.pt")  # the refused file of the page
+    runs: list[tuple[list[str], str]] = []
     for argv, shown in examples:
         argv = [model if i and argv[i - 1] == "--model-name" else a for i, a in enumerate(argv)]
         if argv[0] != "make-package":
             argv += server_args(srv)
-        proc = cli(*argv, cwd=tmp_path)
-        expected = re.sub(r"^model( +)m$", rf"model\g<1>{model}", shown, flags=re.M)
+        runs.append((argv, re.sub(r"^model( +)m$", rf"model\g<1>{model}", shown, flags=re.M)))
+    # The refused store and make-package are independent: at once; the rest in page order.
+    procs = cli_many(runs[0][0], runs[1][0], cwd=tmp_path)
+    for (argv, expected), proc in zip(runs, [*procs, *([None] * (len(runs) - 2))], strict=True):
+        proc = proc or cli(*argv, cwd=tmp_path)
         if expected.startswith(f"{PROG} {argv[0]}: error: "):
             assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", expected), argv
         else:

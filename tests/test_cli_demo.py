@@ -61,21 +61,30 @@ def test_demo_exits_0_and_reports_equal_kv() -> None:
     assert proc.stdout.count("bitwise equal to the source KV") == 2
 
 
-def test_demo_json_on_a_pickle_server() -> None:
-    proc = run_cli("demo", *SMALL, "--mode", "pickle", "--json")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(proc.stdout)
+def run_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``lmcache-async ARGS`` through ``main`` in this process (no interpreter or torch
+    start-up); (exit code, stdout, stderr). The demo runs as a subprocess above."""
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_demo_json_on_a_pickle_server(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_in_process(capsys, "demo", *SMALL, "--mode", "pickle", "--json")
+    assert code == 0, out + err
+    report = json.loads(out)
     check_report(report, transfer="pickle")
     assert report["server"]["embedded"] is True and report["server"]["mode"] == "pickle"
     assert report["geometry"]["dtype"] == "bfloat16"
 
 
-def test_demo_against_a_running_server_with_explicit_geometry() -> None:
+def test_demo_against_a_running_server_with_explicit_geometry(capsys: pytest.CaptureFixture[str]) -> None:
     with EmbeddedServer.start_in_thread(chunk_size=16, size_bytes=4 << 20) as srv:
         remote = ["--url", srv.url, "--http-url", srv.http_url, "--model", "remote-model"]
-        proc = run_cli("demo", *remote, *SMALL[2:], "--json")
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        report = json.loads(proc.stdout)
+        code, out, err = run_in_process(capsys, "demo", *remote, *SMALL[2:], "--json")
+        assert code == 0, out + err
+        report = json.loads(out)
         check_report(report, transfer="shm")
         assert report["server"] == {"url": srv.url, "http_url": srv.http_url, "embedded": False, "mode": None}
         status = srv.status()

@@ -337,38 +337,6 @@ async def test_interop_with_the_official_sdk(real_server: Any) -> None:
             assert await c.store(kv_theirs, theirs) is False
 
 
-async def test_reregisters_after_a_server_restart(fresh_real_server: Any) -> None:
-    # Both transports at once: their servers start, and restart, in parallel.
-    servers = fresh_real_server.together({"mode": "shm"}, {"mode": "pickle"})
-
-    async def restart_and_reuse(srv: Any) -> None:
-        async with AsyncClient(
-            srv.url, srv.http_url, unique_model(), geometry=SMALL_GEOMETRY, timeout=30
-        ) as c:
-            tokens = fresh_tokens(2 * CS)
-            kv = random_kv(SMALL_GEOMETRY, len(tokens))
-            assert await c.store(kv, tokens) is True
-            await asyncio.to_thread(srv.restart)
-            # The restarted server lost everything; the client notices the reconnect and
-            # registers (and maps the new SHM segment) again before its next operation.
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    assert await c.retrieve(tokens, timeout=5) is None
-                    break
-                except lmc.LMCacheConnectionError:
-                    if time.monotonic() > deadline:
-                        raise
-                    await asyncio.sleep(0.2)
-            assert await c.store(kv, tokens) is True
-            got = await c.retrieve(tokens)
-            assert got is not None and torch.equal(got, kv)
-            assert c.transfer == srv.mode
-
-    await asyncio.gather(*(restart_and_reuse(srv) for srv in servers))
-    assert [srv.mode for srv in servers] == ["shm", "pickle"]
-
-
 async def test_closed_client_refuses_calls(server: Any) -> None:
     c = await lmc.connect(server.url, server.http_url, unique_model(), geometry=SMALL_GEOMETRY, timeout=10)
     assert "state=open" in repr(c)

@@ -77,11 +77,13 @@ def _interrupt_and_time(proc: subprocess.Popen[str]) -> tuple[float, str]:
     return time.monotonic() - start, err
 
 
+@pytest.mark.parametrize("module_real_server", [{"mode": "shm"}], ids=["shm"], indirect=True)
 @pytest.mark.parametrize(("style", "server"), [("with", "hung"), ("with", "answering"), ("open", "hung")])
-def test_ctrl_c_exits_within_the_bound_and_quietly(fresh_real_server: Any, style: str, server: str) -> None:
+def test_ctrl_c_exits_within_the_bound_and_quietly(module_real_server: Any, style: str, server: str) -> None:
     """``with``: the block's close is bounded; ``open`` (the client never closed): the exit
-    hook's close is bounded (it warns that the client was never closed)."""
-    srv = fresh_real_server("shm")
+    hook's close is bounded (it warns that the client was never closed). One server of this
+    module's for the three (each script is a new client; a hung server is resumed after)."""
+    srv = module_real_server
     with _script(srv, style) as proc:
         _wait_ready(proc)
         if server == "hung":

@@ -20,7 +20,9 @@ from lmcache_async import AsyncClient, Client, KVGeometry, hf
 from lmcache_async.testing.tiny_llama import tiny_llama
 from tests.conftest import SESSION_CHUNK_SIZE, unique_model
 
-pytestmark = pytest.mark.anyio
+# One xdist group with the experiment's tests: `make check` (--dist loadgroup) runs them on
+# one worker, so only one pays the first use of transformers (~3-5 s).
+pytestmark = [pytest.mark.anyio, pytest.mark.xdist_group("transformers")]
 
 CS = SESSION_CHUNK_SIZE
 VOCAB = 512

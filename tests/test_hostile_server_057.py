@@ -105,7 +105,10 @@ async def test_the_0_5_7_frames_the_client_sends(http_057: str) -> None:
     toks = list(range(100, 100 + 3 * CS))
     kv = torch.randn(SMALL_GEOMETRY.kv_shape(3 * CS)).to(torch.bfloat16)
     async with FakeRouter(handler) as router:
-        async with lmc.AsyncClient(router.url, http_057, "m", geometry=SMALL_GEOMETRY, timeout=5) as c:
+        # timeout 2: the store retries its unverified chunks until its deadline (they look
+        # reserved by another writer) and only the frames of its first attempt, sent within
+        # milliseconds, are inspected; a longer deadline is only a longer wait.
+        async with lmc.AsyncClient(router.url, http_057, "m", geometry=SMALL_GEOMETRY, timeout=2) as c:
             # the store's lookup says 1 chunk is cached; its verification lookup says 1
             # too, so the store reports a failure, after the commit we inspect
             with pytest.raises(lmc.TransferError):

@@ -22,6 +22,9 @@ from tests.test_notebook import KERNEL_NAME, _kernel_specs
 SCRIPT = REPO_ROOT / "examples" / "kv_edit_experiment.py"
 NOTEBOOK = REPO_ROOT / "docs" / "examples" / "kv_edit_experiment.ipynb"
 
+#: With tests/test_hf.py: one worker pays the first use of transformers (`make check`).
+pytestmark = pytest.mark.xdist_group("transformers")
+
 
 def _experiment() -> Any:
     spec = importlib.util.spec_from_file_location("kv_edit_experiment", SCRIPT)

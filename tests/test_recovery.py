@@ -26,37 +26,48 @@ pytestmark = pytest.mark.anyio
 CS = 16
 
 
-@pytest.mark.parametrize(
-    ("generation", "mode"), [("0.5.6", "shm"), ("0.5.6", "pickle"), ("0.5.7", "shm"), ("0.5.7", "pickle")]
-)
-async def test_first_operation_after_a_restart_succeeds(
-    fresh_real_server: Any, generation: str, mode: str
-) -> None:
-    srv = fresh_real_server(mode, generation=generation, chunk_size=CS)
-    async with lmc.AsyncClient(
-        srv.url, srv.http_url, unique_model("restart"), geometry=SMALL_GEOMETRY, timeout=30
-    ) as c:
-        tokens = fresh_tokens(2 * CS)
-        kv = random_kv(SMALL_GEOMETRY, len(tokens))
-        assert await c.store(kv, tokens) is True
-        first_id = c._registered_id
-        await asyncio.to_thread(srv.stop)
-        # Down: a call fails with a connection error, not after its 30 s deadline.
-        with pytest.raises(lmc.LMCacheConnectionError, match="not connected to|connection to .* lost"):
-            await c.retrieve(tokens)
-        await asyncio.to_thread(srv.start)
-        healthy = time.monotonic()
-        # The restarted server lost everything; the first operation just works.
-        assert await c.retrieve(tokens) is None
-        first_success = time.monotonic()
-        assert await c.store(kv, tokens) is True
-        got = await c.retrieve(tokens)
-        assert got is not None and torch.equal(got, kv)
-        assert c.transfer == mode
-        assert c._registered_id == first_id  # registered again under the same id
-        print(
-            f"\n[recovery {generation}/{mode}] healthy again -> first success: {first_success - healthy:.3f}s"
-        )
+@pytest.mark.parametrize("generation", ["0.5.6", "0.5.7"])
+async def test_first_operation_after_a_restart_succeeds(fresh_real_server: Any, generation: str) -> None:
+    """Each transport on a server of its own, side by side: the servers start, stop and
+    start again together (a start is ~3 s, mostly lmcache's imports; a stop ~1.5 s, idle),
+    and no client operation runs while either is starting."""
+    servers = fresh_real_server.together(
+        *({"mode": mode, "generation": generation, "chunk_size": CS} for mode in ("shm", "pickle"))
+    )
+    down, up = asyncio.Barrier(len(servers)), asyncio.Barrier(len(servers))
+
+    async def restart_and_reuse(srv: Any) -> None:
+        mode = srv.mode
+        async with lmc.AsyncClient(
+            srv.url, srv.http_url, unique_model("restart"), geometry=SMALL_GEOMETRY, timeout=30
+        ) as c:
+            tokens = fresh_tokens(2 * CS)
+            kv = random_kv(SMALL_GEOMETRY, len(tokens))
+            assert await c.store(kv, tokens) is True
+            first_id = c._registered_id
+            await asyncio.to_thread(srv.stop)
+            # Down: a call fails with a connection error, not after its 30 s deadline.
+            with pytest.raises(lmc.LMCacheConnectionError, match="not connected to|connection to .* lost"):
+                await c.retrieve(tokens)
+            await down.wait()
+            await asyncio.to_thread(srv.start)
+            await up.wait()  # both healthy again
+            healthy = time.monotonic()
+            # The restarted server lost everything; the first operation just works.
+            assert await c.retrieve(tokens) is None
+            first_success = time.monotonic()
+            assert await c.store(kv, tokens) is True
+            got = await c.retrieve(tokens)
+            assert got is not None and torch.equal(got, kv)
+            assert c.transfer == mode
+            assert c._registered_id == first_id  # registered again under the same id
+            print(
+                f"\n[recovery {generation}/{mode}] healthy again -> first success: "
+                f"{first_success - healthy:.3f}s"
+            )
+
+    await asyncio.gather(*(restart_and_reuse(srv) for srv in servers))
+    assert [srv.mode for srv in servers] == ["shm", "pickle"]
 
 
 async def test_new_chunk_size_after_a_restart(fresh_real_server: Any) -> None:

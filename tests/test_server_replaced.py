@@ -68,93 +68,117 @@ def _kill(srv: Any) -> None:
     srv.stop()
 
 
-@pytest.mark.parametrize(
-    ("generation", "mode"), [("0.5.6", "shm"), ("0.5.6", "pickle"), ("0.5.7", "shm"), ("0.5.7", "pickle")]
-)
+@pytest.mark.parametrize("generation", ["0.5.6", "0.5.7"])
 async def test_first_store_and_retrieve_after_a_hidden_restart_succeed(
-    fresh_real_server: Any, forwarded: Any, generation: str, mode: str
+    fresh_real_server: Any, forwarded: Any, generation: str
 ) -> None:
-    srv = fresh_real_server(mode, generation=generation, chunk_size=CS)
-    zf, hf = forwarded(srv)
-    async with _client(zf, hf, OP_TIMEOUT) as c:
-        tokens = fresh_tokens(2 * CS)
-        kv = random_kv(SMALL_GEOMETRY, len(tokens))
-        assert await c.store(kv, tokens) is True
-        got = await c.retrieve(tokens)
-        assert got is not None and torch.equal(got, kv)
-        old_server = srv.config()["mp"]["instance_id"]
-        old_id = c.instance_id
+    """Each transport on a server of its own, side by side: the servers are killed and
+    started again together (a start is ~3 s, mostly lmcache's imports), and no client
+    operation runs while either is starting (each has OP_TIMEOUT)."""
+    servers = fresh_real_server.together(
+        *({"mode": mode, "generation": generation, "chunk_size": CS} for mode in ("shm", "pickle"))
+    )
+    killed, up = asyncio.Barrier(len(servers)), asyncio.Barrier(len(servers))
 
-        await asyncio.to_thread(_kill, srv)
-        await asyncio.to_thread(srv.start)
-        healthy = time.monotonic()
-        assert srv.config()["mp"]["instance_id"] != old_server
-        assert c._conn.generation == 0  # the client saw no disconnect
+    async def replace_and_reuse(srv: Any) -> None:
+        mode = srv.mode
+        zf, hf = forwarded(srv)
+        async with _client(zf, hf, OP_TIMEOUT) as c:
+            tokens = fresh_tokens(2 * CS)
+            kv = random_kv(SMALL_GEOMETRY, len(tokens))
+            assert await c.store(kv, tokens) is True
+            got = await c.retrieve(tokens)
+            assert got is not None and torch.equal(got, kv)
+            old_server = srv.config()["mp"]["instance_id"]
+            old_id = c.instance_id
 
-        tokens2 = fresh_tokens(2 * CS)
-        kv2 = random_kv(SMALL_GEOMETRY, len(tokens2))
-        assert await c.store(kv2, tokens2) is True  # the first operation after the restart
-        got2 = await c.retrieve(tokens2)
-        first_success = time.monotonic()
-        assert got2 is not None and torch.equal(got2, kv2)
-        assert c.transfer == mode
-        assert await c.retrieve(tokens) is None  # the new server lost the old prompt
-        # Registered again under a fresh id: nothing sent under the old one can act on
-        # the new server.
-        assert c.instance_id != old_id
-        print(
-            f"\n[replaced {generation}/{mode}] healthy again -> first store + retrieve: "
-            f"{first_success - healthy:.3f}s"
-        )
+            await killed.wait()  # both clients are done with the old servers
+            await asyncio.to_thread(_kill, srv)
+            await asyncio.to_thread(srv.start)
+            await up.wait()  # both healthy again
+            healthy = time.monotonic()
+            assert srv.config()["mp"]["instance_id"] != old_server
+            assert c._conn.generation == 0  # the client saw no disconnect
+
+            tokens2 = fresh_tokens(2 * CS)
+            kv2 = random_kv(SMALL_GEOMETRY, len(tokens2))
+            assert await c.store(kv2, tokens2) is True  # the first operation after the restart
+            got2 = await c.retrieve(tokens2)
+            first_success = time.monotonic()
+            assert got2 is not None and torch.equal(got2, kv2)
+            assert c.transfer == mode
+            assert await c.retrieve(tokens) is None  # the new server lost the old prompt
+            # Registered again under a fresh id: nothing sent under the old one can act on
+            # the new server.
+            assert c.instance_id != old_id
+            print(
+                f"\n[replaced {generation}/{mode}] healthy again -> first store + retrieve: "
+                f"{first_success - healthy:.3f}s"
+            )
+
+    await asyncio.gather(*(replace_and_reuse(srv) for srv in servers))
+    assert [srv.mode for srv in servers] == ["shm", "pickle"]
 
 
-@pytest.mark.parametrize("operation", ["store", "retrieve"])
 @pytest.mark.parametrize(("generation", "mode"), [("0.5.6", "shm"), ("0.5.6", "pickle"), ("0.5.7", "shm")])
 async def test_an_operation_in_flight_during_the_swap_succeeds_or_says_so(
-    fresh_real_server: Any, forwarded: Any, generation: str, mode: str, operation: str
+    fresh_real_server: Any, forwarded: Any, generation: str, mode: str
 ) -> None:
-    srv = fresh_real_server(mode, generation=generation, chunk_size=CS)
-    zf, hf = forwarded(srv)
+    """A store and a retrieve, each in flight on a server of its own (the same
+    configuration), side by side: the servers are swapped together."""
+    servers = fresh_real_server.together(
+        *({"mode": mode, "generation": generation, "chunk_size": CS} for _ in range(2))
+    )
+    stopped, up = asyncio.Barrier(len(servers)), asyncio.Barrier(len(servers))
     deadline = 20.0
-    async with _client(zf, hf, deadline) as c:
-        tokens = fresh_tokens(2 * CS)
-        kv = random_kv(SMALL_GEOMETRY, len(tokens))
-        if operation == "retrieve":
-            assert await c.store(kv, tokens) is True
-        pid = srv.pid
-        assert pid is not None
-        os.kill(pid, signal.SIGSTOP)  # the operation's first request goes unanswered
-        start = time.monotonic()
-        task = asyncio.create_task(c.store(kv, tokens) if operation == "store" else c.retrieve(tokens))
-        await asyncio.sleep(0.3)
-        assert not task.done()
-        await asyncio.to_thread(_kill, srv)
-        await asyncio.to_thread(srv.start)
-        healthy = time.monotonic()
-        try:
-            result: Any = await task
-        except lmc.ServerReplacedError as exc:
-            result = exc
-        done = time.monotonic()
-        elapsed = done - start
-        assert elapsed < deadline
-        print(
-            f"\n[in flight {generation}/{mode}/{operation}] {type(result).__name__} after {elapsed:.3f}s "
-            f"({done - healthy:.3f}s after healthy again)"
-        )
-        if operation == "store":
-            assert result is True or isinstance(result, lmc.ServerReplacedError)
-        else:
-            assert result is None or isinstance(result, lmc.ServerReplacedError)  # the new server is empty
-        # Nothing half-done on the new server: no write reservation, no read lock; the
-        # prompt is storable and reads back bitwise.
-        if result is not True:
-            assert await c.store(kv, tokens) is True
-        got = await c.retrieve(tokens)
-        assert got is not None and torch.equal(got, kv)
-        assert await c.drain(10)
-        l1 = srv.status()["storage_manager"]["l1_manager"]
-        assert (l1["write_locked_count"], l1["read_locked_count"]) == (0, 0)
+
+    async def swap_under(srv: Any, operation: str) -> None:
+        zf, hf = forwarded(srv)
+        async with _client(zf, hf, deadline) as c:
+            tokens = fresh_tokens(2 * CS)
+            kv = random_kv(SMALL_GEOMETRY, len(tokens))
+            if operation == "retrieve":
+                assert await c.store(kv, tokens) is True
+            await stopped.wait()  # both clients are registered and idle
+            pid = srv.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)  # the operation's first request goes unanswered
+            start = time.monotonic()
+            task = asyncio.create_task(c.store(kv, tokens) if operation == "store" else c.retrieve(tokens))
+            await asyncio.sleep(0.3)
+            assert not task.done()
+            await asyncio.to_thread(_kill, srv)
+            await asyncio.to_thread(srv.start)
+            healthy = time.monotonic()
+            try:
+                result: Any = await task
+            except lmc.ServerReplacedError as exc:
+                result = exc
+            done = time.monotonic()
+            elapsed = done - start
+            assert elapsed < deadline
+            print(
+                f"\n[in flight {generation}/{mode}/{operation}] {type(result).__name__} after "
+                f"{elapsed:.3f}s ({done - healthy:.3f}s after healthy again)"
+            )
+            if operation == "store":
+                assert result is True or isinstance(result, lmc.ServerReplacedError)
+            else:
+                assert result is None or isinstance(
+                    result, lmc.ServerReplacedError
+                )  # the new server is empty
+            await up.wait()  # both swapped: no server is starting now
+            # Nothing half-done on the new server: no write reservation, no read lock; the
+            # prompt is storable and reads back bitwise.
+            if result is not True:
+                assert await c.store(kv, tokens) is True
+            got = await c.retrieve(tokens)
+            assert got is not None and torch.equal(got, kv)
+            assert await c.drain(10)
+            l1 = srv.status()["storage_manager"]["l1_manager"]
+            assert (l1["write_locked_count"], l1["read_locked_count"]) == (0, 0)
+
+    await asyncio.gather(swap_under(servers[0], "store"), swap_under(servers[1], "retrieve"))
 
 
 async def test_an_operation_replaced_twice_fails_with_the_typed_error(
@@ -202,11 +226,11 @@ async def test_an_operation_replaced_twice_fails_with_the_typed_error(
         assert (l1["write_locked_count"], l1["read_locked_count"]) == (0, 0)
 
 
-async def test_a_busy_client_never_checks_the_server_identity(fresh_real_server: Any, forwarded: Any) -> None:
+async def test_a_busy_client_never_checks_the_server_identity(real_server_shm: Any, forwarded: Any) -> None:
     """The hot path: operations back to back (replies never silent for a second) make no
-    identity check, so no HTTP request; after a second of silence, one operation makes one."""
-    srv = fresh_real_server("shm", chunk_size=CS)
-    zf, hf = forwarded(srv)
+    identity check, so no HTTP request; after a second of silence, one operation makes one.
+    Nothing is replaced here: the session's server will do (a model and tokens of its own)."""
+    zf, hf = forwarded(real_server_shm)
     async with _client(zf, hf, 10.0) as c:
         tokens = fresh_tokens(2 * CS)
         kv = random_kv(SMALL_GEOMETRY, len(tokens))

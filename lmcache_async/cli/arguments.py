@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from lmcache_async._defaults import check_timeout
 from lmcache_async.cli.runner import DEFAULT_HTTP_URL, DEFAULT_URL, UsageError
-from lmcache_async.geometry import KVGeometry, dtype_from_name
 from lmcache_async.wire import validate_cache_salt, validate_model_name, validate_tokens
+
+if TYPE_CHECKING:  # imported where used: it imports torch, which parsing must not pay
+    from lmcache_async.geometry import KVGeometry
 
 __all__ = [
     "PACKAGE_DTYPES",
@@ -198,6 +200,8 @@ def explicit_geometry(args: argparse.Namespace) -> KVGeometry | None:
         raise UsageError(
             f"an explicit geometry needs --num-layers, --num-kv-heads and --head-dim (missing {missing})"
         )
+    from lmcache_async.geometry import KVGeometry, dtype_from_name
+
     try:
         return KVGeometry(
             num_layers=args.num_layers,

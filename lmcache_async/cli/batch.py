@@ -24,9 +24,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, TYPE_CHECKING, Any, Final
 
-from lmcache_async.bulk import BatchProgress, ItemResult
 from lmcache_async.cli.arguments import (
     byte_size,
     checked_model,
@@ -46,6 +45,9 @@ from lmcache_async.cli.runner import (
     one_line,
 )
 from lmcache_async.sharding import select_shard, shard_arg
+
+if TYPE_CHECKING:  # annotations only: lmcache_async.bulk imports torch, which --help must not pay
+    from lmcache_async.bulk import BatchProgress, ItemResult
 
 __all__ = ["read_pairs", "register", "render_progress", "terminal_columns"]
 

@@ -24,19 +24,25 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-import torch
-
-from lmcache_async.client import AsyncClient
 from lmcache_async.errors import LMCacheError
-from lmcache_async.geometry import KVGeometry, dtype_from_name
-from lmcache_async.testing.dialect import PROTOCOLS
-from lmcache_async.testing.server import EmbeddedServer, ModelSpec, parse_size
+
+# torch, the client and the embedded server are imported by the commands (where used):
+# building the parser (``--help``) does not pay torch's ~2 s import.
+if TYPE_CHECKING:
+    import torch
+
+    from lmcache_async.geometry import KVGeometry
+    from lmcache_async.testing.server import EmbeddedServer, ModelSpec
 
 __all__ = ["register"]
 
 T = TypeVar("T")
+
+#: ``--protocol``'s choices: :data:`lmcache_async.testing.PROTOCOLS` (tests/test_cli_startup.py
+#: checks they are equal), named here because importing lmcache_async.testing imports torch.
+PROTOCOLS: Final = ("0.5.6", "0.5.7")
 
 DEFAULT_MODEL = "lmcache-async-demo"
 _VOCAB = 32000
@@ -134,6 +140,8 @@ def _usage(message: str) -> int:
 
 
 def _model_spec(args: argparse.Namespace) -> ModelSpec:
+    from lmcache_async.testing.server import ModelSpec
+
     return ModelSpec(
         args.model,
         num_layers=args.layers,
@@ -148,6 +156,8 @@ def _model_spec(args: argparse.Namespace) -> ModelSpec:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from lmcache_async.testing.server import EmbeddedServer, parse_size
+
     try:
         size = parse_size(args.size)
         models = [_model_spec(args)] if args.model else []
@@ -236,6 +246,9 @@ def _mib(n: int) -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from lmcache_async.geometry import dtype_from_name
+    from lmcache_async.testing.server import parse_size
+
     if (args.url is None) != (args.http_url is None):
         return _usage("--url and --http-url go together")
     for name in ("chunks", "chunk_size", "layers", "kv_heads", "head_dim", "block_size", "changed_tokens"):
@@ -267,6 +280,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 def bitwise_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     """Same shape, dtype and bytes (NaN payloads included)."""
+    import torch
+
     if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
         return False
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
@@ -279,6 +294,8 @@ async def _timed(fn: Callable[[], Awaitable[T]]) -> tuple[T, float]:
 
 
 def _random_kv(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     try:
         return torch.randn(shape, generator=gen, dtype=dtype)
@@ -287,6 +304,11 @@ def _random_kv(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.T
 
 
 async def _demo_async(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
+    import torch
+
+    from lmcache_async.client import AsyncClient
+    from lmcache_async.testing.server import EmbeddedServer, parse_size
+
     spec = _model_spec(args)
     async with contextlib.AsyncExitStack() as stack:
         server: EmbeddedServer | None = None

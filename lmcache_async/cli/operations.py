@@ -16,11 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from lmcache_async.bulk import RemapPair
 from lmcache_async.cli.arguments import (
     PACKAGE_DTYPES,
     add_token_args,
@@ -33,7 +30,6 @@ from lmcache_async.cli.arguments import (
     token_spec,
     tokens_from_args,
 )
-from lmcache_async.cli.package_file import Package, load_package, save_package
 from lmcache_async.cli.runner import (
     CommandError,
     UsageError,
@@ -45,8 +41,13 @@ from lmcache_async.cli.runner import (
     salt_text,
 )
 from lmcache_async.errors import ModelNotRegisteredError
-from lmcache_async.geometry import KVGeometry, dtype_from_name, dtype_name
 from lmcache_async.metadata import Metadata
+
+# torch, the package files and the geometry are imported by the commands that use them:
+# building the parser (``--help``) does not pay torch's ~2 s import.
+if TYPE_CHECKING:
+    from lmcache_async.cli.package_file import Package
+    from lmcache_async.geometry import KVGeometry
 
 __all__ = ["register"]
 
@@ -55,6 +56,11 @@ __all__ = ["register"]
 
 
 def _make_package(args: argparse.Namespace) -> int:
+    import torch
+
+    from lmcache_async.cli.package_file import Package, save_package
+    from lmcache_async.geometry import dtype_from_name
+
     model = checked_model(args.model_name)
     salt = checked_salt(args.cache_salt)
     dtype = dtype_from_name(args.dtype)  # one of PACKAGE_DTYPES (argparse choices)
@@ -84,6 +90,9 @@ def _make_package(args: argparse.Namespace) -> int:
 
 
 async def _store(args: argparse.Namespace) -> int:
+    from lmcache_async.cli.package_file import load_package
+    from lmcache_async.geometry import dtype_name
+
     model = None if args.model_name is None else checked_model(args.model_name)
     salt = None if args.cache_salt is None else checked_salt(args.cache_salt)
     geometry = explicit_geometry(args)
@@ -131,6 +140,8 @@ async def _store(args: argparse.Namespace) -> int:
 
 async def _package_geometry(args: argparse.Namespace, model: str, pkg: Package) -> tuple[KVGeometry, str]:
     """The model's geometry from ``/status``; else the package's shape (one head of D)."""
+    from lmcache_async.geometry import KVGeometry
+
     meta = Metadata(args.http_url, ttl=0)
     try:
         status = await meta.status(timeout=args.timeout)
@@ -183,6 +194,9 @@ async def _lookup(args: argparse.Namespace) -> int:
 
 
 async def _retrieve(args: argparse.Namespace) -> int:
+    from lmcache_async.cli.package_file import Package, save_package
+    from lmcache_async.geometry import dtype_name
+
     model = checked_model(args.model_name)
     salt = checked_salt(args.cache_salt)
     tokens = tokens_from_args(args)
@@ -229,11 +243,15 @@ def _side(spec: list[int] | None, package: Path | None) -> tuple[list[int], str 
     if spec is not None:
         return spec, None
     assert package is not None  # argparse: one of the two is required
+    from lmcache_async.cli.package_file import load_package
+
     pkg = load_package(package)
     return pkg.tokens, pkg.cache_salt
 
 
 async def _remap(args: argparse.Namespace) -> int:
+    from lmcache_async.bulk import RemapPair
+
     model = checked_model(args.model_name)
     salt_flag = None if args.cache_salt is None else checked_salt(args.cache_salt)
     tsalt_flag = (

@@ -14,18 +14,20 @@ import asyncio
 import json
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import aiohttp
 
-from lmcache_async.client import AsyncClient
 from lmcache_async.errors import (
     LMCacheConnectionError,
     LMCacheError,
     LMCacheTimeoutError,
     ModelNotRegisteredError,
 )
-from lmcache_async.geometry import KVGeometry
+
+if TYPE_CHECKING:  # imported where used: they import torch, which --help must not pay
+    from lmcache_async.client import AsyncClient
+    from lmcache_async.geometry import KVGeometry
 
 __all__ = [
     "DEFAULT_HTTP_URL",
@@ -111,6 +113,8 @@ async def connect_client(
     Raises:
         As :meth:`AsyncClient.open`; :func:`command` reports each as one line.
     """
+    from lmcache_async.client import AsyncClient
+
     client = AsyncClient(args.url, args.http_url, model_name, geometry=geometry, timeout=args.timeout)
     await client.open()
     return client

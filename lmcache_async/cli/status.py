@@ -17,16 +17,17 @@ import time
 from typing import Any, Final
 
 import aiohttp
-import torch
 
 from lmcache_async.cli.arguments import server_parent
 from lmcache_async.cli.runner import command, connect_client, emit, one_line, run_async, table
 from lmcache_async.connection import Connection
 from lmcache_async.errors import LMCacheError, ProtocolError, TransferError
-from lmcache_async.geometry import KVGeometry, dtype_name
 from lmcache_async.metadata import Metadata
-from lmcache_async.shm import ShmPool
+from lmcache_async.shm_segment import map_segment
 from lmcache_async.wire import Op
+
+# torch (through lmcache_async.geometry) is imported only to decode the geometry of the
+# models an engine registered, and by --probe: a health check does not pay its ~2 s.
 
 __all__ = ["PROBE_MODEL", "SHM_PREFIX", "register", "server_version"]
 
@@ -190,7 +191,7 @@ def _predict_transport(config: dict[str, Any], mode: str) -> dict[str, Any]:
     bare = str(shm_name).lstrip("/")
     segment = bare if bare.startswith(SHM_PREFIX) else SHM_PREFIX + bare
     try:
-        ShmPool(segment, size).close()
+        map_segment(segment, size)[1].close()  # ShmPool's own checks, without torch
     except TransferError as exc:
         return {
             "mode": "pickle",
@@ -208,6 +209,10 @@ def _predict_transport(config: dict[str, Any], mode: str) -> dict[str, Any]:
 
 async def _probe_transport(args: argparse.Namespace, chunk_size: int) -> dict[str, Any]:
     """Register a throwaway engine-driven context and ask the server (authoritative)."""
+    import torch
+
+    from lmcache_async.geometry import KVGeometry
+
     name = PROBE_MODEL
     geometry = KVGeometry(1, 1, 8, torch.bfloat16, block_size=chunk_size)
     how = f"probed: registered {name!r} and unregistered it"
@@ -231,6 +236,8 @@ def _models(status: dict[str, Any]) -> list[dict[str, Any]]:
     for entry in meta.values():
         if not isinstance(entry, dict):
             continue
+        from lmcache_async.geometry import KVGeometry, dtype_name
+
         row: dict[str, Any] = {
             "model_name": str(entry.get("model_name")),
             "world_size": entry.get("world_size", 1),
