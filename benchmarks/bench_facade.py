@@ -21,6 +21,9 @@ Cases:
 * ``retrieve``: a 1-chunk hit, copied out;
 * ``handover``: the facade alone, no server: an empty coroutine submitted to the loop
   thread and waited for (``async`` column: the same coroutine awaited directly);
+* ``two-thread ping-pong (the floor)``: no facade at all, two plain threads handing the
+  turn to each other and back with two locks (two thread wake-ups, what any hand-over to
+  another thread costs at least on the machine);
 * ``noop x8``: throughput, 8 threads calling ``Client.noop()`` vs 8 tasks awaiting
   ``AsyncClient.noop()``, ``--iters`` calls each; reported in calls per second.
 
@@ -101,8 +104,38 @@ async def _empty() -> None:
     return None
 
 
+class _PingPong:
+    """Two plain threads handing the turn over with two locks, no event loop: one
+    ``once()`` is two thread wake-ups, the floor under any hand-over to another thread."""
+
+    def __init__(self) -> None:
+        self._go, self._back = threading.Lock(), threading.Lock()
+        self._go.acquire()
+        self._back.acquire()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="pingpong", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._go.acquire()
+            if self._stop:
+                return
+            self._back.release()
+
+    def once(self) -> None:
+        self._go.release()
+        self._back.acquire()
+
+    def close(self) -> None:
+        self._stop = True
+        self._go.release()
+        self._thread.join(5)
+
+
 async def run(args: argparse.Namespace, url: str, http_url: str) -> dict[str, Any]:
     sync = Client(url, http_url, MODEL, geometry=GEOM)
+    pingpong = _PingPong()
     try:
         async with lmc.AsyncClient(url, http_url, MODEL, geometry=GEOM) as aclient:
             cs = aclient.chunk_size
@@ -116,12 +149,14 @@ async def run(args: argparse.Namespace, url: str, http_url: str) -> dict[str, An
                 "lookup": lambda: sync.lookup(tokens),
                 "retrieve": lambda: sync.retrieve(tokens),
                 "handover": lambda: lt.submit(_empty).wait("handover", 10.0, 1.0),
+                "two-thread ping-pong (the floor)": pingpong.once,
             }
             async_cases: dict[str, Callable[[], Awaitable[object]]] = {
                 "noop": aclient.noop,
                 "lookup": lambda: aclient.lookup(tokens),
                 "retrieve": lambda: aclient.retrieve(tokens),
                 "handover": _empty,
+                "two-thread ping-pong (the floor)": _empty,
             }
             rounds: dict[str, dict[str, list[float]]] = {c: {"async": [], "sync": []} for c in sync_cases}
             for case in sync_cases:  # warm up both paths
@@ -143,6 +178,7 @@ async def run(args: argparse.Namespace, url: str, http_url: str) -> dict[str, An
                 tput["sync"].append(_sync_throughput(sync, 8, n))
             transfer = aclient.transfer
     finally:
+        pingpong.close()
         sync.close()
 
     def summary(values: list[float], scale: float) -> dict[str, float]:

@@ -634,8 +634,11 @@ def test_a_caller_is_woken_when_the_loop_thread_blocks_not_inside_the_iteration(
     try:
         seen: list[tuple[bool, bool]] = []
         gate = threading.Event()
+        submitted = threading.Event()
 
         async def body() -> int:
+            while not submitted.is_set():  # until the test holds the call (below)
+                await asyncio.sleep(0.001)
             return 7
 
         def observe(call: sync_client._LoopCall[int]) -> None:  # on the loop thread
@@ -646,6 +649,7 @@ def test_a_caller_is_woken_when_the_loop_thread_blocks_not_inside_the_iteration(
         holder: list[sync_client._LoopCall[int]] = []
         call = lt.submit(body, on_done=lambda: observe(holder[0]))
         holder.append(call)
+        submitted.set()
         assert call.wait("t", 5.0, 1.0) == 7
         assert gate.is_set() and seen == [(True, False)]
         assert call.done.is_set()
