@@ -670,3 +670,22 @@ def test_a_call_finished_in_the_loops_last_iteration_still_wakes_its_caller() ->
     assert call.outcome() == "done"
     lt.thread.join(5.0)
     assert not lt.thread.is_alive()
+
+
+def test_the_done_flag_wakes_every_waiter_and_times_out_unset() -> None:
+    done = sync_client._Done()
+    assert not done.is_set()
+    t0 = time.monotonic()
+    assert done.wait(0.05) is False
+    assert time.monotonic() - t0 >= 0.04
+    assert done.wait(0) is False
+    woken: list[bool] = []
+    waiters = [threading.Thread(target=lambda: woken.append(done.wait(5.0))) for _ in range(3)]
+    for w in waiters:
+        w.start()
+    done.set()
+    done.set()  # idempotent
+    for w in waiters:
+        w.join(5.0)
+    assert woken == [True, True, True] and done.is_set()
+    assert done.wait(None) is True and done.wait(0) is True
