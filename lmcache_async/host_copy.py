@@ -118,7 +118,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
             and dst.is_contiguous()
             and src.is_contiguous()
             and dst.dim() > 0
-            and not (src.is_conj() or src.is_neg())
+            and not (src.is_conj() or src.is_neg() or dst.is_conj() or dst.is_neg())
         ):
             # One contiguous block each (a 1-chunk slot, a whole chunk): one memmove
             # through ctypes (GIL released), without numpy's views (~8 µs less per copy).

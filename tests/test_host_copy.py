@@ -227,3 +227,13 @@ def test_two_contiguous_tensors_are_copied_with_one_memmove(
     copy_into(big.narrow(2, 0, 8), big.narrow(2, 8, 8))
     assert len(moves) == len(DTYPES) + 2
     assert torch.equal(big.narrow(2, 0, 8).view(torch.uint8), big.narrow(2, 8, 8).view(torch.uint8))
+
+
+def test_a_conjugate_or_negative_view_as_target_is_written_as_copy_writes_it() -> None:
+    # A conj/neg-bit view is resolved on write by Tensor.copy_; a raw memmove would not.
+    src = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    for make in (torch.Tensor.conj, torch._neg_view):
+        base, want = torch.zeros(2, dtype=torch.complex64), torch.zeros(2, dtype=torch.complex64)
+        make(want).copy_(src)
+        copy_into(make(base), src)
+        assert torch.equal(base, want)

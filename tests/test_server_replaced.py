@@ -68,6 +68,18 @@ def _kill(srv: Any) -> None:
     srv.stop()
 
 
+async def _reads_back_and_holds_no_lock(
+    c: lmc.AsyncClient, srv: Any, kv: torch.Tensor, tokens: list[int]
+) -> None:
+    """``tokens`` read back bitwise; once the client's cleanups are in, the server holds
+    no write reservation and no read lock."""
+    got = await c.retrieve(tokens)
+    assert got is not None and torch.equal(got, kv)
+    assert await c.drain(10)
+    l1 = srv.status()["storage_manager"]["l1_manager"]
+    assert (l1["write_locked_count"], l1["read_locked_count"]) == (0, 0)
+
+
 @pytest.mark.parametrize("generation", ["0.5.6", "0.5.7"])
 async def test_first_store_and_retrieve_after_a_hidden_restart_succeed(
     fresh_real_server: Any, forwarded: Any, generation: str
@@ -172,11 +184,7 @@ async def test_an_operation_in_flight_during_the_swap_succeeds_or_says_so(
             # prompt is storable and reads back bitwise.
             if result is not True:
                 assert await c.store(kv, tokens) is True
-            got = await c.retrieve(tokens)
-            assert got is not None and torch.equal(got, kv)
-            assert await c.drain(10)
-            l1 = srv.status()["storage_manager"]["l1_manager"]
-            assert (l1["write_locked_count"], l1["read_locked_count"]) == (0, 0)
+            await _reads_back_and_holds_no_lock(c, srv, kv, tokens)
 
     await asyncio.gather(swap_under(servers[0], "store"), swap_under(servers[1], "retrieve"))
 
@@ -219,11 +227,7 @@ async def test_an_operation_replaced_twice_fails_with_the_typed_error(
         zf.hold.clear()
         # The next operation checks the server, registers afresh and works.
         assert await c.store(kv, tokens) is True
-        got = await c.retrieve(tokens)
-        assert got is not None and torch.equal(got, kv)
-        assert await c.drain(10)
-        l1 = srv.status()["storage_manager"]["l1_manager"]
-        assert (l1["write_locked_count"], l1["read_locked_count"]) == (0, 0)
+        await _reads_back_and_holds_no_lock(c, srv, kv, tokens)
 
 
 async def test_a_busy_client_never_checks_the_server_identity(real_server_shm: Any, forwarded: Any) -> None:
