@@ -144,9 +144,22 @@ def _run_cell(kc: Any, code: str, timeout: float = 60.0) -> tuple[dict[str, Any]
             out.append(msg["content"]["text"])
         if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
             break
-    reply = kc.get_shell_msg(timeout=max(deadline - time.monotonic(), 0.1))
-    assert reply["parent_header"]["msg_id"] == msg_id
+    reply = _shell_reply(kc, msg_id, deadline)
     return reply["content"], "".join(out)
+
+
+def _shell_reply(kc: Any, msg_id: str, deadline: float) -> dict[str, Any]:
+    """The shell channel's reply to ``msg_id``, skipping replies to other requests.
+
+    ``wait_for_ready`` sends ``kernel_info_request`` again every second until one is
+    answered, so a kernel slow to start leaves extra ``kernel_info_reply`` messages
+    queued on the shell channel; a reply to an execute request is found by its parent.
+    """
+    while True:
+        reply: dict[str, Any] = kc.get_shell_msg(timeout=max(deadline - time.monotonic(), 0.1))
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply
+        assert reply["msg_type"] == "kernel_info_reply", reply["msg_type"]
 
 
 def test_a_kernel_interrupt_cancels_a_blocking_call_and_the_kernel_lives_on(
@@ -162,6 +175,9 @@ def test_a_kernel_interrupt_cancels_a_blocking_call_and_the_kernel_lives_on(
     kc.start_channels()
     try:
         kc.wait_for_ready(timeout=120)
+        # What wait_for_ready leaves behind when the kernel answers its first request
+        # late (CI under load): one more kernel_info_reply queued on the shell channel.
+        kc.kernel_info()
         reply, _ = _run_cell(kc, _SETUP)
         assert reply["status"] == "ok", reply
         baseline = srv.status()["active_sessions"]
@@ -177,10 +193,9 @@ def test_a_kernel_interrupt_cancels_a_blocking_call_and_the_kernel_lives_on(
                     break
             time.sleep(0.2)  # let it enter the wait (an earlier interrupt is fine too)
             km.interrupt_kernel()  # SIGINT, as the notebook's stop button
-            reply = kc.get_shell_msg(timeout=60)
+            reply = _shell_reply(kc, msg_id, time.monotonic() + 60)
         finally:
             os.kill(pid, signal.SIGCONT)
-        assert reply["parent_header"]["msg_id"] == msg_id
         assert reply["content"]["status"] == "error"
         assert reply["content"]["ename"] == "KeyboardInterrupt"
         reply, out = _run_cell(kc, _AFTER)  # the kernel and the client live on
