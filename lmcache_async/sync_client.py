@@ -217,7 +217,7 @@ class _LoopCall(Generic[T]):
         #: loop thread next blocks (:class:`_WakingSelector`), or at once without a waker.
         self._finished = False
         self.done = _Done()
-        self.task: asyncio.Task[T] | None = None
+        self.task: asyncio.Task[None] | None = None
         self._factory: Callable[[], Coroutine[Any, Any, T]] | None = factory
         self._result: T | None = None
         self._exc: BaseException | None = None
@@ -229,22 +229,39 @@ class _LoopCall(Generic[T]):
         factory, self._factory = self._factory, None
         assert factory is not None
         try:
-            self.task = self.loop.create_task(factory())  # the coroutine is created here
+            coro = factory()  # the coroutine is created here, on the loop thread
         except BaseException as exc:  # e.g. the factory itself raised
             self._exc = exc
             self._finish()
             return
-        self.task.add_done_callback(self._on_done)
+        self.task = self.loop.create_task(self._run(coro))
+        self.task.add_done_callback(lambda task: self._cancelled_before_start(task, coro))
 
-    def _on_done(self, task: asyncio.Task[T]) -> None:
-        if task.cancelled():
+    def _cancelled_before_start(self, task: asyncio.Task[None], coro: Coroutine[Any, Any, T]) -> None:
+        # A task cancelled before its first step never entered _run's body: close the
+        # call's coroutine (never started: no "never awaited" warning) and finish here.
+        if not self._finished:
+            coro.close()
             self._cancelled = True
-        else:
-            exc = task.exception()
-            if exc is None:
-                self._result = task.result()
-            else:
-                self._exc = exc
+            self._finish()
+
+    async def _run(self, coro: Coroutine[Any, Any, T]) -> None:
+        """Await ``coro`` and record its outcome from inside the task's last step: the
+        caller is woken one loop iteration sooner than by a done-callback (which asyncio
+        schedules for the next iteration). A cancelled or interrupted call still ends
+        its task the same way (cancelled, or raising)."""
+        try:
+            self._result = await coro
+        except asyncio.CancelledError:
+            self._cancelled = True
+            self._finish()
+            raise
+        except Exception as exc:
+            self._exc = exc
+        except BaseException as exc:  # KeyboardInterrupt, SystemExit: the loop stops on them
+            self._exc = exc
+            self._finish()
+            raise
         self._finish()
 
     def _finish(self) -> None:
