@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import enum
+
 import msgpack
 import numpy
 import pytest
@@ -154,6 +156,58 @@ def test_tokens_validation() -> None:
     assert type(wire.validate_tokens([numpy.int64(5)])[0]) is int  # exact ints go on the wire
     with pytest.raises(TypeError, match="tokens must be a sequence of ints, got str"):
         wire.validate_tokens("abc")
+
+
+class _Colour(enum.IntEnum):
+    RED = 7
+
+
+def _reference_tokens(values: list[object]) -> list[int] | type[Exception]:
+    """What validate_tokens must make of a list: exact ints, or the error's class."""
+    out = []
+    for v in values:
+        if isinstance(v, bool | numpy.bool_) or not isinstance(v, int | numpy.integer):
+            return TypeError
+        out.append(int(v))
+    if any(t < 0 or t >= 2**32 for t in out):
+        return ValueError
+    return out
+
+
+_TOKEN_VALUES = st.one_of(
+    st.integers(0, 2**32 - 1),
+    st.integers(-(2**70), 2**70),
+    st.booleans(),
+    st.floats(allow_nan=False),
+    st.just(_Colour.RED),
+    st.integers(0, 2**32 - 1).map(numpy.int64),
+    st.text(max_size=2),
+    st.none(),
+)
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(st.lists(_TOKEN_VALUES, max_size=12), st.booleans())
+def test_tokens_validation_agrees_with_the_rule(values: list[object], as_tuple: bool) -> None:
+    """Any list or tuple: a new list of exact ints, or TypeError/ValueError, as the
+    element-by-element rule says (the fast msgspec path and the fallback agree)."""
+    expected = _reference_tokens(values)
+    given_tokens = tuple(values) if as_tuple else values
+    if isinstance(expected, list):
+        got = wire.validate_tokens(given_tokens)
+        assert got == expected
+        assert all(type(t) is int for t in got)
+        assert got is not given_tokens
+    else:
+        with pytest.raises(expected, match="tokens"):
+            wire.validate_tokens(given_tokens)
+
+
+def test_validated_tokens_are_a_copy() -> None:
+    tokens = [1, 2, 3]
+    got = wire.validate_tokens(tokens)
+    tokens[0] = 99  # the caller reuses its list while an operation runs
+    assert got == [1, 2, 3]
 
 
 def test_model_name_validation() -> None:
