@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.bench_facade [--iters 2000] [--rounds 5] [--json]
     .venv/bin/python -m benchmarks.bench_facade --url tcp://h:p --http-url http://h:p
+    .venv/bin/python -m benchmarks.bench_facade --trace 3000   # the phases of one noop
 
 (``make bench`` runs this as the ``facade`` section, on the suite's SHM server: chunk 256.)
 
@@ -26,6 +27,9 @@ Cases:
   another thread costs at least on the machine);
 * ``noop x8``: throughput, 8 threads calling ``Client.noop()`` vs 8 tasks awaiting
   ``AsyncClient.noop()``, ``--iters`` calls each; reported in calls per second.
+
+``--trace CALLS`` times instead where one ``Client.noop()`` spends its time (the phases
+of :data:`TRACE_PHASES`), through wrappers around the facade's hand-over points.
 
 The async calls run in the main thread's own event loop (``asyncio.run``); the blocking
 calls are made from that same thread (so the facade's loop thread does their work while
@@ -207,6 +211,85 @@ async def run(args: argparse.Namespace, url: str, http_url: str) -> dict[str, An
     }
 
 
+#: The phases of one ``Client.noop()`` that :func:`trace_noop` times (name, from, to).
+TRACE_PHASES = (
+    ("caller -> loop thread running the call", "submit", "start"),
+    ("loop: task started -> request handed to libzmq", "start", "send0"),
+    ("libzmq send (queued; its I/O thread signalled)", "send0", "send1"),
+    ("request queued -> call finished on the loop (the round trip)", "send1", "finish"),
+    ("call finished -> caller's flag set (before the loop blocks)", "finish", "wake"),
+    ("flag set -> caller running again", "wake", "back"),
+    ("whole Client.noop()", "call", "back"),
+)
+
+
+def trace_noop(url: str, http_url: str, calls: int) -> dict[str, dict[str, float]]:
+    """Where one ``Client.noop()`` spends its time: timestamps taken by wrappers around
+    the facade's hand-over points and the connection's send (restored afterwards);
+    medians, 10th and 90th percentiles over ``calls`` calls, in µs. Nothing in the
+    library is changed; the wrappers add ~1 µs per point."""
+    from unittest import mock
+
+    from lmcache_async import connection as conn_mod
+    from lmcache_async import sync_client as sc
+
+    ns = time.perf_counter_ns
+    marks: dict[str, int] = {}
+
+    def stamp(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            marks.setdefault(name, ns())
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    orig_send = conn_mod.Connection._send
+
+    def send(self: Any, frames: list[Any], op: Any) -> bool:
+        marks.setdefault("send0", ns())
+        try:
+            return orig_send(self, frames, op)
+        finally:
+            marks.setdefault("send1", ns())
+
+    rows: list[dict[str, int]] = []
+    with (
+        mock.patch.object(sc._LoopThread, "submit", stamp("submit", sc._LoopThread.submit)),
+        mock.patch.object(sc._LoopCall, "_start", stamp("start", sc._LoopCall._start)),
+        mock.patch.object(sc._LoopCall, "_finish", stamp("finish", sc._LoopCall._finish)),
+        mock.patch.object(sc._WakingSelector, "wake_all", stamp("wake", sc._WakingSelector.wake_all)),
+        mock.patch.object(conn_mod.Connection, "_send", send),
+    ):
+        client = Client(url, http_url, MODEL, geometry=GEOM)
+        try:
+            for _ in range(max(calls // 10, 50)):  # warm up
+                client.noop()
+            for _ in range(calls):
+                marks.clear()
+                marks["call"] = ns()
+                client.noop()
+                marks["back"] = ns()
+                rows.append(dict(marks))
+        finally:
+            client.close()
+    out: dict[str, dict[str, float]] = {}
+    for label, a, b in TRACE_PHASES:
+        values = sorted(r[b] - r[a] for r in rows)
+        n = len(values)
+        out[label] = {
+            "median_us": values[n // 2] / 1e3,
+            "p10_us": values[n // 10] / 1e3,
+            "p90_us": values[(9 * n) // 10] / 1e3,
+        }
+    return out
+
+
+def _print_trace(result: dict[str, dict[str, float]], calls: int) -> None:
+    print(f"one Client.noop(), phases over {calls} calls: median [p10-p90] µs")
+    for label, v in result.items():
+        print(f"  {label:<64} {v['median_us']:7.1f} [{v['p10_us']:.1f}-{v['p90_us']:.1f}]")
+
+
 def section(url: str, http_url: str, *, iters: int, rounds: int) -> dict[str, Any]:
     """Every facade case against the running server at ``url``; blocks until done (each
     call has the client's default 60 s deadline)."""
@@ -244,18 +327,33 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument(
+        "--trace",
+        type=int,
+        metavar="CALLS",
+        default=0,
+        help="instead: time the phases of CALLS Client.noop() calls (where the hand-over goes)",
+    )
     args = parser.parse_args()
     if (args.url is None) != (args.http_url is None):
         parser.error("--url and --http-url go together")
+
+    def measure(url: str, http_url: str) -> Any:
+        if args.trace:
+            return trace_noop(url, http_url, args.trace)
+        return asyncio.run(run(args, url, http_url))
+
     if args.url is not None:
-        result = asyncio.run(run(args, args.url, args.http_url))
+        result = measure(args.url, args.http_url)
     else:
         from tests.support.real_server import RealLMCacheServer, lmcache_venv_python
 
         with RealLMCacheServer(args.mode, venv_python=lmcache_venv_python(), chunk_size=16) as srv:
-            result = asyncio.run(run(args, srv.url, srv.http_url))
+            result = measure(srv.url, srv.http_url)
     if args.json:
         print(json.dumps(result, indent=2))
+    elif args.trace:
+        _print_trace(result, args.trace)
     else:
         _print_table(result)
 
