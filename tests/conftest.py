@@ -56,6 +56,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import os
+import signal
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,17 @@ def _fail(what: str, err: BaseException | str) -> None:
 
 
 # --------------------------------------------------------------------------- hooks
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Tests send SIGINT to child processes (a script's Ctrl-C, the CLI's interrupted
+    batch) and expect Python's KeyboardInterrupt there. A child inherits an *ignored*
+    SIGINT, and Python then keeps ignoring it: that is how a run started in the
+    background by a non-interactive shell (``cmd &``, which ignores SIGINT) begins. A
+    handled SIGINT is reset to the default on exec, so handling it here gives every
+    child (and every xdist worker's children) the default disposition back."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselection looks at the markers
