@@ -100,3 +100,37 @@ def test_ctrl_c_exits_within_the_bound_and_quietly(module_real_server: Any, styl
     for noise in NOISE if style == "with" else NOISE[:3]:  # "open": a ResourceWarning is due
         assert noise not in err, err[-3000:]
     assert elapsed < EXIT_BOUND_S[style], err[-3000:]
+
+
+def test_children_of_the_test_run_handle_sigint_whatever_the_run_inherited() -> None:
+    """The premise of the tests above: a child started by this run turns SIGINT into
+    KeyboardInterrupt, also when the run itself was started with SIGINT ignored (in the
+    background of a non-interactive shell; conftest's ``pytest_configure`` undoes that)."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert out.strip() == "True"
+
+
+def test_a_run_started_with_sigint_ignored_still_interrupts_its_children() -> None:
+    """The same, end to end: a pytest run started with SIGINT ignored runs the check above."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    code = (
+        "import signal, subprocess, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "sys.exit(subprocess.call([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', "
+        "'-p', 'no:randomly', '-p', 'no:xdist', '-m', 'not real_server', '--no-cov', "
+        "'tests/test_ctrl_c_exit.py::test_children_of_the_test_run_handle_sigint_whatever_the_run_inherited']))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 passed" in proc.stdout
