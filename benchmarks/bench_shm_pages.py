@@ -36,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from lmcache_async import host_copy
+
 MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
 CHUNK = 32 << 20
@@ -52,9 +54,9 @@ def main() -> None:
     size = args.mib << 20
     if size % CHUNK:
         parser.error("--mib must be a multiple of 32")
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
+    madvise = host_copy.madvise  # the client's own (ctypes, GIL released)
+    if madvise is None:
+        parser.error("needs Linux (madvise)")
     path = f"/dev/shm/lmca_bench_pages_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     threads = ThreadPoolExecutor(2)
