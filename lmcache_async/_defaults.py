@@ -10,8 +10,8 @@ Every ``timeout=`` of the library means the same thing and is checked by
   wait);
 * ``math.inf``: the same as ``None`` (it is returned as ``None``, so a caller never has
   to add to or sleep for an infinite number);
-* anything else -- a negative number, ``nan``, a ``bool``, a string -- raises
-  ``ValueError`` naming the argument, before anything is sent.
+* a negative number or ``nan`` raises ``ValueError``, and what is not a number (a
+  ``bool``, a string, ...) ``TypeError``, naming the argument, before anything is sent.
 
 ``DEFAULT`` is the only member of the enum :class:`DefaultType`, so a signature can say
 ``timeout: float | DefaultType | None = DEFAULT`` and type checkers narrow it with
@@ -47,14 +47,19 @@ def check_timeout(value: object, name: str = "timeout", *, allow_none: bool = Tr
     be finite, such as ``cleanup_grace``) ``None`` and ``inf`` are refused too.
 
     Raises:
-        ValueError: ``value`` is not ``None`` nor a number ``>= 0`` (negative, ``nan``,
-            a ``bool``, a string, ...); the message names ``name``.
+        TypeError: ``value`` is neither ``None`` nor an ``int`` or ``float`` (a ``bool``,
+            a string, ...); the message names ``name``.
+        ValueError: a negative number or ``nan`` (or, with ``allow_none=False``, ``None``
+            or ``inf``); the message names ``name``.
     """
     if value is None or (isinstance(value, float) and value == math.inf):
         if allow_none:
             return None
         raise ValueError(f"{name} must be a finite non-negative number of seconds, got {value!r}")
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        what = "a number of seconds (int or float)" + (" or None" if allow_none else "")
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
+    if not value >= 0:
         what = (
             "a non-negative number of seconds or None"
             if allow_none
@@ -68,7 +73,7 @@ def resolve_timeout(value: float | DefaultType | None, default: float | None) ->
     """``default`` when ``value`` is :data:`DEFAULT`, else ``check_timeout(value)``.
 
     Raises:
-        ValueError: as :func:`check_timeout`.
+        TypeError, ValueError: as :func:`check_timeout`.
     """
     if value is DEFAULT:
         return default

@@ -366,6 +366,8 @@ def validate_tokens(tokens: object, name: str = "tokens") -> list[int]:
         raise TypeError(f"{name} must be a sequence of ints, got {type(tokens).__name__}")
     tolist = getattr(tokens, "tolist", None)
     if callable(tolist) and not isinstance(tokens, list | tuple):
+        if getattr(tokens, "is_meta", False) is True:
+            raise ValueError(f"{name} is a tensor on the 'meta' device, which holds no values")
         if getattr(tokens, "ndim", 1) != 1:
             raise ValueError(f"{name} must be one-dimensional")
         tokens = tolist()

@@ -118,11 +118,29 @@ def test_check_timeout_accepts(value: object, expected: float | None) -> None:
     assert got == expected and (got is None or type(got) is float)
 
 
-@pytest.mark.parametrize("value", [-1, -0.5, -math.inf, math.nan, True, False, "5", [1]])
-def test_check_timeout_refuses(value: object) -> None:
+@pytest.mark.parametrize("value", [-1, -0.5, -math.inf, math.nan])
+def test_check_timeout_refuses_a_bad_number(value: object) -> None:
     message = f"deadline must be a non-negative number of seconds or None, got {value!r}"
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         check_timeout(value, "deadline")
+
+
+@pytest.mark.parametrize("value", [True, False, "5", b"5", [1], object()])
+def test_check_timeout_refuses_what_is_not_a_number_with_a_type_error(value: object) -> None:
+    message = f"deadline must be a number of seconds (int or float) or None, got {type(value).__name__}"
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        check_timeout(value, "deadline")
+    message = f"grace must be a number of seconds (int or float), got {type(value).__name__}"
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        check_timeout(value, "grace", allow_none=False)
+
+
+def test_a_string_timeout_is_refused_by_the_client_constructors_with_a_type_error() -> None:
+    message = "timeout must be a number of seconds (int or float) or None, got str"
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        lmc.AsyncClient("tcp://127.0.0.1:9", "http://127.0.0.1:9", "m", timeout="5")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        lmc.Client("tcp://127.0.0.1:9", "http://127.0.0.1:9", "m", timeout="5")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("value", [None, math.inf, -1, math.nan])

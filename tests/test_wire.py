@@ -158,6 +158,14 @@ def test_tokens_validation() -> None:
         wire.validate_tokens("abc")
 
 
+def test_tokens_without_values_are_refused_by_name() -> None:
+    # A meta tensor has a shape but no data: tolist() would raise a raw NotImplementedError.
+    with pytest.raises(ValueError, match=r"^tokens is a tensor on the 'meta' device, which holds no values$"):
+        wire.validate_tokens(torch.arange(4, device="meta"))
+    with pytest.raises(ValueError, match=r"^src_tokens is a tensor on the 'meta' device"):
+        wire.validate_tokens(torch.empty(0, dtype=torch.long, device="meta"), "src_tokens")
+
+
 class _Colour(enum.IntEnum):
     RED = 7
 
