@@ -8,6 +8,8 @@ tests read the configuration instead; building it by hand:
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -62,3 +64,111 @@ def test_sdist_ships_the_docs_and_the_whole_test_tree() -> None:
     assert removing == [["global-exclude", "*.py[cod]"]]
     assert (ROOT / "docs" / "compatibility.md").is_file()
     assert (ROOT / "tests" / "support" / "real_server.py").is_file()
+
+
+# ---- tests/support/build_lmcache_venv.sh: what a build prints -----------------------
+
+BUILD_SCRIPT = ROOT / "tests" / "support" / "build_lmcache_venv.sh"
+# pip's conflict report after the server dependencies' install, as a 0.5.6 build prints
+# it (20 such lines in all): lmcache's dependencies that step 2's --no-deps left out.
+RESOLVER_HEADER = (
+    "ERROR: pip's dependency resolver does not currently take into account all the packages "
+    "that are installed. This behaviour is the source of the following dependency conflicts."
+)
+SKIPPED_DEPS = [
+    "lmcache 0.5.6 requires aiofile, which is not installed.",
+    "lmcache 0.5.6 requires cupy-cuda13x, which is not installed.",
+    'lmcache 0.5.6 requires grpcio-observability==1.78.0; platform_system == "Linux", which is not installed.',
+]
+# A base interpreter whose `-m venv DIR` makes a "venv" with this script as its python,
+# which succeeds silently except for the server dependencies' install (the pip call that
+# names fastapi): that one prints $FAKE_PIP_OUTPUT on stderr and exits $FAKE_PIP_RC.
+FAKE_PYTHON = """#!/usr/bin/env bash
+if [[ "$1 $2" == "-m venv" ]]; then
+    mkdir -p "$3/bin" && touch "$3/pyvenv.cfg" "$3/bin/lmcache" && cp "$0" "$3/bin/python"
+    exec chmod +x "$3/bin/lmcache"
+fi
+if [[ " $* " == *" fastapi "* ]]; then
+    echo "$FAKE_PIP_OUTPUT" >&2
+    exit "$FAKE_PIP_RC"
+fi
+"""
+
+
+def _build_with_fake_pip(
+    tmp_path: Path, pip_output: list[str], pip_rc: int = 0
+) -> tuple[int, list[str], str]:
+    """Runs the build script for 0.5.6 into ``tmp_path/venv`` with the fake interpreter;
+    returns its exit status, its stderr lines and the last line of its stdout."""
+    base = tmp_path / "python3"
+    base.write_text(FAKE_PYTHON)
+    base.chmod(0o755)
+    env = {
+        **os.environ,
+        "LMCACHE_VENV": str(tmp_path / "venv"),
+        "LMCACHE_BASE_PYTHON": str(base),
+        "TMPDIR": str(tmp_path),  # the script's lock file
+        "FAKE_PIP_OUTPUT": "\n".join(pip_output),
+        "FAKE_PIP_RC": str(pip_rc),
+    }
+    env.pop("LMCACHE_GENERATION", None)
+    proc = subprocess.run(
+        ["bash", str(BUILD_SCRIPT)], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    stdout = proc.stdout.splitlines()
+    return proc.returncode, proc.stderr.splitlines(), stdout[-1] if stdout else ""
+
+
+SKIPPED_NOTE = (
+    "build_lmcache_venv.sh: pip reports 3 dependencies of lmcache 0.5.6 as not installed: "
+    "left out on purpose (CUDA and optional extras; the server and SDK run on CPU without them)"
+)
+
+
+def test_build_script_folds_the_report_of_lmcaches_skipped_dependencies(tmp_path: Path) -> None:
+    rc, stderr, python = _build_with_fake_pip(tmp_path, [RESOLVER_HEADER, *SKIPPED_DEPS])
+    assert rc == 0
+    assert python == str(tmp_path / "venv" / "bin" / "python")
+    assert stderr == [
+        f"build_lmcache_venv.sh: building the lmcache 0.5.6 venv at {tmp_path / 'venv'}",
+        "build_lmcache_venv.sh: pip install torch==2.13.0",
+        "build_lmcache_venv.sh: pip install --no-deps lmcache==0.5.6",
+        "build_lmcache_venv.sh: pip install server dependencies",
+        SKIPPED_NOTE,
+        stderr[-1],
+    ]
+    assert stderr[-1].startswith("build_lmcache_venv.sh: done in ")
+
+
+def test_build_script_keeps_every_other_conflict_and_line(tmp_path: Path) -> None:
+    incompatible = "lmcache 0.5.6 requires numpy<=2.2.6, but you have numpy 2.3.0 which is incompatible."
+    other_missing = "torch 2.13.0 requires sympy>=1.13.3, which is not installed."
+    rc, stderr, _ = _build_with_fake_pip(
+        tmp_path,
+        ["Some pip notice", RESOLVER_HEADER, SKIPPED_DEPS[0], incompatible, SKIPPED_DEPS[1], other_missing],
+    )
+    assert rc == 0
+    assert stderr[3:9] == [
+        "build_lmcache_venv.sh: pip install server dependencies",
+        "Some pip notice",
+        RESOLVER_HEADER,
+        incompatible,
+        other_missing,
+        SKIPPED_NOTE.replace("reports 3", "reports 2"),
+    ]
+
+
+def test_build_script_fails_with_pips_errors_shown(tmp_path: Path) -> None:
+    errors = [
+        "ERROR: Could not find a version that satisfies the requirement fastapi==99 (from versions: none)",
+        "ERROR: No matching distribution found for fastapi==99",
+    ]
+    rc, stderr, python = _build_with_fake_pip(tmp_path, errors, pip_rc=1)
+    assert rc == 1
+    assert python == ""
+    assert stderr[3:6] == ["build_lmcache_venv.sh: pip install server dependencies", *errors]
+    assert stderr[6].startswith(
+        "build_lmcache_venv.sh: ERROR: pip install server dependencies failed (command: "
+    )
+    assert len(stderr) == 7
+    assert not (tmp_path / "venv" / ".lmcache_async_stamp").exists()
