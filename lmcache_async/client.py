@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 import torch
 
 from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
-from lmcache_async.connection import DEFAULT_MAX_IN_FLIGHT, Connection
+from lmcache_async.connection import DEFAULT_MAX_IN_FLIGHT, Connection, check_zmq_url
 from lmcache_async.cuda_hooks import caller_order, kv_mark, target_mark
 from lmcache_async.errors import (
     ClientClosedError,
@@ -251,8 +251,7 @@ class AsyncClient:
         api_key: str | None = None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ) -> None:
-        if not isinstance(url, str) or "://" not in url:
-            raise ValueError(f"url must look like tcp://host:port, got {url!r}")
+        check_zmq_url(url)
         if not isinstance(http_url, str) or not http_url.startswith(("http://", "https://")):
             raise ValueError(f"http_url must start with http:// or https://, got {http_url!r}")
         validate_model_name(model_name)

@@ -41,9 +41,12 @@ import asyncio
 import collections
 import contextlib
 import functools
+import ipaddress
 import itertools
 import logging
+import socket
 import time
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +64,7 @@ from lmcache_async.errors import (
 from lmcache_async.task_cancel import cancel_and_wait
 from lmcache_async.wire import GEN_0_5_6, Op, Reply, WireGeneration, decode_reply, encode_request, op_name
 
-__all__ = ["Connection", "PendingTable"]
+__all__ = ["Connection", "PendingTable", "check_zmq_url"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,73 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
 _RCVMORE = int(zmq.RCVMORE)
 _monotonic = time.monotonic
+
+
+def check_zmq_url(url: object, name: str = "url") -> str:
+    """Refuse, before any socket exists, a ZMQ endpoint a client cannot connect to.
+
+    Accepted: ``tcp://host:port`` (a host name, an IPv4 address or a bracketed IPv6
+    address, and a port in 1..65535, nothing after it) and ``ipc://path``.
+
+    Returns:
+        The host to resolve (``""`` for ``ipc://``).
+
+    Raises:
+        TypeError: ``url`` is not a str.
+        ValueError: anything else (no scheme, another scheme, no host, no port, a port
+            out of range, a path or query after the port); the message says which.
+    """
+    if not isinstance(url, str):
+        raise TypeError(f"{name} must be a str like tcp://host:port, got {type(url).__name__}")
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ValueError(f"{name} must look like tcp://host:port, got {url!r}")
+    if scheme == "ipc":
+        if not rest:
+            raise ValueError(f"{name} {url!r} names no socket path (ipc://path)")
+        return ""
+    if scheme in ("http", "https"):
+        raise ValueError(
+            f"{name} {url!r} is an HTTP address: {name} is the server's ZMQ endpoint, "
+            "tcp://host:port (the HTTP endpoint is http_url)"
+        )
+    if scheme != "tcp":
+        raise ValueError(f"{name} must be tcp://host:port or ipc://path, got {url!r}")
+    parts = urllib.parse.urlsplit(url)
+    if parts.path or parts.query or parts.fragment or "@" in parts.netloc:
+        raise ValueError(f"{name} {url!r} must be tcp://host:port and nothing else")
+    try:
+        port = parts.port
+    except ValueError:
+        port_text = parts.netloc.rpartition(":")[2]
+        raise ValueError(f"{name} {url!r}: port {port_text!r} is not a port number in 1..65535") from None
+    if not parts.hostname or parts.hostname == "*":
+        raise ValueError(f"{name} {url!r} names no host to connect to (tcp://host:port)")
+    if port is None:
+        raise ValueError(f"{name} {url!r} has no port (tcp://host:port; the server's --port, often 5555)")
+    if port == 0:
+        raise ValueError(f"{name} {url!r}: port 0 is not a port to connect to (1..65535)")
+    return parts.hostname
+
+
+def _is_ip_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _release(ctx: zmq.Context[Any], sock: zmq.Socket[Any] | None, monitor: zmq.Socket[Any] | None) -> None:
+    """Close the DEALER (its monitor stopped first) and the monitor's socket, linger 0,
+    then the context. Never blocks: the context is terminated once every socket is closed."""
+    if sock is not None:
+        with contextlib.suppress(Exception):
+            sock.disable_monitor()
+        sock.close(linger=0)
+    if monitor is not None:
+        monitor.close(linger=0)
+    ctx.destroy(linger=0)
 
 
 class _Expired(Exception):
@@ -177,6 +247,7 @@ class Connection:
     ) -> None:
         if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
+        self._host = check_zmq_url(url)
         self.url = url
         #: Most requests in flight at once; further calls wait (under their deadlines).
         self.max_in_flight = max_in_flight
@@ -211,17 +282,21 @@ class Connection:
         the TCP connection (at most ``min(timeout, CONNECT_WAIT_S)`` seconds).
 
         Raises:
-            LMCacheConnectionError: the endpoint refused the connection ("refused",
-                within about :data:`REFUSED_WAIT_S` seconds), or no connection was made
-                in time. The socket is closed again.
+            LMCacheConnectionError: the host name cannot be resolved, the endpoint
+                refused the connection ("refused", within about :data:`REFUSED_WAIT_S`
+                seconds), or no connection was made in time. The socket, its monitor and
+                the ZMQ context are closed again.
 
-        Cancellation: the socket is closed again.
+        Cancellation: the socket, its monitor and the context are closed again.
         """
         self._loop = asyncio.get_running_loop()
         self._first_connect = asyncio.Event()
         self.reconnected = asyncio.Event()
+        await self._resolve(timeout)
+        ctx: zmq.Context[Any] = zmq.Context()
+        sock: zmq.Socket[Any] | None = None
+        monitor: zmq.Socket[Any] | None = None
         try:
-            ctx: zmq.Context[Any] = zmq.Context()
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
@@ -236,8 +311,13 @@ class Connection:
                 zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
             )
             sock.connect(self.url)
-        except zmq.ZMQError as exc:
-            raise LMCacheConnectionError(f"cannot open a ZMQ connection to {self.url}: {exc}") from exc
+        except BaseException as exc:
+            # A context left to the garbage collector with sockets it no longer tracks
+            # blocks in term() when collected, freezing whichever thread collects it.
+            _release(ctx, sock, monitor)
+            if isinstance(exc, zmq.ZMQError):
+                raise LMCacheConnectionError(f"cannot open a ZMQ connection to {self.url}: {exc}") from exc
+            raise
         self._ctx, self._sock, self._monitor = ctx, sock, monitor
         try:
             self._watch(sock, self._on_readable)
@@ -258,6 +338,26 @@ class Connection:
         except BaseException:
             await self.close()
             raise
+
+    async def _resolve(self, timeout: float | None) -> None:
+        """Resolve the host before any socket exists: ZMQ would retry an unknown host
+        forever, which :meth:`open` could only report as "no connection"."""
+        if not self._host or _is_ip_address(self._host):
+            return
+        assert self._loop is not None
+        limit = CONNECT_WAIT_S if timeout is None else min(timeout, CONNECT_WAIT_S)
+        try:
+            async with asyncio.timeout(limit):
+                await self._loop.getaddrinfo(self._host, None, type=socket.SOCK_STREAM)
+        except TimeoutError:
+            raise LMCacheConnectionError(
+                f"cannot connect to {self.url}: the host {self._host!r} was not resolved within {limit:.1f}s"
+            ) from None
+        except OSError as exc:
+            raise LMCacheConnectionError(
+                f"cannot connect to {self.url}: the host {self._host!r} cannot be resolved "
+                f"({exc.strerror or exc})"
+            ) from exc
 
     async def _wait_first_connect(self, timeout: float | None) -> None:
         assert self._first_connect is not None
@@ -325,14 +425,8 @@ class Connection:
             await cancel_and_wait(tasks, "a connection task")
         finally:  # also when the closer is cancelled: the socket is closed all the same
             self._unwatch()
-            if self._sock is not None:
-                with contextlib.suppress(Exception):
-                    self._sock.disable_monitor()
-                self._sock.close(linger=0)
-            if self._monitor is not None:
-                self._monitor.close(linger=0)
             if self._ctx is not None:
-                self._ctx.destroy(linger=0)  # never blocks: every socket is closed first
+                _release(self._ctx, self._sock, self._monitor)
             self._sock = self._monitor = self._ctx = None
 
     def drop_inherited(self) -> None:

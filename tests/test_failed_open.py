@@ -1,0 +1,139 @@
+"""A client that cannot open releases everything it made: a mistyped URL is refused at
+construction, and a failure inside ``Connection.open()`` closes the socket, its monitor and
+the ZMQ context (a leaked context blocks whichever thread garbage-collects it)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lmcache_async as lmc
+from lmcache_async import kvcache
+from lmcache_async.connection import Connection, check_zmq_url
+from lmcache_async.testing import EmbeddedServer
+from tests.support.real_server import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "tests" / "support" / "failed_open_script.py"
+GEOMETRY = lmc.KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, block_size=16)
+
+BAD_URLS = [
+    (
+        "tcp://localhost",
+        "url 'tcp://localhost' has no port (tcp://host:port; the server's --port, often 5555)",
+    ),
+    ("tcp://127.0.0.1:70000", "url 'tcp://127.0.0.1:70000': port '70000' is not a port number in 1..65535"),
+    ("tcp://127.0.0.1:port", "url 'tcp://127.0.0.1:port': port 'port' is not a port number in 1..65535"),
+    ("tcp://127.0.0.1:0", "url 'tcp://127.0.0.1:0': port 0 is not a port to connect to (1..65535)"),
+    ("tcp://127.0.0.1:5555/kv", "url 'tcp://127.0.0.1:5555/kv' must be tcp://host:port and nothing else"),
+    ("tcp://:5555", "url 'tcp://:5555' names no host to connect to (tcp://host:port)"),
+    ("tcp://*:5555", "url 'tcp://*:5555' names no host to connect to (tcp://host:port)"),
+    ("ipc://", "url 'ipc://' names no socket path (ipc://path)"),
+    ("inproc://kv", "url must be tcp://host:port or ipc://path, got 'inproc://kv'"),
+    (
+        "http://127.0.0.1:8080",
+        "url 'http://127.0.0.1:8080' is an HTTP address: url is the server's ZMQ endpoint, "
+        "tcp://host:port (the HTTP endpoint is http_url)",
+    ),
+    ("localhost:5555", "url must look like tcp://host:port, got 'localhost:5555'"),
+]
+
+
+@pytest.mark.parametrize(("url", "message"), BAD_URLS)
+def test_a_url_that_cannot_work_is_a_value_error_at_construction(url: str, message: str) -> None:
+    pattern = f"^{re.escape(message)}$"
+    with pytest.raises(ValueError, match=pattern):
+        check_zmq_url(url)
+    with pytest.raises(ValueError, match=pattern):
+        lmc.AsyncClient(url, "http://127.0.0.1:9", "m")
+    with pytest.raises(ValueError, match=pattern):
+        lmc.Client(url, "http://127.0.0.1:9", "m", geometry=GEOMETRY)
+    with pytest.raises(ValueError, match=pattern):
+        kvcache.connect(url, "http://127.0.0.1:9", "m", geometry=GEOMETRY)
+    with pytest.raises(ValueError, match=pattern):
+        Connection(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "host"),
+    [
+        ("tcp://localhost:5555", "localhost"),
+        ("tcp://[::1]:5555", "::1"),
+        ("tcp://10.0.0.7:1", "10.0.0.7"),
+        ("ipc:///tmp/kv", ""),
+    ],
+)
+def test_urls_that_can_work_are_accepted(url: str, host: str) -> None:
+    assert check_zmq_url(url) == host
+
+
+def test_a_url_that_is_not_a_string_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match=r"^url must be a str like tcp://host:port, got bytes$"):
+        lmc.AsyncClient(b"tcp://localhost:5555", "http://127.0.0.1:9", "m")  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_an_unresolvable_host_is_reported_as_such() -> None:
+    async with EmbeddedServer() as srv:
+        port = srv.url.rpartition(":")[2]
+        client = lmc.AsyncClient(
+            f"tcp://no-such-host.invalid:{port}", srv.http_url, "m", geometry=GEOMETRY, timeout=10
+        )
+        with pytest.raises(lmc.LMCacheConnectionError) as info:
+            await client.open()
+        assert str(info.value).startswith(
+            f"cannot connect to tcp://no-such-host.invalid:{port}: the host 'no-such-host.invalid' cannot be resolved ("
+        )
+        assert client.closed
+
+
+@pytest.mark.anyio
+async def test_bad_urls_leave_nothing_behind_and_the_next_client_works_at_once() -> None:
+    for url, message in BAD_URLS:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            lmc.AsyncClient(url, "http://127.0.0.1:9", "m")
+    gc.collect()
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(tick())
+    try:
+        async with EmbeddedServer() as srv:
+            async with asyncio.timeout(10):
+                async with lmc.AsyncClient(
+                    srv.url, srv.http_url, "m", geometry=GEOMETRY, timeout=10
+                ) as client:
+                    assert await client.lookup(list(range(16))) == 0
+        assert ticks > 0
+    finally:
+        ticker.cancel()
+
+
+def test_a_failed_open_releases_the_zmq_context_so_collecting_it_hangs_nothing() -> None:
+    # In a subprocess under a deadline: the defect froze the collecting thread for good.
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "OK"
+    values = dict(line.split("=", 1) for line in lines[:-1])
+    errors = [line for line in lines if line.startswith(("sync_error=", "async_error="))]
+    assert len(errors) == 6
+    assert all(
+        re.fullmatch(r"\w+_error=cannot open a ZMQ connection to tcp://127\.0\.0\.1:\d+: Invalid argument", e)
+        for e in errors
+    )
+    assert values["contexts_left"] == "0"
+    assert values["sync_lookup"] == "0"
+    assert int(values["ticks"]) > 0
