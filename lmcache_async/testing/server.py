@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import hashlib
 import hmac
@@ -400,10 +401,13 @@ class EmbeddedServer:
         """Create the pool, bind both ports and start serving.
 
         Raises:
-            OSError: the SHM segment cannot be created (e.g. ``/dev/shm`` too small).
-            zmq.ZMQError / OSError: a port is taken.
+            OSError: the SHM segment cannot be created (e.g. ``/dev/shm`` too small), or
+                a port cannot be bound; for a port in use ``errno`` is ``EADDRINUSE`` and
+                the message names the endpoint (``tcp://HOST:PORT`` for ZMQ,
+                ``http://HOST:PORT`` for HTTP). The ZMQ error, if any, is its ``__cause__``.
 
-        Cancellation or failure undoes everything (ports closed, segment removed).
+        Cancellation or failure undoes everything (ports closed, segment removed, no
+        thread left).
         """
         if self._state != "new":
             raise RuntimeError(f"start() on a server that is {self._state}")
@@ -432,13 +436,16 @@ class EmbeddedServer:
             else:
                 self._core = make_core()
             self._send_lock = asyncio.Lock()
-            self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmcache-embedded")
             self._ctx = zmq.asyncio.Context()
             sock = self._ctx.socket(zmq.ROUTER)
             self._sock = sock
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(f"tcp://{self.host}:{self._req_port or '*'}")
+            url = f"tcp://{self.host}:{self._req_port or '*'}"
+            try:
+                sock.bind(url)
+            except zmq.ZMQError as exc:
+                raise _bind_error(f"bind the ZMQ endpoint {url}", exc.errno, exc.strerror) from exc
             endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._port = int(endpoint.rsplit(":", 1)[1])
             app = web.Application(middlewares=[self._http_auth] if self.api_key is not None else [])
@@ -450,10 +457,15 @@ class EmbeddedServer:
             self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
             await self._runner.setup()
             # One listening socket, so the port is the same whatever the host resolves to.
-            http_sock = socket.create_server((self.host, self._req_http_port))
+            try:
+                http_sock = socket.create_server((self.host, self._req_http_port))
+            except OSError as exc:
+                where = f"listen on the HTTP endpoint http://{self.host}:{self._req_http_port}"
+                raise _bind_error(where, exc.errno, exc.strerror) from exc
             site = web.SockSite(self._runner, http_sock)
             await site.start()
             self._http_port = int(http_sock.getsockname()[1])
+            self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmcache-embedded")
             self._lanes = {"transfer": asyncio.Queue(), "cpu": asyncio.Queue()}
             self._tasks = [
                 asyncio.create_task(self._recv_loop(), name="lmcache-embedded-recv"),
@@ -766,6 +778,13 @@ class EmbeddedServer:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _bind_error(what: str, code: int | None, reason: str | None) -> OSError:
+    """The error of a port that cannot be bound: ``what`` names the endpoint."""
+    if code == errno.EADDRINUSE:
+        return OSError(code, f"cannot {what}: the port is in use (choose another port, or 0 for a free one)")
+    return OSError(code, f"cannot {what}: {reason}")
 
 
 def _close_core_later(fut: asyncio.Future[InProcessServer]) -> None:
