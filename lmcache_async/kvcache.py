@@ -7,8 +7,9 @@ What this replaces, exactly:
   work: ``ctx.retrieve(tokens, cache_salt="", request_configs=None)``, ``ctx.store(kv,
   tokens, cache_salt="", request_configs=None)``, ``ctx.close()``, ``ctx.chunk_size``,
   ``ctx.instance_id``. Here :func:`connect` has the same arguments (plus ``geometry=``
-  and ``api_key=``, default ``$LMCACHE_API_KEY``) and returns a :class:`KVCacheContext`,
-  a :class:`~lmcache_async.Client` whose ``retrieve``/``store`` take the official
+  and ``api_key=``, default ``$LMCACHE_API_KEY``) and returns a :class:`KVCacheContext`
+  (also named :data:`LMCacheSDKContext`, as the official class), a
+  :class:`~lmcache_async.Client` whose ``retrieve``/``store`` take the official
   context's positional arguments; ``request_configs`` travel in the cache key, on 0.5.6
   and 0.5.7 servers alike, as the official SDK sends them.
 * The module-level functions :func:`retrieve`, :func:`store`, :func:`lookup` and
@@ -48,6 +49,11 @@ docs/compatibility.md):
   already cached store over pickle. It raises instead of returning False on failure
   (:class:`~lmcache_async.LMCacheTimeoutError` on timeout, ``ValueError``/``TypeError``
   on a bad shape or dtype, where the SDK raises its ``LMCacheSDKError``).
+* Failures raise subclasses of :class:`~lmcache_async.LMCacheError`; only the misuse
+  errors (:class:`~lmcache_async.ClientStateError`: a closed or forked context) are also
+  ``RuntimeError``, as the SDK's ``LMCacheSDKError`` is. ``except RuntimeError`` does not
+  catch a timeout, a lost connection or a transfer error; docs/compatibility.md maps
+  each failure and gives one ``except`` clause for both libraries.
 * ``connect`` also takes ``geometry=`` (a :class:`~lmcache_async.KVGeometry`), so no
   inference engine has to have registered the model; without it the geometry comes from
   ``/status`` as in the official SDK.
@@ -72,7 +78,7 @@ from lmcache_async._defaults import DEFAULT, DefaultType
 from lmcache_async.geometry import KVGeometry
 from lmcache_async.sync_client import Client
 
-__all__ = ["KVCacheContext", "close", "connect", "lookup", "retrieve", "store"]
+__all__ = ["KVCacheContext", "LMCacheSDKContext", "close", "connect", "lookup", "retrieve", "store"]
 
 
 class KVCacheContext(Client):
@@ -110,6 +116,12 @@ class KVCacheContext(Client):
         if isinstance(kv, torch.Tensor):  # anything else: the client raises TypeError
             kv = kv.detach() if kv.device.type == "cpu" else kv.detach().cpu()
         return super().store(kv, tokens, cache_salt, request_configs=request_configs, timeout=timeout)
+
+
+# The official name of the context class (``lmcache.sdk.kvcache.LMCacheSDKContext``, the
+# class of what its ``connect`` returns), so annotations and isinstance checks written
+# against it keep working.
+LMCacheSDKContext = KVCacheContext
 
 
 def connect(

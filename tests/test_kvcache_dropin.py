@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import os
 import random
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,6 +188,7 @@ def test_geometry_extension_needs_no_engine(real_server: RealLMCacheServer) -> N
         lmc_sdk.connect(real_server.url, real_server.http_url, unregistered)
     ctx = lmc_sdk.connect(real_server.url, real_server.http_url, unregistered, geometry=GEOM)
     try:
+        assert type(ctx) is lmc_sdk.LMCacheSDKContext
         toks, kv = _tokens(2 * CS), _kv(2 * CS)
         assert ctx.transfer == real_server.mode
         assert lmc_sdk.store(ctx, kv=kv, tokens=toks) is True
@@ -238,4 +240,20 @@ def test_signatures_match_the_official_sdk() -> None:
     ]
     for name in ("geometry", "api_key"):
         assert inspect.signature(lmc_sdk.connect).parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
-    assert sorted(lmc_sdk.__all__) == ["KVCacheContext", "close", "connect", "lookup", "retrieve", "store"]
+    assert sorted(lmc_sdk.__all__) == [
+        "KVCacheContext",
+        "LMCacheSDKContext",
+        "close",
+        "connect",
+        "lookup",
+        "retrieve",
+        "store",
+    ]
+
+
+def test_the_official_context_class_name_is_the_drop_ins_context() -> None:
+    # lmcache.sdk.kvcache (0.5.6 and 0.5.7rc3) has the name LMCacheSDKContext, the class
+    # of what its connect returns (imported from lmcache.sdk.context): annotations and
+    # isinstance checks written against it keep working with only the import changed.
+    assert lmc_sdk.LMCacheSDKContext is lmc_sdk.KVCacheContext
+    assert typing.get_type_hints(lmc_sdk.connect)["return"] is lmc_sdk.LMCacheSDKContext
