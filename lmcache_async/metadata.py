@@ -143,7 +143,7 @@ class Metadata:
         except TimeoutError:
             raise LMCacheTimeoutError(f"GET {path}", time.monotonic() - start) from None
         except aiohttp.ClientError as exc:
-            raise LMCacheConnectionError(f"GET {url} failed: {exc}") from exc
+            raise LMCacheConnectionError(_failure_message(url, exc)) from exc
         if status == 401:
             raise AuthenticationError(status, url, _excerpt(body), key_sent=self._api_key is not None)
         if status != 200:
@@ -245,6 +245,24 @@ class Metadata:
         if not isinstance(mp, dict):
             raise ProtocolError("/config has no 'mp' section")
         return mp
+
+
+#: How every ZMTP (ZMQ) peer starts its greeting: what an HTTP client reads, as its
+#: status line, from the server's ZMQ port.
+_ZMTP_SIGNATURE = "\\xff\\x00\\x00\\x00\\x00\\x00\\x00\\x00"
+
+
+def _failure_message(url: str, exc: aiohttp.ClientError) -> str:
+    """What a failed GET says: aiohttp's own words, except for a peer that does not
+    speak HTTP, where they ("Bad status line", the bytes read) would mislead."""
+    if isinstance(exc, aiohttp.ClientResponseError) and exc.message.startswith("Bad status line"):
+        if _ZMTP_SIGNATURE in exc.message:
+            return (
+                f"GET {url} failed: the peer answered with a ZMQ greeting, not HTTP: http_url names "
+                "the server's ZMQ port; give its HTTP port (lmcache server --http-port, often 8080)"
+            )
+        return f"GET {url} failed: the peer does not speak HTTP; is http_url the server's HTTP port?"
+    return f"GET {url} failed: {exc}"
 
 
 def _excerpt(body: bytes) -> str:

@@ -9,6 +9,7 @@ import gc
 import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -137,3 +138,51 @@ def test_a_failed_open_releases_the_zmq_context_so_collecting_it_hangs_nothing()
     assert values["contexts_left"] == "0"
     assert values["sync_lookup"] == "0"
     assert int(values["ticks"]) > 0
+
+
+async def _open_error(url: str, http_url: str) -> str:
+    client = lmc.AsyncClient(url, http_url, "m", geometry=GEOMETRY, timeout=10)
+    with pytest.raises(lmc.LMCacheConnectionError) as info:
+        await client.open()
+    assert client.closed
+    return str(info.value)
+
+
+def _zmq_port_as_http(url: str) -> str:
+    return "http://127.0.0.1:" + url.rpartition(":")[2]
+
+
+ZMQ_PORT_AS_HTTP = (
+    "GET {}/lmc_version failed: the peer answered with a ZMQ greeting, not HTTP: http_url names "
+    "the server's ZMQ port; give its HTTP port (lmcache server --http-port, often 8080)"
+)
+
+
+@pytest.mark.anyio
+async def test_an_http_url_at_the_zmq_port_says_so() -> None:
+    async with EmbeddedServer() as srv:
+        http_url = _zmq_port_as_http(srv.url)
+        assert await _open_error(srv.url, http_url) == ZMQ_PORT_AS_HTTP.format(http_url)
+
+
+@pytest.mark.anyio
+async def test_an_http_url_at_the_real_servers_zmq_port_says_so(real_server_shm: Any) -> None:
+    http_url = _zmq_port_as_http(real_server_shm.url)
+    assert await _open_error(real_server_shm.url, http_url) == ZMQ_PORT_AS_HTTP.format(http_url)
+
+
+@pytest.mark.anyio
+async def test_an_http_url_at_another_protocols_port_says_it_is_not_http() -> None:
+    async def greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"SSH-2.0-OpenSSH_9.2\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(greet, "127.0.0.1", 0)
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        message = await _open_error("tcp://127.0.0.1:9", f"http://127.0.0.1:{port}")
+    assert message == (
+        f"GET http://127.0.0.1:{port}/lmc_version failed: the peer does not speak HTTP; "
+        "is http_url the server's HTTP port?"
+    )
