@@ -121,7 +121,8 @@ def _build_with_fake_pip(
 
 SKIPPED_NOTE = (
     "build_lmcache_venv.sh: pip reports 3 dependencies of lmcache 0.5.6 as not installed: "
-    "left out on purpose (CUDA and optional extras; the server and SDK run on CPU without them)"
+    "expected, they are left out on purpose (CUDA and optional packages that the server and SDK "
+    "do not need on CPU)"
 )
 
 

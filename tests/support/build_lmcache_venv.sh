@@ -253,8 +253,8 @@ report && $3 == "requires" && /which is (not installed|incompatible)\.$/ {
 { report = 0; header = ""; print }
 END {
     if (skipped) printf "build_lmcache_venv.sh: pip reports %d dependencies of %s %s as not installed: " \
-        "left out on purpose (CUDA and optional extras; the server and SDK run on CPU without them)\n", \
-        skipped, dist, version
+        "expected, they are left out on purpose (CUDA and optional packages that the server and SDK " \
+        "do not need on CPU)\n", skipped, dist, version
 }'
 
 # Runs one step, its output (stdout too) on stderr through FOLD_SKIPPED_DEPS; pipefail
