@@ -52,8 +52,10 @@ from lmcache_async.inline_codec import decode_inline, encode_inline
 from lmcache_async.shm import ShmPool
 from lmcache_async.wire import (
     CacheKey,
+    LayoutMismatch,
     Op,
     PreEncoded,
+    SlotDescriptor,
     WireGeneration,
     parse_prepare_retrieve,
     parse_prepare_store,
@@ -756,8 +758,7 @@ class Operations:
             n_chunks = hit // self.reg.chunk_size
             if len(slots) != n_chunks:
                 raise ProtocolError(f"prepare_retrieve gave {len(slots)} slots for {n_chunks} chunks")
-            shape = geom.kv_shape(self.reg.chunk_size)
-            views = [self.reg.pool.view(s, shape, geom.dtype) for s in slots]
+            views = self._stored_views(slots)
             if op.abandoned:
                 return None
             if target is None:
@@ -823,13 +824,32 @@ class Operations:
             return None
         n_chunks = hit // self.reg.chunk_size
         shape = geom.kv_shape(self.reg.chunk_size)
-        tensors = decode_inline(self.reg.wire, data, count=n_chunks, shape=shape, dtype=geom.dtype)
+        try:
+            tensors = decode_inline(self.reg.wire, data, count=n_chunks, shape=shape, dtype=geom.dtype)
+        except LayoutMismatch as exc:
+            raise exc.for_model(self.reg.model_name) from None
         if op.abandoned:
             return None
         if target is None:
             target, mark = new_target(geom.kv_shape(hit), geom.dtype, mark)
         await self._copy_chunks(target, tensors, mark)
         return target
+
+    def _stored_views(self, slots: Sequence[SlotDescriptor]) -> list[torch.Tensor]:
+        """Views of the SHM slots of stored KV (a retrieve's) in the geometry's chunk shape.
+
+        Raises:
+            LayoutMismatch: a slot of another shape or dtype, named as KV stored under
+                this model by a client of another geometry.
+            ProtocolError: a slot outside the pool.
+        """
+        geom = self.reg.geometry
+        assert self.reg.pool is not None
+        shape = geom.kv_shape(self.reg.chunk_size)
+        try:
+            return [self.reg.pool.view(s, shape, geom.dtype) for s in slots]
+        except LayoutMismatch as exc:
+            raise exc.for_model(self.reg.model_name) from None
 
     def _gate(self, identity: tuple[Any, ...]) -> _Gate:
         """Serialize operations on one key identity within this client."""
@@ -1132,7 +1152,7 @@ class Operations:
                 return RemapResult(0, 0, False)  # evicted between lookup and prepare
             if len(rslots) != n_chunks:
                 raise ProtocolError(f"prepare_retrieve gave {len(rslots)} slots for {n_chunks} chunks")
-            sources = [self.reg.pool.view(s, shape, geom.dtype) for s in rslots]
+            sources = self._stored_views(rslots)
             if op.abandoned:  # the caller left before the store half began: skip it
                 return RemapResult(hit, 0, False)
             srid = request_id("remap-store")

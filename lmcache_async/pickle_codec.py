@@ -49,7 +49,7 @@ import torch
 
 from lmcache_async.errors import ProtocolError, UnsafePayloadError
 from lmcache_async.host_copy import copy_host
-from lmcache_async.wire import MAX_BIN
+from lmcache_async.wire import MAX_BIN, LayoutMismatch
 
 __all__ = ["decode_tensor_list", "encode_tensor_list"]
 
@@ -585,7 +585,9 @@ def decode_tensor_list(
 
     Raises:
         UnsafePayloadError: the payload references a disallowed global or is malformed.
-        ProtocolError: the decoded list does not match ``count``/``shape``/``dtype``.
+        ProtocolError: the decoded list does not match ``count``; its subclass
+            :class:`~lmcache_async.wire.LayoutMismatch`: a tensor of another ``shape`` or
+            ``dtype``.
     """
     try:
         small, blobs = _detach_blobs(
@@ -602,9 +604,9 @@ def decode_tensor_list(
         raise ProtocolError(f"expected {count} tensors, got {len(obj)}")
     for t in obj:
         if shape is not None and tuple(t.shape) != shape:
-            raise ProtocolError(f"tensor shape {list(t.shape)} != expected {list(shape)}")
+            raise LayoutMismatch("tensor shape", str(list(t.shape)), str(list(shape)))
         if dtype is not None and t.dtype != dtype:
-            raise ProtocolError(f"tensor dtype {t.dtype} != expected {dtype}")
+            raise LayoutMismatch("tensor dtype", str(t.dtype), str(dtype))
     return obj
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "MAX_SALT_LEN",
     "MAX_TOKEN",
     "CacheKey",
+    "LayoutMismatch",
     "Op",
     "PreEncoded",
     "RegisterPayload",
@@ -613,6 +614,38 @@ class RegisterPayload:
             raise ProtocolError(f"invalid register payload: {exc}") from exc
 
 
+class LayoutMismatch(ProtocolError):
+    """A slot or tensor of a reply has another shape or dtype than the client's geometry
+    gives: a hostile server, or (the usual case) KV stored under the same model name by a
+    client of another geometry. Nothing was read from it.
+
+    Attributes:
+        what: ``"slot shape"``, ``"slot dtype"``, ``"tensor shape"`` or ``"tensor dtype"``.
+        got: what the reply has, as the message shows it.
+        expected: what the geometry gives, as the message shows it.
+        model_name: the model the KV was stored under, once known (see :meth:`for_model`).
+    """
+
+    def __init__(self, what: str, got: str, expected: str, model_name: str | None = None) -> None:
+        self.what = what
+        self.got = got
+        self.expected = expected
+        self.model_name = model_name
+        detail = f"{what} {got} != expected {expected}"
+        if model_name is None:
+            super().__init__(detail)
+        else:
+            super().__init__(
+                f"the KV stored under model {model_name!r} does not match this client's geometry "
+                f"({detail}): it was stored with another geometry under the same model name; "
+                "check geometry= (the KVGeometry given to this client)"
+            )
+
+    def for_model(self, model_name: str) -> LayoutMismatch:
+        """The same mismatch, its message naming the model and the likely cause."""
+        return LayoutMismatch(self.what, self.got, self.expected, model_name)
+
+
 @dataclass(frozen=True, slots=True)
 class SlotDescriptor:
     """An SHM slot: ``length`` bytes at ``offset`` in the pool, holding ``shape`` x ``dtype``."""
@@ -626,15 +659,16 @@ class SlotDescriptor:
         return {"offset": self.offset, "length": self.length, "shape": list(self.shape), "dtype": self.dtype}
 
     def check(self, pool_size: int, shape: tuple[int, ...], dtype: str, itemsize: int) -> None:
-        """Raise :class:`ProtocolError` unless the slot lies inside the pool and matches.
+        """Raise :class:`ProtocolError` unless the slot lies inside the pool and matches
+        (:class:`LayoutMismatch` for another shape or dtype).
 
         A wrong or hostile server must never make the client touch memory outside the
         pool, so this runs before any view is made.
         """
         if self.dtype != dtype:
-            raise ProtocolError(f"slot dtype {self.dtype!r} != expected {dtype!r}")
+            raise LayoutMismatch("slot dtype", repr(self.dtype), repr(dtype))
         if self.shape != shape:
-            raise ProtocolError(f"slot shape {list(self.shape)} != expected {list(shape)}")
+            raise LayoutMismatch("slot shape", str(list(self.shape)), str(list(shape)))
         if self.length != math.prod(shape) * itemsize:
             raise ProtocolError(f"slot length {self.length} does not match shape {list(shape)}")
         if self.offset < 0 or self.offset + self.length > pool_size:
