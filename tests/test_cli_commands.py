@@ -822,8 +822,6 @@ def test_bad_salt_model_or_tokens_are_one_line_before_any_server(
         (["remap-batch", str(pairs), "--model-name", "m@x"], 2, model_msg),
         (["lookup", "--model-name", "m", "--token-start", "4294967290", "--num-tokens", "16"], 2,
          "--token-start/--num-tokens: token id 4294967296 is outside [0, 2**32)"),
-        (["retrieve", "--model-name", "m", "--tokens", "4294967295:4294967297", "--output", out], 2,
-         "--tokens: token id 4294967296 is outside [0, 2**32)"),
         (["store", "--input", str(negative)], 1, f"{negative}: 'tokens': token id -1 is outside [0, 2**32)"),
         (["remap", "--model-name", "m", "--source-package", str(negative), "--target-tokens", "0:16"], 1,
          f"{negative}: 'tokens': token id -1 is outside [0, 2**32)"),
@@ -834,6 +832,61 @@ def test_bad_salt_model_or_tokens_are_one_line_before_any_server(
         extra = NOWHERE if argv[0] != "make-package" else []
         assert run_main(capsys, *argv, *extra) == (code, "", f"{PROG} {argv[0]}: error: {message}\n"), argv
     assert not Path(out).exists()
+
+
+def test_token_ranges_are_bounded_before_anything_is_built(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A range past the id bound or longer than MAX_TOKENS is refused before its list is
+    built (0:99999999999 was a MemoryError traceback; 0:400000000 took 24 GB)."""
+    from lmcache_async.cli.arguments import MAX_TOKENS
+
+    assert MAX_TOKENS == 4194304
+    out = tmp_path / "out.pt"
+    outside = "token id 4294967296 is outside [0, 2**32)"
+    too_many = f"5000000 tokens; at most {MAX_TOKENS} are accepted"
+    lookup = ["lookup", *NOWHERE, "--model-name", "m"]
+    remap = ["remap", *NOWHERE, "--model-name", "m"]
+    make = ["make-package", "--output", str(out), "--model-name", "m", "--num-layers", "1", "--hidden-dim",
+            "1"]  # fmt: skip
+    flag_errors = [  # argparse's usage errors: the argument's type refuses the SPEC
+        ([*lookup, "--tokens", "0:99999999999"], f"argument --tokens: {outside}"),
+        ([*lookup, "--tokens", "0:16,4294967295:4294967297"], f"argument --tokens: {outside}"),
+        ([*lookup, "--tokens", "7,99999999999"], "argument --tokens: token id 99999999999 is outside [0, 2**32)"),
+        ([*remap, "--source-tokens", "0:99999999999", "--target-tokens", "0:16"],
+         f"argument --source-tokens: {outside}"),
+        ([*lookup, "--tokens", "0:5000000"], f"argument --tokens: {too_many}"),
+        ([*remap, "--source-tokens", "0:16", "--target-tokens", "0:3000000,9000000:11000000"],
+         f"argument --target-tokens: {too_many}"),
+    ]  # fmt: skip
+    for argv, message in flag_errors:
+        proc = in_process(capsys, *argv)
+        assert (proc.returncode, proc.stdout) == (2, ""), argv
+        assert proc.stderr.endswith(f"{PROG} {argv[0]}: error: {message}\n"), argv
+    usage_errors = [  # checked by the command, one line
+        ([*lookup, "--num-tokens", "99999999999"], f"--token-start/--num-tokens: {outside}"),
+        ([*lookup, "--token-start", "4294967290", "--num-tokens", "16"], f"--token-start/--num-tokens: {outside}"),
+        ([*lookup, "--num-tokens", "5000000"], f"--token-start/--num-tokens: {too_many}"),
+        (["retrieve", *NOWHERE, "--model-name", "m", "--output", str(out), "--token-start", "7", "--num-tokens",
+          "5000000"], f"--token-start/--num-tokens: {too_many}"),
+        ([*make, "--token-start", "4294967290", "--chunk-size", "16", "--num-chunks", "1"],
+         f"--token-start/--chunk-size/--num-chunks: {outside}"),
+        ([*make, "--chunk-size", "1000000", "--num-chunks", "5"], f"--token-start/--chunk-size/--num-chunks: {too_many}"),
+    ]  # fmt: skip
+    for argv, message in usage_errors:
+        assert run_main(capsys, *argv) == (2, "", f"{PROG} {argv[0]}: error: {message}\n"), argv
+    assert not out.exists()
+    # At the bounds: accepted, so the command goes on to the (absent) server.
+    refused = (
+        f"{PROG} lookup: error: cannot reach the LMCache server at http://127.0.0.1:9: connection refused\n"
+    )
+    for argv in (
+        [*lookup, "--tokens", "4294967295:4294967296"],
+        [*lookup, "--tokens", f"0:{MAX_TOKENS - 1},4294967295"],
+        [*lookup, "--token-start", str(2**32 - MAX_TOKENS), "--num-tokens", str(MAX_TOKENS)],
+        [*lookup, "--token-start", "99999999999", "--num-tokens", "0"],
+    ):
+        assert run_main(capsys, *argv) == (1, "", refused), argv
 
 
 def test_a_file_that_is_not_a_package_is_told_what_a_package_is(

@@ -2,10 +2,12 @@
 
 * :func:`parse_token_spec`, :func:`parse_byte_size`: the ``SPEC`` and ``BYTES`` syntaxes,
   and their ``argparse`` ``type=`` wrappers;
+* :func:`token_range`: a range of token ids, checked against the id bound and
+  :data:`MAX_TOKENS` before it is built;
 * :func:`server_parent`: the flags every server command takes (``--url``, ``--http-url``,
   ``--timeout``, ``--json`` and the geometry flags);
 * :func:`add_token_args`: ``--token-start N --num-tokens N`` or ``--tokens SPEC``;
-* :func:`explicit_geometry`, :func:`checked_tokens`,
+* :func:`explicit_geometry`, :func:`checked_tokens`, :func:`checked_range`,
   :func:`checked_salt`, :func:`checked_model`: command-line values checked before any
   server is contacted, as :class:`~lmcache_async.cli.runner.UsageError` (exit code 2).
 """
@@ -19,16 +21,18 @@ from typing import TYPE_CHECKING, Final
 
 from lmcache_async._defaults import check_timeout
 from lmcache_async.cli.runner import DEFAULT_HTTP_URL, DEFAULT_URL, UsageError
-from lmcache_async.wire import validate_cache_salt, validate_model_name, validate_tokens
+from lmcache_async.wire import MAX_TOKEN, validate_cache_salt, validate_model_name, validate_tokens
 
 if TYPE_CHECKING:  # imported where used: it imports torch, which parsing must not pay
     from lmcache_async.geometry import KVGeometry
 
 __all__ = [
+    "MAX_TOKENS",
     "PACKAGE_DTYPES",
     "add_token_args",
     "byte_size",
     "checked_model",
+    "checked_range",
     "checked_salt",
     "checked_tokens",
     "explicit_geometry",
@@ -38,14 +42,46 @@ __all__ = [
     "positive_int",
     "server_parent",
     "timeout_seconds",
+    "token_range",
     "token_spec",
     "tokens_from_args",
 ]
 
 PACKAGE_DTYPES: Final = ("float32", "float16", "bfloat16")
 
+#: The most tokens a token list the command line builds may have: a ``SPEC``,
+#: ``--token-start`` with ``--num-tokens`` (or make-package's chunks), a side of a
+#: ``remap-batch`` line given as ``{"start", "count"}`` or a ``SPEC``. Checked before the
+#: list is built (2**22 ids are about 150 MB as a list; a lookup of that many peaks at
+#: about 400 MB of memory).
+MAX_TOKENS: Final = 1 << 22
+
 _RANGE: Final = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 _SIZE: Final = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+
+
+def _check_ids(start: int, end: int) -> None:
+    """Refuse ``range(start, end)`` if it holds an id at or past 2**32, naming the first
+    such id (as :func:`~lmcache_async.wire.validate_tokens` would)."""
+    if end > start and end > MAX_TOKEN:
+        raise ValueError(f"token id {max(start, MAX_TOKEN)} is outside [0, 2**32)")
+
+
+def _check_count(count: int) -> None:
+    if count > MAX_TOKENS:
+        raise ValueError(f"{count} tokens; at most {MAX_TOKENS} are accepted")
+
+
+def token_range(start: int, count: int) -> range:
+    """``range(start, start + count)``, checked before anything is built.
+
+    Raises:
+        ValueError: an id at or past 2**32 (the first one named), or more than
+            :data:`MAX_TOKENS` tokens.
+    """
+    _check_ids(start, start + count)
+    _check_count(count)
+    return range(start, start + count)
 
 
 def parse_token_spec(spec: str) -> list[int]:
@@ -53,23 +89,31 @@ def parse_token_spec(spec: str) -> list[int]:
     ``"0:16,100:116,7"``.
 
     Raises:
-        ValueError: an empty or malformed spec, or a range whose end precedes its start.
+        ValueError: an empty or malformed spec, a range whose end precedes its start, an id
+            at or past 2**32, or more than :data:`MAX_TOKENS` tokens in all (all checked
+            before the list is built).
     """
-    tokens: list[int] = []
     parts = [p.strip() for p in spec.split(",")]
     if not spec.strip() or any(not p for p in parts):
         raise ValueError(f"empty token list in {spec!r}")
+    spans: list[range] = []
     for part in parts:
         m = _RANGE.match(part)
         if m:
             start, end = int(m.group(1)), int(m.group(2))
             if end < start:
                 raise ValueError(f"range {part!r} ends before it starts")
-            tokens.extend(range(start, end))
         elif part.isdigit():
-            tokens.append(int(part))
+            start = int(part)
+            end = start + 1
         else:
             raise ValueError(f"{part!r} is neither a token id nor a range START:END")
+        _check_ids(start, end)
+        spans.append(range(start, end))
+    _check_count(sum(map(len, spans)))
+    tokens: list[int] = []
+    for span in spans:
+        tokens.extend(span)
     return tokens
 
 
@@ -238,10 +282,17 @@ def checked_tokens(tokens: Sequence[int], flag: str) -> list[int]:
         raise UsageError(str(exc)) from None
 
 
+def checked_range(start: int, count: int, flags: str) -> range:
+    """:func:`token_range`, else UsageError naming ``flags``."""
+    try:
+        return token_range(start, count)
+    except ValueError as exc:
+        raise UsageError(f"{flags}: {exc}") from None
+
+
 def tokens_from_args(args: argparse.Namespace) -> list[int]:
     """The tokens of :func:`add_token_args`' flags, checked (UsageError)."""
     if args.tokens is not None:
         return checked_tokens(args.tokens, "--tokens")
-    return checked_tokens(
-        range(args.token_start, args.token_start + args.num_tokens), "--token-start/--num-tokens"
-    )
+    flags = "--token-start/--num-tokens"
+    return checked_tokens(checked_range(args.token_start, args.num_tokens, flags), flags)

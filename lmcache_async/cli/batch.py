@@ -33,6 +33,7 @@ from lmcache_async.cli.arguments import (
     parse_token_spec,
     positive_int,
     server_parent,
+    token_range,
 )
 from lmcache_async.cli.runner import (
     PROG,
@@ -69,15 +70,20 @@ class _Line:
 
 
 def _tokens_field(value: object, name: str) -> object:
-    if isinstance(value, dict):
-        if set(value) != {"start", "count"}:
-            raise ValueError(f"{name} as an object needs exactly 'start' and 'count'")
-        start, count = value["start"], value["count"]
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (start, count)):
-            raise ValueError(f"{name}: 'start' and 'count' must be ints >= 0")
-        return list(range(start, start + count))
-    if isinstance(value, str):
-        return parse_token_spec(value)
+    """The tokens of one side; a range (an object or a ``SPEC``) is checked against the id
+    bound and ``MAX_TOKENS`` before it is built."""
+    try:
+        if isinstance(value, dict):
+            if set(value) != {"start", "count"}:
+                raise ValueError("an object needs exactly 'start' and 'count'")
+            start, count = value["start"], value["count"]
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (start, count)):
+                raise ValueError("'start' and 'count' must be ints >= 0")
+            return list(token_range(start, count))
+        if isinstance(value, str):
+            return parse_token_spec(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
     return value  # a list (or garbage, which remap_many reports)
 
 

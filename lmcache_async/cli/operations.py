@@ -22,6 +22,7 @@ from lmcache_async.cli.arguments import (
     PACKAGE_DTYPES,
     add_token_args,
     checked_model,
+    checked_range,
     checked_salt,
     explicit_geometry,
     non_negative_int,
@@ -65,7 +66,7 @@ def _make_package(args: argparse.Namespace) -> int:
     salt = checked_salt(args.cache_salt)
     dtype = dtype_from_name(args.dtype)  # one of PACKAGE_DTYPES (argparse choices)
     num_tokens = args.chunk_size * args.num_chunks
-    tokens = list(range(args.token_start, args.token_start + num_tokens))
+    tokens = list(checked_range(args.token_start, num_tokens, "--token-start/--chunk-size/--num-chunks"))
     # Same generator use as the official example, so equal flags give equal bytes.
     torch.manual_seed(args.seed)
     kv = torch.randn((2, args.num_layers, num_tokens, args.hidden_dim), dtype=dtype)
