@@ -889,6 +889,55 @@ def test_token_ranges_are_bounded_before_anything_is_built(
         assert run_main(capsys, *argv) == (1, "", refused), argv
 
 
+def test_remap_batch_lines_past_the_bounds_or_not_utf8_fail_alone(
+    embedded_server_shm: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    srv = embedded_server_shm
+    model = unique_model("cli-batch-bounds")
+    src, dst = fresh_tokens(32), fresh_tokens(32)
+    store_sources(srv, model, [(random_kv(SMALL_GEOMETRY, 32, seed=1), src, "")])
+    not_utf8 = b'{"source": "0:16", "target": "16:32", "id": "caf\xe9"}'
+    at = not_utf8.index(b"\xe9")
+    text = [
+        json.dumps({"source": src, "target": dst}).encode(),  # line 1: a hit
+        json.dumps({"source": "0:99999999999", "target": "0:16"}).encode(),
+        json.dumps({"source": {"start": 0, "count": 10**12}, "target": "0:16"}).encode(),
+        json.dumps({"source": "0:16", "target": {"start": 0, "count": 5000000}}).encode(),
+        not_utf8,  # line 5
+        b"# a comment in Latin-1: caf\xe9 (ignored like any comment)",
+        json.dumps({"source": {"start": 4294967290, "count": 16}, "target": "16:32"}).encode(),
+    ]
+    pairs, report = tmp_path / "pairs.jsonl", tmp_path / "report.jsonl"
+    pairs.write_bytes(b"\n".join(text) + b"\n")
+    outside = "invalid pair: source: token id 4294967296 is outside [0, 2**32)"
+    errors = {
+        2: outside,
+        3: outside,
+        4: "invalid pair: target: 5000000 tokens; at most 4194304 are accepted",
+        5: f"invalid pair: 'utf-8' codec can't decode byte 0xe9 in position {at}: invalid continuation byte",
+        7: outside,
+    }
+    code, out, err = run_main(capsys, "remap-batch", str(pairs), "--url", srv.url, "--http-url", srv.http_url,
+                              "--timeout", "30", *GEOMETRY_FLAGS, "--model-name", model, "--report", str(report),
+                              "--json")  # fmt: skip
+    assert code == 1
+    summary = json.loads(out)
+    assert (summary["pairs"], summary["hits"], summary["misses"], summary["failures"]) == (6, 1, 0, 5)
+    assert err == "".join(f"{PROG} remap-batch: failed: line {n}: {e}\n" for n, e in errors.items())
+    rows = {}
+    for raw in report.read_text().splitlines():
+        row = json.loads(raw)
+        del row["key"], row["elapsed"]
+        rows[row.pop("line")] = row
+    assert rows == {
+        1: {"status": "hit", "retrieved_tokens": 32, "stored_tokens": 32, "stored_new": True, "error": None},
+        **{
+            n: {"status": "error", "retrieved_tokens": 0, "stored_tokens": 0, "stored_new": False, "error": e}
+            for n, e in errors.items()
+        },
+    }
+
+
 def test_a_file_that_is_not_a_package_is_told_what_a_package_is(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

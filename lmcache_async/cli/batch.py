@@ -88,13 +88,18 @@ def _tokens_field(value: object, name: str) -> object:
 
 
 def read_pairs(path: Path) -> Iterator[_Line]:
-    """The pairs of a remap-batch file, one per non-blank line (``#`` starts a comment)."""
-    with open(path, encoding="utf-8") as fh:
+    """The pairs of a remap-batch file, one per non-blank line (``#`` starts a comment).
+
+    A line that is not UTF-8 is an invalid pair like any other (the file is decoded line
+    by line: its bytes that are not UTF-8 are kept as ``surrogateescape`` does, then refused).
+    """
+    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
         for number, raw in enumerate(fh, 1):
             text = raw.strip()
             if not text or text.startswith("#"):
                 continue
             try:
+                text.encode("utf-8", "surrogateescape").decode("utf-8")  # bytes not UTF-8: refused
                 obj = json.loads(text)
                 if not isinstance(obj, dict):
                     raise ValueError("a line must be a JSON object")
@@ -107,7 +112,7 @@ def read_pairs(path: Path) -> Iterator[_Line]:
                 dst = _tokens_field(obj["target"], "target")
                 salt = obj.get("cache_salt", "")
                 tsalt = obj.get("target_cache_salt")
-            except ValueError as exc:  # json.JSONDecodeError is a ValueError
+            except ValueError as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
                 yield _Line(number, _key(text), error=f"invalid pair: {one_line(str(exc))}")
                 continue
             canon = json.dumps([src, dst, salt, tsalt], separators=(",", ":"), default=str)
@@ -115,7 +120,7 @@ def read_pairs(path: Path) -> Iterator[_Line]:
 
 
 def _key(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:20]
 
 
 def _done_keys(report: Path) -> set[str]:
@@ -236,7 +241,7 @@ def _remap_batch(args: argparse.Namespace) -> int:
         lines = select_shard(read_pairs(args.file), args.shard, key=lambda ln: ln.key)
     except FileNotFoundError:
         raise CommandError(f"{args.file}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise CommandError(f"{args.file}: {one_line(str(exc))}") from None
     done = _done_keys(args.report) if args.resume else set()
     todo = [ln for ln in lines if ln.key not in done]
