@@ -938,6 +938,43 @@ def test_remap_batch_lines_past_the_bounds_or_not_utf8_fail_alone(
     }
 
 
+def test_outputs_that_cannot_be_written_are_one_line_errors(
+    embedded_server_shm: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    srv = embedded_server_shm
+    model = unique_model("cli-output")
+    tokens = fresh_tokens(32)
+    store_sources(srv, model, [(random_kv(SMALL_GEOMETRY, 32, seed=2), tokens, "")])
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("not a directory\n")
+    missing = tmp_path / "missing" / "p.pt"
+    cases = [
+        (missing, f"{missing}: cannot write: no such directory {missing.parent}"),
+        (a_file / "p.pt", f"{a_file / 'p.pt'}: cannot write: {a_file} is not a directory"),
+        (tmp_path, f"{tmp_path}: cannot write: it is a directory"),
+    ]
+    make = ["make-package", "--model-name", "m", "--chunk-size", "16", "--num-chunks", "1", "--num-layers", "2",
+            "--hidden-dim", "16"]  # fmt: skip
+    # Refused before anything is made or fetched (nothing listens at NOWHERE).
+    for path, message in cases:
+        for argv in (
+            [*make, "--output", str(path)],
+            ["retrieve", *NOWHERE, "--model-name", "m", "--num-tokens", "16", "--output", str(path)],
+        ):
+            assert run_main(capsys, *argv) == (1, "", f"{PROG} {argv[0]}: error: {message}\n"), argv
+    assert not missing.parent.exists() and a_file.read_text() == "not a directory\n"
+    # A write that fails (a full disk), for retrieve after the KV was fetched: one line, exit 1.
+    server = ["--url", srv.url, "--http-url", srv.http_url, "--timeout", "30", *GEOMETRY_FLAGS]
+    for argv in (
+        [*make, "--output", "/dev/full"],
+        ["retrieve", *server, "--model-name", model, "--tokens", f"{tokens[0]}:{tokens[0] + 32}", "--output",
+         "/dev/full"],
+    ):  # fmt: skip
+        code, out, err = run_main(capsys, *argv)
+        assert (code, out) == (1, ""), argv
+        assert err.startswith(f"{PROG} {argv[0]}: error: /dev/full: cannot write: ") and err.count("\n") == 1
+
+
 def test_a_file_that_is_not_a_package_is_told_what_a_package_is(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -8,7 +8,8 @@ commands and flags, reading and writing its KV package files
 
 Every value from the command line or a package (model name, salt, token ids, geometry)
 is checked before any server is contacted; a bad one is a one-line error, never a
-traceback: exit code 2 for a flag, 1 for a package file.
+traceback: exit code 2 for a flag, 1 for a package file. So is an ``--output`` file that
+cannot be written (no such directory, a directory): exit code 1, as for a failed write.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ __all__ = ["register"]
 def _make_package(args: argparse.Namespace) -> int:
     import torch
 
-    from lmcache_async.cli.package_file import Package, save_package
+    from lmcache_async.cli.package_file import Package, check_output, save_package
     from lmcache_async.geometry import dtype_from_name
 
     model = checked_model(args.model_name)
@@ -67,6 +68,7 @@ def _make_package(args: argparse.Namespace) -> int:
     dtype = dtype_from_name(args.dtype)  # one of PACKAGE_DTYPES (argparse choices)
     num_tokens = args.chunk_size * args.num_chunks
     tokens = list(checked_range(args.token_start, num_tokens, "--token-start/--chunk-size/--num-chunks"))
+    check_output(args.output)
     # Same generator use as the official example, so equal flags give equal bytes.
     torch.manual_seed(args.seed)
     kv = torch.randn((2, args.num_layers, num_tokens, args.hidden_dim), dtype=dtype)
@@ -195,12 +197,13 @@ async def _lookup(args: argparse.Namespace) -> int:
 
 
 async def _retrieve(args: argparse.Namespace) -> int:
-    from lmcache_async.cli.package_file import Package, save_package
+    from lmcache_async.cli.package_file import Package, check_output, save_package
     from lmcache_async.geometry import dtype_name
 
     model = checked_model(args.model_name)
     salt = checked_salt(args.cache_salt)
     tokens = tokens_from_args(args)
+    check_output(args.output)
     client = await connect_client(args, model, explicit_geometry(args))
     try:
         kv = await client.retrieve(tokens, salt)

@@ -5,6 +5,8 @@ A package is ``torch.save({"kv": tensor [2, L, T, D] (or [L, T, D] for MLA),
 :func:`load_package` reads one with ``torch.load(weights_only=True)`` only, so a file
 that needs anything but tensors, strings, numbers, lists and dicts is refused before it
 is unpickled further; every field is checked as the server would check it.
+:func:`check_output` refuses a path :func:`save_package` could not write, before the
+package is made or fetched.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Final
 
 import torch
@@ -19,7 +22,7 @@ import torch
 from lmcache_async.cli.runner import CommandError, one_line
 from lmcache_async.wire import validate_cache_salt, validate_model_name, validate_tokens
 
-__all__ = ["PACKAGE_FORMAT", "Package", "load_package", "save_package"]
+__all__ = ["PACKAGE_FORMAT", "Package", "check_output", "load_package", "save_package"]
 
 #: What a KV package file is, for error messages.
 PACKAGE_FORMAT: Final = (
@@ -95,18 +98,40 @@ def load_package(path: str | os.PathLike[str]) -> Package:
     return Package(kv, model, tokens, salt)
 
 
+def check_output(path: Path) -> None:
+    """Refuse an output path that cannot be written: its directory does not exist (or is
+    not a directory), or it is a directory itself.
+
+    Raises:
+        CommandError: naming the path and why.
+    """
+    if path.is_dir():
+        raise CommandError(f"{path}: cannot write: it is a directory")
+    parent = path.parent
+    if not parent.exists():
+        raise CommandError(f"{path}: cannot write: no such directory {parent}")
+    if not parent.is_dir():
+        raise CommandError(f"{path}: cannot write: {parent} is not a directory")
+
+
 def save_package(path: str | os.PathLike[str], package: Package) -> None:
     """Write ``package`` in the official example's format.
 
     Raises:
-        OSError: the file cannot be written.
+        CommandError: the file cannot be written (its directory does not exist, the disk
+            is full, ...).
     """
-    torch.save(
-        {
-            "kv": package.kv.contiguous(),
-            "model_name": package.model_name,
-            "tokens": list(package.tokens),
-            "cache_salt": package.cache_salt,
-        },
-        path,
-    )
+    try:
+        torch.save(
+            {
+                "kv": package.kv.contiguous(),
+                "model_name": package.model_name,
+                "tokens": list(package.tokens),
+                "cache_salt": package.cache_salt,
+            },
+            path,
+        )
+    except OSError as exc:
+        raise CommandError(f"{path}: cannot write: {one_line(exc.strerror or str(exc))}") from None
+    except RuntimeError as exc:  # torch's file writer reports its failures as RuntimeError
+        raise CommandError(f"{path}: cannot write: {one_line(str(exc))}") from None
