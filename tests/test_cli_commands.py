@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import json
 import os
+import pickle
 import re
 import shlex
 import signal
@@ -25,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -988,10 +990,22 @@ def test_a_file_that_is_not_a_package_is_told_what_a_package_is(
     torch.save([torch.zeros(1)], listed)
     partial = tmp_path / "partial.pt"
     torch.save({"kv": torch.zeros(1), "cache_salt": ""}, partial)
+    # The old torch.save format (a sequence of pickles, not a zip archive).
+    legacy = tmp_path / "legacy.pt"
+    torch.save(torch.nn.Linear(2, 2), legacy, _use_new_zipfile_serialization=False)
+    # Not written by torch.save: torch's weights_only unpickler refuses these too.
+    as_json = tmp_path / "package.json"
+    as_json.write_text('{"kv": [1, 2], "model_name": "m", "tokens": [1], "cache_salt": ""}\n')
+    plain = tmp_path / "plain.pkl"
+    plain.write_bytes(pickle.dumps({"model_name": "m", "tokens": [1], "cache_salt": ""}, protocol=4))
     holds = "it holds objects other than tensors, strings, numbers, lists and dicts, so it was not loaded"
+    not_torch = f"not a KV package: not a file written by torch.save ({PACKAGE_FORMAT})"
     cases = [
         (module, f"{module}: not a KV package: {holds} ({PACKAGE_FORMAT})"),
-        (text, f"{text}: not a KV package: not a file written by torch.save ({PACKAGE_FORMAT})"),
+        (legacy, f"{legacy}: not a KV package: {holds} ({PACKAGE_FORMAT})"),
+        (text, f"{text}: {not_torch}"),
+        (as_json, f"{as_json}: {not_torch}"),
+        (plain, f"{plain}: {not_torch}"),
         (listed, f"{listed}: not a KV package: it holds a list, not a dict ({PACKAGE_FORMAT})"),
         (partial, f"{partial}: not a KV package: no model_name, tokens ({PACKAGE_FORMAT})"),
         (tmp_path / "absent.pt", f"{tmp_path / 'absent.pt'}: no such file"),
@@ -1010,9 +1024,14 @@ def test_a_file_that_is_not_a_package_is_told_what_a_package_is(
                 "0:16",
             ],
         ):
-            code, out, err = run_main(capsys, *argv)
+            # Every warning recorded (the test run turns them into errors): torch's about the
+            # pickle protocol of a plain pickle is not shown above the one-line error.
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                code, out, err = run_main(capsys, *argv)
             assert (code, out, err) == (1, "", f"{PROG} {argv[0]}: error: {message}\n")
             assert "weights_only" not in err
+            assert [str(w.message) for w in caught] == []
 
 
 def test_progress_line_fits_the_terminal_width(monkeypatch: pytest.MonkeyPatch) -> None:

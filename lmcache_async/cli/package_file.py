@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import os
 import pickle
+import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 import torch
+from torch.serialization import MAGIC_NUMBER
 
 from lmcache_async.cli.runner import CommandError, one_line
 from lmcache_async.wire import validate_cache_salt, validate_model_name, validate_tokens
@@ -46,7 +49,7 @@ def load_package(path: str | os.PathLike[str]) -> Package:
 
     Only ``torch.load(..., weights_only=True)`` is used: a file that needs anything but
     tensors, strings, ints, lists and dicts is refused, with a message that says what a
-    package is (not torch's advice to load it unsafely).
+    package is (not torch's advice to load it unsafely, nor its warnings about the file).
 
     Raises:
         CommandError: missing or unreadable, not a package, or a package whose fields the
@@ -54,17 +57,24 @@ def load_package(path: str | os.PathLike[str]) -> Package:
             ``@``, a ``kv`` that does not hold one row per token).
     """
     try:
-        obj = torch.load(path, weights_only=True, map_location="cpu")
+        with warnings.catch_warnings():
+            # The weights_only unpickler warns about the protocol of a plain pickle before it
+            # refuses it: the one-line error below says what the file is.
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch(\.|$)")
+            obj = torch.load(path, weights_only=True, map_location="cpu")
     except FileNotFoundError:
         raise CommandError(f"{path}: no such file") from None
     except OSError as exc:  # a directory, no permission, ...
         raise CommandError(f"{path}: {one_line(exc.strerror or str(exc))}") from None
-    except pickle.UnpicklingError:
-        raise CommandError(
-            f"{path}: not a KV package: it holds objects other than tensors, strings, numbers, "
-            f"lists and dicts, so it was not loaded ({PACKAGE_FORMAT})"
-        ) from None
-    except Exception:  # torch's many ways of saying "not a torch.save file"
+    except Exception as exc:
+        # The weights_only unpickler refuses a torch.save file that holds a class or a
+        # function, but also a plain pickle or a text file: only the layout tells them apart.
+        if isinstance(exc, pickle.UnpicklingError) and _torch_save_layout(path):
+            raise CommandError(
+                f"{path}: not a KV package: it holds objects other than tensors, strings, numbers, "
+                f"lists and dicts, so it was not loaded ({PACKAGE_FORMAT})"
+            ) from None
+        # torch's many ways of saying "not a torch.save file"
         raise CommandError(
             f"{path}: not a KV package: not a file written by torch.save ({PACKAGE_FORMAT})"
         ) from None
@@ -96,6 +106,19 @@ def load_package(path: str | os.PathLike[str]) -> Package:
     if kv.shape[axis] != len(tokens):
         raise CommandError(f"{path}: 'kv' holds {kv.shape[axis]} tokens but 'tokens' has {len(tokens)}")
     return Package(kv, model, tokens, salt)
+
+
+def _torch_save_layout(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is laid out as torch.save writes: a zip archive (the format since
+    torch 1.6), or the legacy format, which starts with a pickle of torch's magic number.
+    Only the layout is read: nothing is unpickled."""
+    if zipfile.is_zipfile(path):
+        return True
+    with open(path, "rb") as fh:
+        head = fh.read(64)
+    return any(
+        head.startswith(pickle.dumps(MAGIC_NUMBER, protocol=p)) for p in range(pickle.HIGHEST_PROTOCOL + 1)
+    )
 
 
 def check_output(path: Path) -> None:
