@@ -40,7 +40,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeGuard, TypeVar
 
 import torch
 
@@ -91,6 +91,10 @@ PREFETCH_WAIT_SLICE: Final = 0.05
 #: a deadline of its own); with one, it stops WRITER_MARGIN seconds before it.
 WRITER_WAIT: Final = 10.0
 WRITER_MARGIN: Final = 0.1
+#: The longest the ``/status`` fetch that adds the server's L1 memory usage to such a
+#: store's error may take; with a deadline, the wait for the other writer stops this much
+#: earlier still, so the error (never a timeout) arrives within it.
+STATUS_WAIT: Final = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,6 +438,12 @@ class Operations:
             the client retires that registration so the server never admits the slots.
         track: given each cleanup reply awaited in the background
             (:meth:`cleanup_later`), for the client's ``drain()`` and ``aclose()``.
+        server_status: ``server_status(timeout)`` fetches the server's ``/status``
+            document (the client's metadata, never a cached one): a store that finds
+            its chunks neither reservable nor cached adds the server's L1 memory usage
+            from it to its :class:`TransferError` (bounded by :data:`STATUS_WAIT`; a
+            fetch that fails or is late is said in the message, never raised).
+            ``None``: the message has no memory usage.
     """
 
     def __init__(
@@ -445,6 +455,7 @@ class Operations:
         gates: dict[tuple[Any, ...], list[Any]] | None = None,
         on_unfilled: Callable[[int], None] | None = None,
         track: Callable[[asyncio.Future[Any]], None] | None = None,
+        server_status: Callable[[float], Awaitable[Mapping[str, Any]]] | None = None,
     ) -> None:
         self.channel = channel
         #: The channel's ``post(opcode, args, timeout) -> Future[Reply] | None``, if it has one.
@@ -456,6 +467,7 @@ class Operations:
         self.cleanup_grace = cleanup_grace
         self._gates: dict[tuple[Any, ...], list[Any]] = {} if gates is None else gates
         self._on_unfilled = on_unfilled
+        self._server_status = server_status
 
     # ------------------------------------------------------------------ the interface
 
@@ -1079,12 +1091,14 @@ class Operations:
         The server reserved nothing for chunks that are not cached: either another writer
         holds them (it commits soon, or its reservation expires after the server's write
         TTL) or L1 has no memory. Waiting (with backoff) for the other writer turns the
-        first case into "already stored" (the store answers False).
+        first case into "already stored" (the store answers False). The error adds the
+        server's L1 memory usage (:meth:`_memory_usage`), which tells the two apart.
         """
         cached = 0
         give_up = time.monotonic() + WRITER_WAIT
         if op.caller_deadline is not None:
-            give_up = min(give_up, op.caller_deadline - WRITER_MARGIN)
+            reserve = WRITER_MARGIN + (STATUS_WAIT if self._server_status is not None else 0.0)
+            give_up = min(give_up, op.caller_deadline - reserve)
         delay = 0.0
         while True:
             await asyncio.sleep(delay)
@@ -1101,7 +1115,34 @@ class Operations:
             f"the server could not {what} {(end - cached) // self.reg.chunk_size} chunks that are not "
             "cached: they are reserved by another writer (until it commits, or until its reservation "
             f"expires after the server's write TTL of {ttl}), or L1 is out of memory"
+            + await self._memory_usage(op)
         )
+
+    async def _memory_usage(self, op: OpState) -> str:
+        """`` (server L1 memory: ...)`` from a fresh ``/status``, for a store's error: how
+        much of L1 is used and how much of it other writers hold reserved. Empty without
+        ``server_status`` or once the caller left.
+
+        Never raises (but for cancellation): a fetch that fails, or takes longer than
+        :data:`STATUS_WAIT` or than the caller's deadline allows (less
+        :data:`WRITER_MARGIN`), gives `` (server memory usage unavailable: why)``.
+        """
+        fetch = self._server_status
+        if fetch is None or op.abandoned:
+            return ""
+        wait = STATUS_WAIT
+        if op.caller_deadline is not None:
+            wait = min(wait, op.caller_deadline - WRITER_MARGIN - time.monotonic())
+        try:
+            if wait <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(wait):
+                status = await fetch(wait)
+            return f" (server L1 memory: {_l1_memory(status)})"
+        except TimeoutError:
+            return " (server memory usage unavailable: /status did not answer in time)"
+        except Exception as exc:  # the store's error is what the caller must get
+            return f" (server memory usage unavailable: {exc})"
 
     async def _remap_shm(
         self, op: OpState, src: list[int], dst: list[int], n: int, salt: str, tsalt: str
@@ -1204,6 +1245,39 @@ def store_groups(n_chunks: int) -> list[tuple[int, int]]:
     half = middle // 2
     bounds = [0, edge, edge + half, n_chunks - edge, n_chunks]
     return [(bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1) if bounds[k + 1] > bounds[k]]
+
+
+def _l1_memory(status: Mapping[str, Any]) -> str:
+    """``"U of T bytes used (P%); N write reservations pending, S bytes staged"`` from a
+    ``/status`` document (``storage_manager.l1_usage`` and, summed over every L1,
+    ``l1_managers.*.write_locked_count`` and ``staging_bytes``: the same on 0.5.6 and
+    0.5.7). Raises ProtocolError where these are missing or not counts."""
+    missing = ProtocolError("/status has no L1 memory usage (storage_manager.l1_usage and l1_managers)")
+    manager = status.get("storage_manager")
+    usage = manager.get("l1_usage") if isinstance(manager, dict) else None
+    l1s = manager.get("l1_managers") if isinstance(manager, dict) else None
+    if not isinstance(usage, list) or len(usage) != 2 or not isinstance(l1s, dict) or not l1s:
+        raise missing
+    used, total = usage
+    reserved = staged = 0
+    for l1 in l1s.values():
+        count, nbytes = (
+            (l1.get("write_locked_count"), l1.get("staging_bytes")) if isinstance(l1, dict) else (None, None)
+        )
+        if not _is_count(count) or not _is_count(nbytes):
+            raise missing
+        reserved += count
+        staged += nbytes
+    if not _is_count(used) or not _is_count(total):
+        raise missing
+    share = f" ({used / total:.0%})" if total else ""
+    return (
+        f"{used} of {total} bytes used{share}; {reserved} write reservations pending, {staged} bytes staged"
+    )
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return type(value) is int and value >= 0
 
 
 def request_id(kind: str) -> str:

@@ -5,22 +5,43 @@ geometries, a store that finds nothing reservable (with the server's memory usag
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import os
 import pickle
+import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import pytest
 import torch
 
-from lmcache_async import AsyncClient, KVGeometry, ProtocolError
-from lmcache_async.testing import EmbeddedServer
-from lmcache_async.wire import LayoutMismatch
+from lmcache_async import (
+    AsyncClient,
+    HTTPStatusError,
+    KVGeometry,
+    LMCacheTimeoutError,
+    ProtocolError,
+    TransferError,
+    operations,
+)
+from lmcache_async.metadata import Metadata
+from lmcache_async.operations import Operations, Registration, _l1_memory, run_detached
+from lmcache_async.shm import ShmPool
+from lmcache_async.testing import EmbeddedServer, NoReply
+from lmcache_async.wire import (
+    GEN_0_5_6,
+    CacheKey,
+    LayoutMismatch,
+    Op,
+    RegisterPayload,
+    parse_prepare_store,
+    parse_register_response,
+)
 from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio
@@ -202,3 +223,217 @@ async def test_kv_of_another_geometry_on_the_real_server(real_server: Any, other
     async with AsyncClient(url, http_url, model, geometry=SMALL_GEOMETRY, timeout=30) as again:
         got = await again.retrieve(tokens)
         assert got is not None and torch.equal(got, kv)
+
+
+# --------------------------------------------------------------------------- nothing reservable
+
+MODEL = "mem"
+SLOT = 4096  # one chunk of SMALL_GEOMETRY (2048 bytes) in its aligned slot
+L1_SLOTS = 8
+StatusFetch = Callable[[float], Awaitable[Mapping[str, Any]]]
+
+
+class EngineChannel:
+    """The operations' channel over an embedded server's engine, on the test's loop."""
+
+    def __init__(self, srv: EmbeddedServer) -> None:
+        self.srv = srv
+
+    @property
+    def usable(self) -> bool:
+        return True
+
+    async def call(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> Any:
+        try:
+            return await self.srv.handle(opcode, list(GEN_0_5_6.request_args(opcode, args)))
+        except NoReply as exc:  # the real server would answer nothing
+            raise LMCacheTimeoutError(opcode.name.lower(), 0.0) from exc
+
+
+@contextlib.asynccontextmanager
+async def l1_server() -> AsyncIterator[EmbeddedServer]:
+    """An embedded SHM server whose L1 holds exactly ``L1_SLOTS`` chunks."""
+    async with EmbeddedServer(chunk_size=CS, size_bytes=L1_SLOTS * SLOT) as srv:
+        yield srv
+
+
+@contextlib.asynccontextmanager
+async def store_ops(srv: EmbeddedServer, fetch: StatusFetch | None) -> AsyncIterator[Operations]:
+    """The operations of a registration of its own, given ``fetch`` for ``/status``."""
+    instance_id = 7000 + len(srv.engine.status()["registrations"])
+    payload = RegisterPayload(
+        instance_id=instance_id,
+        model_name=MODEL,
+        world_size=1,
+        block_size=SMALL_GEOMETRY.block_size,
+        num_layers=SMALL_GEOMETRY.num_layers,
+        hidden_dim_size=SMALL_GEOMETRY.hidden_dim,
+        dtype_str="bfloat16",
+        use_mla=False,
+        num_physical_slots=CS,
+    )
+    shm_name, pool_size = parse_register_response(
+        await srv.handle(Op.REGISTER_ENGINE_DRIVEN, [payload.to_wire()])
+    )
+    pool = ShmPool(shm_name, pool_size)
+    reg = Registration(
+        model_name=MODEL,
+        geometry=SMALL_GEOMETRY,
+        chunk_size=CS,
+        wire=GEN_0_5_6,
+        instance_id=instance_id,
+        pool=pool,
+        server_has_shm=True,
+        write_ttl=srv.write_ttl,
+    )
+    try:
+        yield Operations(EngineChannel(srv), reg, cleanup_grace=2.0, server_status=fetch)
+    finally:
+        pool.close()
+
+
+async def reserve(srv: EmbeddedServer, tokens: list[int]) -> None:
+    """Another writer (a registration of its own) reserves ``tokens`` and never commits."""
+    async with store_ops(srv, None) as other:
+        key = CacheKey(MODEL, 1, 0, tokens, 0, len(tokens), "other-writer").to_wire(GEN_0_5_6)
+        slots, _ = parse_prepare_store(await srv.handle(Op.PREPARE_STORE, [key, other.reg.instance_id]))
+        assert len(slots) == len(tokens) // CS
+
+
+async def failed_store(ops: Operations, tokens: list[int], timeout: float = 1.0) -> str:
+    """Store ``tokens`` (timeout 1 s): the TransferError's message."""
+    kv = random_kv(SMALL_GEOMETRY, len(tokens))
+    with pytest.raises(TransferError) as info:
+        await run_detached("store", timeout, 2.0, lambda op: ops.store(op, kv, tokens, len(tokens), ""))
+    return str(info.value)
+
+
+def not_reservable(chunks: int) -> str:
+    return (
+        f"the server could not reserve memory for {chunks} chunks that are not cached: they are reserved "
+        "by another writer (until it commits, or until its reservation expires after the server's write "
+        "TTL of 600 s), or L1 is out of memory"
+    )
+
+
+@contextlib.asynccontextmanager
+async def http_status(srv: EmbeddedServer) -> AsyncIterator[StatusFetch]:
+    """The client's ``/status`` fetch (over HTTP, never cached) of ``srv``."""
+    meta = Metadata(srv.http_url)
+    try:
+        yield lambda timeout: meta.status(max_age=0, timeout=timeout)
+    finally:
+        await meta.close()
+
+
+async def test_a_store_held_by_another_writer_shows_the_servers_memory_usage() -> None:
+    tokens = fresh_tokens(2 * CS)
+    async with l1_server() as srv, http_status(srv) as fetch, store_ops(srv, fetch) as ops:
+        await reserve(srv, tokens)
+        assert await failed_store(ops, tokens) == not_reservable(2) + (
+            " (server L1 memory: 8192 of 32768 bytes used (25%); 2 write reservations pending, 8192 bytes staged)"
+        )
+
+
+async def test_a_store_into_a_full_l1_shows_the_servers_memory_usage() -> None:
+    async with l1_server() as srv, http_status(srv) as fetch, store_ops(srv, fetch) as ops:
+        await reserve(srv, fresh_tokens(L1_SLOTS * CS))  # every slot, never committed
+        assert await failed_store(ops, fresh_tokens(CS)) == not_reservable(1) + (
+            " (server L1 memory: 32768 of 32768 bytes used (100%); 8 write reservations pending, 32768 bytes staged)"
+        )
+
+
+async def _hangs(timeout: float) -> Mapping[str, Any]:
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
+
+
+async def _refused(timeout: float) -> Mapping[str, Any]:
+    raise HTTPStatusError(
+        503, "http://127.0.0.1:9/status", "", "GET http://127.0.0.1:9/status failed with HTTP 503"
+    )
+
+
+async def _no_usage(timeout: float) -> Mapping[str, Any]:
+    return {"is_healthy": True, "storage_manager": {"l1_usage": [1, 2]}}
+
+
+@pytest.mark.parametrize(
+    ("fetch", "why"),
+    [
+        (_hangs, "/status did not answer in time"),
+        (_refused, "GET http://127.0.0.1:9/status failed with HTTP 503"),
+        (_no_usage, "/status has no L1 memory usage (storage_manager.l1_usage and l1_managers)"),
+    ],
+)
+async def test_a_status_that_fails_never_masks_the_store_error(fetch: StatusFetch, why: str) -> None:
+    tokens = fresh_tokens(2 * CS)
+    async with l1_server() as srv, store_ops(srv, fetch) as ops:
+        await reserve(srv, tokens)
+        message = await failed_store(ops, tokens)  # a TransferError before the caller's deadline
+        assert message == not_reservable(2) + f" (server memory usage unavailable: {why})"
+
+
+async def test_the_real_servers_status_gives_the_l1_memory_usage(
+    real_server_shm: Any, real_server_057_shm: Any
+) -> None:
+    """The fields the message is made of, on the real 0.5.6 and 0.5.7 servers."""
+    for srv in (real_server_shm, real_server_057_shm):
+        meta = Metadata(srv.http_url)
+        try:
+            status = await meta.status(max_age=0, timeout=10)
+        finally:
+            await meta.close()
+        l1 = status["storage_manager"]["l1_manager"]  # one L1: its own fields too
+        used, total = status["storage_manager"]["l1_usage"]
+        assert (used, total) == (l1["memory_used_bytes"], l1["memory_total_bytes"])
+        assert total == 1 << 30  # the fixtures' --l1-size-gb 1
+        assert _l1_memory(status) == (
+            f"{used} of {total} bytes used ({used / total:.0%}); {l1['write_locked_count']} write "
+            f"reservations pending, {l1['staging_bytes']} bytes staged"
+        )
+
+
+async def test_a_store_held_by_another_writer_on_the_real_server(
+    fresh_real_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real 0.5.6: while one client's store is copying into its reservation, another
+    client's store of the same prompt fails (its deadline is short) and says that two write
+    reservations are pending, with the server's L1 usage."""
+    srv = fresh_real_server("shm")
+    model = unique_model("held")
+    tokens = fresh_tokens(2 * CS)
+    kv = random_kv(SMALL_GEOMETRY, len(tokens))
+    copying, release = threading.Event(), threading.Event()
+    fill = operations.fill_slots
+
+    def held_fill(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pool: Any = None) -> None:
+        copying.set()
+        release.wait(30)
+        fill(pairs, pool)
+
+    monkeypatch.setattr(operations, "THREAD_COPY_BYTES", 0)  # the copy runs in a thread
+    monkeypatch.setattr(operations, "fill_slots", held_fill)
+    async with (
+        AsyncClient(srv.url, srv.http_url, model, geometry=SMALL_GEOMETRY, timeout=30) as a,
+        AsyncClient(srv.url, srv.http_url, model, geometry=SMALL_GEOMETRY, timeout=30) as b,
+    ):
+        first = asyncio.create_task(a.store(kv, tokens))
+        try:
+            assert await asyncio.to_thread(copying.wait, 10)
+            ops = b._operations()
+            with_status = Operations(
+                ops.channel, ops.reg, server_status=lambda t: b._meta.status(max_age=0, timeout=t)
+            )
+            message = await failed_store(with_status, tokens)
+        finally:
+            release.set()
+        assert await first is True
+    usage = re.fullmatch(
+        re.escape(not_reservable(2))
+        + r" \(server L1 memory: (\d+) of 1073741824 bytes used \(0%\); 2 write reservations pending, "
+        r"(\d+) bytes staged\)",
+        message,
+    )
+    assert usage is not None, message
+    assert int(usage[1]) >= int(usage[2]) >= 2 * 2048  # the two reserved chunks at least
