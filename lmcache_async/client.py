@@ -25,6 +25,8 @@ import logging
 import os
 import secrets
 import time
+import warnings
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
@@ -150,6 +152,131 @@ def _replaced_message(opcode: Op, url: str) -> str:
         f"{op_name(opcode)}: the LMCache server behind {url} was replaced (a new server instance, "
         "with no visible disconnect); the client registers with the new one"
     )
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _weakly(method: _F) -> _F:
+    """``method`` (bound) called through a weak reference to its object: a background
+    task holding it does not keep the object alive. Once the object is collected a call
+    raises :class:`ClientClosedError`."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        if bound is None:
+            raise ClientClosedError("the client was garbage-collected")
+        return bound(*args)
+
+    return call  # type: ignore[return-value]
+
+
+async def _keepalive_loop(
+    ref: weakref.ReferenceType[AsyncClient], conn: Connection, ping_interval: float
+) -> None:
+    """Every ``ping_interval`` seconds, and at once when the connection comes back after a
+    loss: check that the server is the one registered with (``/config`` instance id) and
+    refresh the registration, or register again (and re-map SHM) with the new server.
+    Holds the client weakly between refreshes (it ends when the client was collected).
+
+    The refresh is a re-registration of the same id, which the server answers as a
+    liveness refresh. It is deliberately not a ``ping``: a pinged instance is reaped 120 s
+    after its last message and reaping admits its pending write reservations, while a
+    never-pinged one is reaped only after ``--worker-registration-grace-seconds`` (3600 s),
+    by which time such reservations expired and are dropped, never admitted (see
+    :meth:`AsyncClient._retire_registration`).
+    """
+    reconnected = conn.reconnected
+    assert reconnected is not None
+    while True:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(ping_interval):
+                await reconnected.wait()
+        if reconnected.is_set():
+            reconnected.clear()
+            log.info("reconnected to %s; registering again", conn.url)
+        client = ref()
+        if client is None:
+            return
+        try:
+            await client._refresh_registration()
+        except LMCacheError as exc:
+            log.debug("keep-alive failed: %s", exc)
+        finally:
+            del client
+
+
+#: Closes of clients collected while open, kept referenced until they are done.
+_closing_collected: set[asyncio.Task[None]] = set()
+
+
+def _release_locally(
+    loop: asyncio.AbstractEventLoop, conn: Connection, meta: Metadata, tasks: Sequence[asyncio.Task[None]]
+) -> None:
+    """Release a client's socket, ZMQ context and HTTP session without awaiting anything
+    (``loop``, theirs, is closed or not running)."""
+    if not loop.is_closed():
+        for task in tasks:
+            task.cancel()
+    conn.abandon()
+    meta.abandon()
+
+
+async def _unregister_and_close(conn: Connection, meta: Metadata, instance_id: int) -> None:
+    try:
+        if conn.usable:
+            with contextlib.suppress(LMCacheError):
+                await conn.call(Op.UNREGISTER_ENGINE_DRIVEN, (instance_id,), timeout=UNREGISTER_TIMEOUT)
+    finally:
+        try:
+            await conn.close()
+        finally:
+            await meta.close()
+
+
+def _close_collected(
+    loop: asyncio.AbstractEventLoop,
+    conn: Connection,
+    meta: Metadata,
+    tasks: Sequence[asyncio.Task[None]],
+    instance_id: int,
+) -> None:
+    """On the client's running loop: stop the background tasks of a collected client,
+    unregister it and close its socket and session."""
+    for task in tasks:
+        task.cancel()
+    closing = loop.create_task(_unregister_and_close(conn, meta, instance_id), name="lmcache-close-collected")
+    _closing_collected.add(closing)
+    closing.add_done_callback(_closing_collected.discard)
+
+
+def _collected_open(
+    loop: asyncio.AbstractEventLoop,
+    conn: Connection,
+    meta: Metadata,
+    tasks: list[asyncio.Task[None]],
+    instance_id: int,
+    desc: str,
+    pid: int,
+) -> None:
+    """``weakref.finalize`` callback of an :class:`AsyncClient` collected while open: a
+    :class:`ResourceWarning`, then the close. On its loop, if that loop still runs (the
+    callback may run in any thread: the close is handed over thread-safely), with the
+    unregister; else here, without it."""
+    if os.getpid() != pid:
+        return  # inherited across fork: the parent owns the socket and the registration
+    warnings.warn(
+        f"{desc} was never closed; closing it now (use 'async with AsyncClient(...)' or "
+        "'await client.aclose()')",
+        ResourceWarning,
+        stacklevel=2,
+    )
+    if loop.is_running():
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(_close_collected, loop, conn, meta, tasks, instance_id)
+            return
+    _release_locally(loop, conn, meta, tasks)
 
 
 async def connect(
@@ -304,11 +431,15 @@ class AsyncClient:
         self._gates: dict[tuple[Any, ...], list[Any]] = {}
         self._operations_cache: tuple[tuple[Any, ...], Operations] | None = None
         self._keepalive: asyncio.Task[None] | None = None
+        # Weakly: the watch task runs on the loop, and must not keep a dropped client alive
+        # (so that its finalizer can release what it holds).
         self._watch = ServerWatch(
-            self._conn, self._fetch_identity, lambda: self._server_instance, self._replaced
+            self._conn, _weakly(self._fetch_identity), _weakly(self._known_instance), _weakly(self._replaced)
         )
         self._watch_task: asyncio.Task[None] | None = None
         self._closed_event: asyncio.Event | None = None
+        #: Releases the socket of a client collected while open (made by open()).
+        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     # ------------------------------------------------------------------ properties
 
@@ -403,8 +534,21 @@ class AsyncClient:
                 raise ProtocolError(f"noop answered {reply.value()!r}")
             await self._check_chunk_size_over_zmq(_remaining(deadline))
             await self._register(_remaining(deadline))
-            self._keepalive = asyncio.create_task(self._keepalive_loop(), name="lmcache-keepalive")
+            self._keepalive = asyncio.create_task(
+                _keepalive_loop(weakref.ref(self), self._conn, self._ping_interval), name="lmcache-keepalive"
+            )
             self._watch_task = asyncio.create_task(self._watch.run(), name="lmcache-server-watch")
+            self._finalizer = weakref.finalize(
+                self,
+                _collected_open,
+                self._loop,
+                self._conn,
+                self._meta,
+                [self._keepalive, self._watch_task],
+                self._instance_id,
+                f"<lmcache_async.AsyncClient {self.model_name!r} at {self.url}>",
+                self._pid,
+            )
             self._state = _Lifecycle.OPEN
         except BaseException:
             self._state = _Lifecycle.CLOSING
@@ -432,8 +576,10 @@ class AsyncClient:
         if os.getpid() != self._pid:
             self._drop_inherited()
             return
-        self._check_loop()
         if self._state is _Lifecycle.CLOSED:
+            return
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            await self._close_from_another_loop(self._loop)
             return
         if self._state is _Lifecycle.CLOSING:
             assert self._closed_event is not None
@@ -459,6 +605,35 @@ class AsyncClient:
                     task.cancel()
             await self._shutdown(unregister=unregister)
 
+    async def _close_from_another_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """:meth:`aclose` called on a loop other than the one that opened the client.
+
+        The owner loop still running (in another thread): the close runs there, and this
+        waits for it. The owner loop closed or stopped (an ``asyncio.run()`` that ended):
+        nothing can be awaited on it, so the socket, its context and the HTTP session are
+        released here, without the server-side unregister, with a :class:`RuntimeWarning`.
+        """
+        if loop.is_running():
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.aclose(), loop))
+            return
+        how = "closed" if loop.is_closed() else "not running"
+        warnings.warn(
+            f"{self!r} was opened on an event loop that is {how}: "
+            "closing it here releases its socket and HTTP session, but cannot unregister it from "
+            "the server, which drops the registration when it expires",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self._detach_finalizer()
+        self._state = _Lifecycle.CLOSED
+        self._pool = None
+        tasks = [t for t in (self._keepalive, self._watch_task) if t is not None]
+        _release_locally(loop, self._conn, self._meta, tasks)
+
+    def _detach_finalizer(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
     async def _shutdown(self, *, unregister: bool) -> None:
         try:
             if self._watch_task is not None:
@@ -481,6 +656,7 @@ class AsyncClient:
                 try:
                     await self._meta.close()
                 finally:
+                    self._detach_finalizer()
                     self._state = _Lifecycle.CLOSED
                     if self._closed_event is not None:
                         self._closed_event.set()
@@ -492,6 +668,7 @@ class AsyncClient:
         if self._state is _Lifecycle.CLOSED:
             return
         self._state = _Lifecycle.CLOSED
+        self._detach_finalizer()
         self._conn.drop_inherited()
         self._meta.drop_inherited()
         self._pool = None
@@ -649,32 +826,9 @@ class AsyncClient:
         self._reg_generation = generation
         self._stale = False
 
-    async def _keepalive_loop(self) -> None:
-        """Every ``ping_interval`` seconds, and at once when the connection comes back
-        after a loss: check that the server is the one registered with (``/config``
-        instance id) and refresh the registration, or register again (and re-map SHM)
-        with the new server.
-
-        The refresh is a re-registration of the same id, which the server answers as a
-        liveness refresh. It is deliberately not a ``ping``: a pinged instance is reaped
-        120 s after its last message and reaping admits its pending write reservations,
-        while a never-pinged one is reaped only after ``--worker-registration-grace-seconds``
-        (3600 s), by which time such reservations expired and are dropped, never admitted
-        (see :meth:`_retire_registration`).
-        """
-        reconnected = self._conn.reconnected
-        assert reconnected is not None
-        while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._ping_interval):
-                    await reconnected.wait()
-            if reconnected.is_set():
-                reconnected.clear()
-                log.info("reconnected to %s; registering again", self.url)
-            try:
-                await self._refresh_registration()
-            except LMCacheError as exc:
-                log.debug("keep-alive failed: %s", exc)
+    def _known_instance(self) -> object:
+        """The identity (``/config`` instance id) of the server registered with."""
+        return self._server_instance
 
     async def _refresh_registration(self) -> None:
         config = await self._meta.config(max_age=0, timeout=10.0)

@@ -429,6 +429,29 @@ class Connection:
                 _release(self._ctx, self._sock, self._monitor)
             self._sock = self._monitor = self._ctx = None
 
+    def abandon(self) -> None:
+        """Close the socket, its monitor and the context now, without awaiting anything:
+        for a connection whose event loop is closed or not running (a client closed from
+        another loop, or collected unclosed). Must not be called from another thread while
+        the loop runs. Idempotent.
+
+        Calls still pending are failed with :class:`ClientClosedError` where their loop can
+        still take the news; the tasks are cancelled where it can run them.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            self._table.fail_all(lambda op: ClientClosedError(f"{op_name(op)}: the connection was closed"))
+            for task in self._tasks:
+                task.cancel()
+        self._tasks = []
+        self._unwatch()
+        if self._ctx is not None:
+            _release(self._ctx, self._sock, self._monitor)
+        self._sock = self._monitor = self._ctx = None
+
     def drop_inherited(self) -> None:
         """In a forked child: forget the parent's socket, monitor and context without
         closing them or touching the event loop's selector (the child may share its

@@ -105,6 +105,27 @@ class Metadata:
             if session is not None:
                 await session.close()
 
+    def abandon(self) -> None:
+        """Close the HTTP session without awaiting anything (its event loop is closed or
+        not running): its pooled connections are closed. Idempotent."""
+        session, self._session = self._session, None
+        for entry in self._cache.values():
+            entry.inflight = None
+        if session is None:
+            return
+        connector = session.connector
+        with contextlib.suppress(AttributeError):
+            if connector is not None:
+                pooled = [proto.transport for conns in connector._conns.values() for proto, _ in conns]
+                connector._close()  # the synchronous part of close(): nothing to await
+                if connector._loop.is_closed():
+                    # The loop that would finish closing them is gone: finish it here (an
+                    # asyncio transport's own last step: the socket is closed and dropped).
+                    for transport in pooled:
+                        with contextlib.suppress(Exception):
+                            transport._call_connection_lost(None)  # type: ignore[union-attr]
+            session._connector = None
+
     def drop_inherited(self) -> None:
         """In a forked child: forget the parent's HTTP session without closing it
         (closing would unregister the parent's sockets from the selector both processes
