@@ -995,9 +995,14 @@ class AsyncClient:
             gates=self._gates,
             on_unfilled=self._retire_registration,
             track=self._track_posted,
+            server_status=self._fresh_status,
         )
         self._operations_cache = (made_of, ops)
         return ops
+
+    async def _fresh_status(self, timeout: float) -> dict[str, Any]:
+        """``/status`` fetched now (a store's error reports the server's memory use)."""
+        return await self._meta.status(max_age=0, timeout=timeout)
 
     def _retire_registration(
         self, instance_id: int, reason: str = "a store's reserved slots could not be filled"

@@ -35,7 +35,7 @@ import torch
 
 from lmcache_async.errors import ProtocolError
 from lmcache_async.host_copy import copy_host
-from lmcache_async.wire import MAX_BIN
+from lmcache_async.wire import MAX_BIN, LayoutMismatch
 
 __all__ = [
     "ENVELOPE_VERSION",
@@ -362,17 +362,15 @@ def _read_frames(
                 if name not in _DTYPES:
                     raise ProtocolError(f"tensor envelope: tensor {i} has unsupported dtype {name!r}")
                 if name != want_dtype:
-                    raise ProtocolError(
-                        f"tensor envelope: tensor {i} has dtype {name}, expected {want_dtype}"
-                    )
+                    raise LayoutMismatch(f"tensor envelope: tensor {i} dtype", name, want_dtype)
             elif key == "shape":
                 rank = reader.array_len("shape")
                 if rank > MAX_RANK:
                     raise ProtocolError(f"tensor envelope: tensor {i} has rank {rank} (limit {MAX_RANK})")
                 got = tuple(reader.uint("a dimension") for _ in range(rank))
                 if got != shape:
-                    raise ProtocolError(
-                        f"tensor envelope: tensor {i} has shape {list(got)}, expected {list(shape)}"
+                    raise LayoutMismatch(
+                        f"tensor envelope: tensor {i} shape", str(list(got)), str(list(shape))
                     )
             elif key == "data":
                 span = reader.bin_span("data")

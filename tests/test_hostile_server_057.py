@@ -55,9 +55,9 @@ GOOD = torch.arange(2 * 2 * CS * 16, dtype=torch.float32).view(SHAPE).to(torch.b
 @pytest.mark.parametrize(
     ("payload", "message"),
     [
-        (_envelope([GOOD.float()]), "dtype float32, expected bfloat16"),
+        (_envelope([GOOD.float()]), "dtype float32 != expected bfloat16"),
         (_envelope([GOOD, GOOD]), "holds 2 tensors, expected 1"),
-        (_envelope([GOOD[:, :, :8]]), r"shape \[2, 2, 8, 16\], expected \[2, 2, 16, 16\]"),
+        (_envelope([GOOD[:, :, :8]]), r"shape \[2, 2, 8, 16\] != expected \[2, 2, 16, 16\]"),
         (_envelope([GOOD])[:-1], "truncated"),
         (b"\x82\xa7version\x01\xa7tensors\xdd\xff\xff\xff\xff", "holds 4294967295 tensors"),
         (msgpack.packb({"version": 1, "tensors": [], "evil": 1}), "has 3 fields"),
