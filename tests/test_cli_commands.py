@@ -751,6 +751,14 @@ def test_usage_errors_exit_2(real_server_shm: RealLMCacheServer, capsys: pytest.
             "--url is the ZMQ endpoint (e.g. tcp://localhost:5555); give the HTTP endpoint "
             f"{srv.http_url} as --http-url",
         ),
+        (
+            ["status", "--url", "tcp://localhost"],
+            "--url 'tcp://localhost' has no port (tcp://host:port; the server's --port, often 5555)",
+        ),
+        (
+            ["status", "--url", "tcp://127.0.0.1:70000"],
+            "--url 'tcp://127.0.0.1:70000': port '70000' is not a port number in 1..65535",
+        ),
     ]
     *procs, bad_range, unregistered = (
         in_process(capsys, *argv)

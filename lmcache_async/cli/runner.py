@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import aiohttp
 
+from lmcache_async.connection import check_zmq_url
 from lmcache_async.errors import (
     LMCacheConnectionError,
     LMCacheError,
@@ -149,8 +150,10 @@ def _check_urls(args: argparse.Namespace) -> None:
         raise UsageError(
             f"--url is the ZMQ endpoint (e.g. {DEFAULT_URL}); give the HTTP endpoint {args.url} as --http-url"
         )
-    if "://" not in args.url:
-        raise UsageError(f"--url must look like tcp://host:port, got {args.url!r}")
+    try:
+        check_zmq_url(args.url, "--url")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if not args.http_url.startswith(("http://", "https://")):
         raise UsageError(f"--http-url must start with http://, got {args.http_url!r}")
 
