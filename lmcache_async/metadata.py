@@ -21,7 +21,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -108,28 +108,32 @@ class Metadata:
     def abandon(self) -> None:
         """Close the HTTP session without awaiting anything (its event loop is closed or
         not running): its pooled connections are closed. Idempotent."""
-        session, self._session = self._session, None
-        for entry in self._cache.values():
-            entry.inflight = None
-        if session is None:
-            return
-        connector = session.connector
-        with contextlib.suppress(AttributeError):
-            if connector is not None:
-                pooled = [proto.transport for conns in connector._conns.values() for proto, _ in conns]
-                connector._close()  # the synchronous part of close(): nothing to await
-                if connector._loop.is_closed():
-                    # The loop that would finish closing them is gone: finish it here (an
-                    # asyncio transport's own last step: the socket is closed and dropped).
-                    for transport in pooled:
-                        with contextlib.suppress(Exception):
-                            transport._call_connection_lost(None)  # type: ignore[union-attr]
-            session._connector = None
+
+        def close(connector: aiohttp.BaseConnector) -> None:
+            pooled = [proto.transport for conns in connector._conns.values() for proto, _ in conns]
+            connector._close()  # the synchronous part of close(): nothing to await
+            if connector._loop.is_closed():
+                # The loop that would finish closing them is gone: finish it here (an
+                # asyncio transport's own last step: the socket is closed and dropped).
+                for transport in pooled:
+                    with contextlib.suppress(Exception):
+                        transport._call_connection_lost(None)  # type: ignore[union-attr]
+
+        self._let_go(close)
 
     def drop_inherited(self) -> None:
         """In a forked child: forget the parent's HTTP session without closing it
         (closing would unregister the parent's sockets from the selector both processes
         share), and without aiohttp's "Unclosed client session" warnings later."""
+
+        def forget(connector: aiohttp.BaseConnector) -> None:
+            connector._closed = True  # its __del__ then neither warns nor closes
+
+        self._let_go(forget)
+
+    def _let_go(self, finish: Callable[[aiohttp.BaseConnector], None]) -> None:
+        """Drop the session and the shared fetches, ``finish`` its connector, and mark the
+        session closed (no "Unclosed client session" warning at its collection)."""
         session, self._session = self._session, None
         for entry in self._cache.values():
             entry.inflight = None
@@ -138,8 +142,8 @@ class Metadata:
         connector = session.connector
         with contextlib.suppress(AttributeError):
             if connector is not None:
-                connector._closed = True  # its __del__ then neither warns nor closes
-            session._connector = None  # ``closed`` is now True: no warning at collection
+                finish(connector)
+            session._connector = None
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:
