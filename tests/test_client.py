@@ -1,5 +1,14 @@
-"""AsyncClient against the server configurations of the contract suite (real server over
-SHM and pickle; the embedded server too once it is in SERVER_CONFIGS)."""
+"""AsyncClient's contract, on every server configuration of ``SERVER_CONFIGS`` (the real
+LMCache 0.5.6 and 0.5.7rc3 servers and the embedded server speaking either generation, each
+over SHM and pickle): bitwise round trips of each dtype, chunk alignment and prefix hits,
+``False`` for an already cached store, salt isolation, ``retrieve(out=)``, ``remap``, bad
+arguments refused before anything is sent, constructor checks, an unregistered model and an
+unreachable server, 256 concurrent mixed operations, timeouts and cancellations that leave
+no session, prefetch job or read lock behind, ``end_session`` posted in the background and
+waited for by ``drain()``/``aclose()``, and a closed client refusing calls. On the real
+0.5.6 server (SHM and pickle): a geometry read from ``/status`` agrees with an explicit one,
+and KV is read bitwise across this client, an inference engine's path and the official SDK.
+"""
 
 from __future__ import annotations
 
