@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 import lmcache_async as lmc
-from lmcache_async.pickle_codec import encode_tensor_list
-from lmcache_async.wire import GEN_0_5_6
+from lmcache_async._payload.pickle_tensors import encode_tensor_list
+from lmcache_async._wire import GEN_0_5_6
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,8 +80,8 @@ def copy_time() -> float:
 
 
 def time_copies() -> None:
-    """Wrap the worker-thread copy functions of lmcache_async.cuda with timers."""
-    from lmcache_async import cuda
+    """Wrap the worker-thread copy functions of lmcache_async._cuda.copies with timers."""
+    from lmcache_async._cuda import copies as cuda
 
     def timed_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kw: Any) -> Any:
@@ -113,8 +113,8 @@ def time_copies() -> None:
 def own_pinned_shm(nbytes: int) -> tuple[Any, str]:
     """A /dev/shm segment of our own, mapped and registered as the client maps and pins
     the server's pool: raw copies into it show the registered-tmpfs limit both ways."""
-    from lmcache_async import cuda
-    from lmcache_async.shm import ShmPool
+    from lmcache_async._cuda import copies as cuda
+    from lmcache_async._shm import ShmPool
 
     name = f"lmca_bench_{os.getpid()}"
     path = f"/dev/shm/{name}"
@@ -174,7 +174,7 @@ async def run(reps: int) -> dict[str, Any]:
             toks = Tokens(1000)
             # Warm up: CUDA context, streams, pool registration (timed), allocator.
             warm = torch.randn(GEOM.kv_shape(CS), device="cuda").to(GEOM.dtype)
-            from lmcache_async import cuda
+            from lmcache_async._cuda import copies as cuda
 
             t0 = time.perf_counter()
             await asyncio.to_thread(cuda.pin_pool, pinned._pool)
@@ -245,7 +245,7 @@ async def bench_chunks(
         add(name, await timed(fn))
         add(f"{name}__copy_part", copy_time())
 
-    from lmcache_async import cuda
+    from lmcache_async._cuda import copies as cuda
 
     slot_shape = GEOM.kv_shape(CS)
     slot_bytes = kv_bytes.numel() // chunks

@@ -230,8 +230,7 @@ def trace_noop(url: str, http_url: str, calls: int) -> dict[str, dict[str, float
     library is changed; the wrappers add ~1 µs per point."""
     from unittest import mock
 
-    from lmcache_async import connection as conn_mod
-    from lmcache_async import sync_client as sc
+    from lmcache_async import _connection as conn_mod, sync_client as sc
 
     ns = time.perf_counter_ns
     marks: dict[str, int] = {}

@@ -20,7 +20,7 @@ SHM, chunk 256, 4 GB pool, prefaulted), geometry 32 layers x 1024 hidden bf16 (o
   the copies enqueued on the loop switched off in turn, and all three (``_before``).
 
 Nothing in the library is changed: the client's channel is wrapped by a tracing one and
-the copy functions of ``lmcache_async.cuda`` / ``lmcache_async.operations`` by timers.
+the copy functions of ``lmcache_async._cuda.copies`` / ``lmcache_async._operations`` by timers.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch
 import lmcache_async as lmc
 from benchmarks.bench_cuda import Tokens
 from benchmarks.bench_rtt import blocking as bare_dealer
-from lmcache_async.wire import Op
+from lmcache_async._wire import Op
 
 ROOT = Path(__file__).resolve().parent.parent
 CS = 256
@@ -124,12 +124,12 @@ def timed_fn(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def time_copies() -> None:
-    from lmcache_async import operations
+    from lmcache_async import _operations as operations
 
     for name in CPU_COPY_FUNCS:
         setattr(operations, name, timed_fn(f"copy:{name}", getattr(operations, name)))
     if torch.cuda.is_available():
-        from lmcache_async import cuda
+        from lmcache_async._cuda import copies as cuda
 
         for name in CUDA_COPY_FUNCS:
             if hasattr(cuda, name):
@@ -257,7 +257,7 @@ def _patch(obj: Any, name: str, value: Any) -> Callable[[], None]:
 
 def _ungrouped(client: lmc.AsyncClient) -> Callable[[], None]:
     """A CUDA store in one group (one prepare_store, one commit_store)."""
-    from lmcache_async import operations
+    from lmcache_async import _operations as operations
 
     if not hasattr(operations, "store_groups"):
         return lambda: None
@@ -266,7 +266,7 @@ def _ungrouped(client: lmc.AsyncClient) -> Callable[[], None]:
 
 def _commit_awaited(client: lmc.AsyncClient) -> Callable[[], None]:
     """A CUDA retrieve waits for its commit_retrieve's answer."""
-    from lmcache_async import operations
+    from lmcache_async import _operations as operations
 
     if not hasattr(operations.Operations, "_commit_retrieve_later"):
         return lambda: None
@@ -296,7 +296,7 @@ def _plan(sizes: Sequence[int]) -> Callable[[lmc.AsyncClient], Callable[[], None
     """Another split of a CUDA store (group sizes in chunks; for 16 chunks)."""
 
     def switch(client: lmc.AsyncClient) -> Callable[[], None]:
-        from lmcache_async import operations
+        from lmcache_async import _operations as operations
 
         bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
         plan = [(bounds[k], bounds[k + 1]) for k in range(len(sizes))]

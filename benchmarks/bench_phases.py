@@ -35,8 +35,8 @@ import torch
 
 import lmcache_async as lmc
 from benchmarks.harness import server_python
-from lmcache_async import operations
-from lmcache_async.wire import Op
+from lmcache_async import _operations as operations
+from lmcache_async._wire import Op
 from tests.support.real_server import RealLMCacheServer
 
 CS = 256

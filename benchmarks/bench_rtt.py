@@ -23,8 +23,8 @@ import zmq
 
 import lmcache_async as lmc
 from benchmarks.harness import settle, spread
-from lmcache_async import wire
-from lmcache_async.wire import Op
+from lmcache_async import _wire as wire
+from lmcache_async._wire import Op
 from tests.support.real_server import RealLMCacheServer, lmcache_venv_python
 
 CASES: tuple[tuple[Op, tuple[Any, ...]], ...] = ((Op.NOOP, ()), (Op.END_SESSION, ("bench-rtt",)))

@@ -5,84 +5,136 @@
 ...                            model_name="my-model", geometry=lmc.KVGeometry(32, 8, 128))
 >>> await client.store(kv, tokens)
 >>> kv = await client.retrieve(tokens)
+
+The public modules are ``client``, ``sync_client``, ``bulk``, ``geometry``, ``errors``,
+``kvcache`` (the official SDK's drop-in), ``hf`` (transformers), ``testing`` (the embedded
+server) and ``cli``; modules whose name starts with ``_`` are the implementation, with no
+promise. The names below are re-exported here from their public homes.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import TYPE_CHECKING, Any
-
-from lmcache_async._defaults import DEFAULT, DefaultType
-from lmcache_async._version import __version__
-from lmcache_async.errors import (
-    AuthenticationError,
-    ClientClosedError,
-    ClientNotOpenError,
-    ClientStateError,
-    ForkedClientError,
-    ForkedSyncClientError,
-    HTTPStatusError,
-    LMCacheConnectionError,
-    LMCacheError,
-    LMCacheTimeoutError,
-    LoopThreadCallError,
-    ModelNotRegisteredError,
-    ProtocolError,
-    ServerError,
-    ServerReplacedError,
-    SyncUsageError,
-    TransferError,
-    UnsafePayloadError,
-    UnsupportedServerVersionError,
-    WrongEventLoopError,
-)
+from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    from lmcache_async.bulk import (
-        BatchProgress,
-        BatchResult,
-        BatchSummary,
-        ItemResult,
-        RemapPair,
-        RetrieveItem,
-        StoreItem,
+    from lmcache_async._defaults import (
+        DEFAULT as DEFAULT,
+        DefaultType as DefaultType,
     )
-    from lmcache_async.client import AsyncClient, RemapResult, connect
-    from lmcache_async.geometry import KVGeometry
-    from lmcache_async.sync_client import Client
+    from lmcache_async._version import (
+        __version__ as __version__,
+    )
+    from lmcache_async.bulk import (
+        BatchProgress as BatchProgress,
+        BatchResult as BatchResult,
+        BatchSummary as BatchSummary,
+        ItemResult as ItemResult,
+        RemapPair as RemapPair,
+        RetrieveItem as RetrieveItem,
+        StoreItem as StoreItem,
+    )
+    from lmcache_async.client import (
+        AsyncClient as AsyncClient,
+        RemapResult as RemapResult,
+        connect as connect,
+    )
+    from lmcache_async.errors import (
+        AuthenticationError as AuthenticationError,
+        ClientClosedError as ClientClosedError,
+        ClientNotOpenError as ClientNotOpenError,
+        ClientStateError as ClientStateError,
+        ForkedClientError as ForkedClientError,
+        ForkedSyncClientError as ForkedSyncClientError,
+        HTTPStatusError as HTTPStatusError,
+        LayoutMismatchError as LayoutMismatchError,
+        LMCacheConnectionError as LMCacheConnectionError,
+        LMCacheError as LMCacheError,
+        LMCacheTimeoutError as LMCacheTimeoutError,
+        LoopThreadCallError as LoopThreadCallError,
+        ModelNotRegisteredError as ModelNotRegisteredError,
+        ProtocolError as ProtocolError,
+        ServerError as ServerError,
+        ServerReplacedError as ServerReplacedError,
+        SyncUsageError as SyncUsageError,
+        TransferError as TransferError,
+        UnfilledReservationError as UnfilledReservationError,
+        UnknownServerVersionWarning as UnknownServerVersionWarning,
+        UnsafePayloadError as UnsafePayloadError,
+        UnsupportedServerVersionError as UnsupportedServerVersionError,
+        WrongEventLoopError as WrongEventLoopError,
+    )
+    from lmcache_async.geometry import (
+        KVGeometry as KVGeometry,
+    )
+    from lmcache_async.sync_client import (
+        Client as Client,
+    )
 
-#: The names that need torch, and the module each comes from: imported on first use
-#: (PEP 562), so that ``import lmcache_async`` -- which every ``lmcache-async`` command
-#: pays, ``--help`` included -- does not import torch (~2-3 s) until a name needs it.
-_LAZY: dict[str, str] = {
-    **dict.fromkeys(
-        (
-            "BatchProgress",
-            "BatchResult",
-            "BatchSummary",
-            "ItemResult",
-            "RemapPair",
-            "RetrieveItem",
-            "StoreItem",
-        ),
-        "lmcache_async.bulk",
+#: The package's names and the module each comes from: the one table behind ``__all__``
+#: and the lazy re-exports. Each name is imported on first use (PEP 562), so that
+#: ``import lmcache_async`` -- which every ``lmcache-async`` command pays, ``--help``
+#: included -- does not import torch (~2-3 s) until a name needs it.
+_EXPORTS: Final[dict[str, tuple[str, ...]]] = {
+    "lmcache_async._version": ("__version__",),
+    "lmcache_async._defaults": (
+        "DEFAULT",
+        "DefaultType",
     ),
-    **dict.fromkeys(("AsyncClient", "RemapResult", "connect"), "lmcache_async.client"),
-    "KVGeometry": "lmcache_async.geometry",
-    "Client": "lmcache_async.sync_client",
+    "lmcache_async.errors": (
+        "AuthenticationError",
+        "ClientClosedError",
+        "ClientNotOpenError",
+        "ClientStateError",
+        "ForkedClientError",
+        "ForkedSyncClientError",
+        "HTTPStatusError",
+        "LMCacheConnectionError",
+        "LMCacheError",
+        "LMCacheTimeoutError",
+        "LayoutMismatchError",
+        "LoopThreadCallError",
+        "ModelNotRegisteredError",
+        "ProtocolError",
+        "ServerError",
+        "ServerReplacedError",
+        "SyncUsageError",
+        "TransferError",
+        "UnfilledReservationError",
+        "UnknownServerVersionWarning",
+        "UnsafePayloadError",
+        "UnsupportedServerVersionError",
+        "WrongEventLoopError",
+    ),
+    "lmcache_async.geometry": ("KVGeometry",),
+    "lmcache_async.client": (
+        "AsyncClient",
+        "RemapResult",
+        "connect",
+    ),
+    "lmcache_async.sync_client": ("Client",),
+    "lmcache_async.bulk": (
+        "BatchProgress",
+        "BatchResult",
+        "BatchSummary",
+        "ItemResult",
+        "RemapPair",
+        "RetrieveItem",
+        "StoreItem",
+    ),
 }
+_HOME: Final[dict[str, str]] = {name: module for module, names in _EXPORTS.items() for name in names}
 
 
 if not TYPE_CHECKING:  # type checkers see the imports above (and flag misspelt names)
 
     def __getattr__(name: str) -> Any:
-        module = _LAZY.get(name)
+        module = _HOME.get(name)
         if module is not None:
             value = getattr(importlib.import_module(module), name)
         elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-            # A submodule (``lmcache_async.client``): an attribute once imported, as the
-            # eager imports of the names above made it before they were lazy.
+            # A public submodule (``lmcache_async.client``): an attribute once imported.
             value = importlib.import_module(f"{__name__}.{name}")
         else:
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -91,43 +143,7 @@ if not TYPE_CHECKING:  # type checkers see the imports above (and flag misspelt 
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return sorted({*globals(), *_HOME})
 
 
-__all__ = [
-    "DEFAULT",
-    "AsyncClient",
-    "AuthenticationError",
-    "BatchProgress",
-    "BatchResult",
-    "BatchSummary",
-    "Client",
-    "ClientClosedError",
-    "ClientNotOpenError",
-    "ClientStateError",
-    "DefaultType",
-    "ForkedClientError",
-    "ForkedSyncClientError",
-    "HTTPStatusError",
-    "ItemResult",
-    "KVGeometry",
-    "LMCacheConnectionError",
-    "LMCacheError",
-    "LMCacheTimeoutError",
-    "LoopThreadCallError",
-    "ModelNotRegisteredError",
-    "ProtocolError",
-    "RemapPair",
-    "RemapResult",
-    "RetrieveItem",
-    "ServerError",
-    "ServerReplacedError",
-    "StoreItem",
-    "SyncUsageError",
-    "TransferError",
-    "UnsafePayloadError",
-    "UnsupportedServerVersionError",
-    "WrongEventLoopError",
-    "__version__",
-    "connect",
-]
+__all__ = sorted(_HOME)

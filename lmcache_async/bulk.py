@@ -70,8 +70,8 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 
 from lmcache_async._defaults import DEFAULT, DefaultType, resolve_timeout
-from lmcache_async.host_copy import empty_host
-from lmcache_async.wire import validate_cache_salt, validate_tokens
+from lmcache_async._host_copy import empty_host
+from lmcache_async._wire import validate_cache_salt, validate_tokens
 
 if TYPE_CHECKING:
     from lmcache_async.client import AsyncClient

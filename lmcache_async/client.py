@@ -11,9 +11,9 @@ So a timeout or a cancellation never leaves sessions, locks or reservations behi
 
 Layers: this module holds the lifecycle (detect the server generation, load the
 configuration, register, keep alive, re-register after a restart) and validates every
-argument; each operation's RPC sequence lives once in :mod:`lmcache_async.operations`,
+argument; each operation's RPC sequence lives once in :mod:`lmcache_async._operations`,
 over a small channel interface; what differs between server generations is data in
-:class:`lmcache_async.wire.WireGeneration`.
+:class:`lmcache_async._wire.WireGeneration`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,28 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
 import torch
 
+from lmcache_async._connection import DEFAULT_MAX_IN_FLIGHT, Connection, check_zmq_url
+from lmcache_async._cuda.hooks import caller_order, kv_mark, target_mark
 from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
-from lmcache_async.connection import DEFAULT_MAX_IN_FLIGHT, Connection, check_zmq_url
-from lmcache_async.cuda_hooks import caller_order, kv_mark, target_mark
+from lmcache_async._metadata import Metadata
+from lmcache_async._operations import Operations, OpState, Registration, RemapResult, run_detached
+from lmcache_async._replacement import ServerWatch
+from lmcache_async._shm import ShmPool
+from lmcache_async._task_cancel import cancel_and_wait
+from lmcache_async._tensor_checks import check_tensor_storage
+from lmcache_async._wire import (
+    GEN_0_5_6,
+    Op,
+    RegisterPayload,
+    WireGeneration,
+    generation_for_version,
+    op_name,
+    parse_register_response,
+    validate_cache_salt,
+    validate_model_name,
+    validate_request_configs,
+    validate_tokens,
+)
 from lmcache_async.errors import (
     ClientClosedError,
     ClientNotOpenError,
@@ -49,25 +68,6 @@ from lmcache_async.errors import (
     WrongEventLoopError,
 )
 from lmcache_async.geometry import KVGeometry, dtype_name
-from lmcache_async.metadata import Metadata
-from lmcache_async.operations import Operations, OpState, Registration, RemapResult, run_detached
-from lmcache_async.replacement import ServerWatch
-from lmcache_async.shm import ShmPool
-from lmcache_async.task_cancel import cancel_and_wait
-from lmcache_async.tensor_checks import check_tensor_storage
-from lmcache_async.wire import (
-    GEN_0_5_6,
-    Op,
-    RegisterPayload,
-    WireGeneration,
-    generation_for_version,
-    op_name,
-    parse_register_response,
-    validate_cache_salt,
-    validate_model_name,
-    validate_request_configs,
-    validate_tokens,
-)
 
 if TYPE_CHECKING:  # bulk imports this module; its types are needed for annotations only
     from lmcache_async.bulk import BatchProgress, BatchResult, RemapPair, RetrieveItem, StoreItem
@@ -117,7 +117,7 @@ class _Abandoned(Exception):
 
 
 class _ConnectionChannel:
-    """The :class:`~lmcache_async.operations.Channel` of a ZMQ connection, for the
+    """The :class:`~lmcache_async._operations.Channel` of a ZMQ connection, for the
     operations of one server: when that server is found replaced, the channel is retired
     (a new one serves the new server) and its operations' requests fail at once with
     :class:`ServerReplacedError`, cleanups included (nothing of theirs exists there)."""
@@ -140,8 +140,8 @@ class _ConnectionChannel:
 
     def post(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> asyncio.Future[Any] | None:
         """Send a request now and return the future of its reply (a
-        :class:`~lmcache_async.wire.Reply`) without waiting; ``None`` when it cannot be
-        sent at once (see :meth:`~lmcache_async.connection.Connection.send_nowait`)."""
+        :class:`~lmcache_async._wire.Reply`) without waiting; ``None`` when it cannot be
+        sent at once (see :meth:`~lmcache_async._connection.Connection.send_nowait`)."""
         if self.retired:
             return None
         return self._conn.send_nowait(opcode, args, timeout=timeout)
@@ -352,7 +352,7 @@ class AsyncClient:
             first time a copy writes them, in the copying thread, instead of faulting
             page by page during the copy; slots only read fault in during the copy
             (cheaper there); the cost follows the slots this client touches, never the
-            pool's size (see :meth:`lmcache_async.shm.ShmPool.populate`).
+            pool's size (see :meth:`lmcache_async._shm.ShmPool.populate`).
         api_key: sent as ``Authorization: Bearer KEY`` on every HTTP call (servers
             started with an API key answer 401 without it); default: the
             ``LMCACHE_API_KEY`` environment variable. The ZMQ side has no keys.
@@ -870,7 +870,7 @@ class AsyncClient:
 
     async def _fetch_identity(self, timeout: float) -> object:
         """The server's identity: ``/config`` ``mp.instance_id`` (new for every server
-        process, on both generations; see :mod:`lmcache_async.replacement`)."""
+        process, on both generations; see :mod:`lmcache_async._replacement`)."""
         config = await self._meta.config(max_age=0, timeout=timeout)
         return Metadata.mp_section(config).get("instance_id")
 
@@ -915,7 +915,7 @@ class AsyncClient:
         self, name: str, timeout: float | None, body: Callable[[Operations, OpState], Awaitable[T]]
     ) -> T:
         """Run ``body`` over this client's operations in a task of its own (see
-        :func:`~lmcache_async.operations.run_detached`), re-registering first if needed."""
+        :func:`~lmcache_async._operations.run_detached`), re-registering first if needed."""
         self._require_open()
         self._check_loop()
 

@@ -20,10 +20,15 @@ Where callers already catch a builtin, the error also derives from it::
      |    +-- ModelNotRegisteredError (also LookupError)     /status has no such model
      |    +-- ProtocolError                                  a malformed or hostile reply
      |    |    +-- UnsafePayloadError                        a pickle reply that is not plain tensors
+     |    |    +-- LayoutMismatchError                       KV of another geometry under the model
      |    +-- UnsupportedServerVersionError                  /lmc_version: a generation not spoken
      |    +-- HTTPStatusError                                an HTTP route answered other than 200
      |         +-- AuthenticationError (also PermissionError) 401: an API key is needed or wrong
      +-- TransferError                                       a store/retrieve could not move the data
+          +-- UnfilledReservationError                       reserved slots could not be filled
+
+:class:`UnknownServerVersionWarning` (a ``UserWarning``) is the one warning: the server
+reports a version this client was not built against and is spoken to as the newest known.
 
 ``except ClientStateError`` catches every misuse of a client (used before ``open()``,
 after ``close()``, from the wrong event loop or thread, or after a fork); nothing was
@@ -50,6 +55,7 @@ __all__ = [
     "LMCacheConnectionError",
     "LMCacheError",
     "LMCacheTimeoutError",
+    "LayoutMismatchError",
     "LoopThreadCallError",
     "ModelNotRegisteredError",
     "ProtocolError",
@@ -57,6 +63,8 @@ __all__ = [
     "ServerReplacedError",
     "SyncUsageError",
     "TransferError",
+    "UnfilledReservationError",
+    "UnknownServerVersionWarning",
     "UnsafePayloadError",
     "UnsupportedServerVersionError",
     "WrongEventLoopError",
@@ -261,3 +269,49 @@ class AuthenticationError(HTTPStatusError, PermissionError):
         )
         self.key_sent = key_sent
         super().__init__(status, url, body, f"GET {url} answered HTTP {status}: {hint}")
+
+
+class UnfilledReservationError(TransferError):
+    """Slots the server reserved for a store could not be filled with the caller's data.
+
+    The reservation stays pending on the server, invisible to readers; the registration
+    that holds it is retired (never unregistered) so that it is never admitted: see
+    docs/design.md, "A store that fails after prepare_store".
+    """
+
+
+class LayoutMismatchError(ProtocolError):
+    """A slot or tensor of a reply has another shape or dtype than the client's geometry
+    gives: a hostile server, or (the usual case) KV stored under the same model name by a
+    client of another geometry. Nothing was read from it.
+
+    Attributes:
+        what: ``"slot shape"``, ``"slot dtype"``, ``"tensor shape"`` or ``"tensor dtype"``.
+        got: what the reply has, as the message shows it.
+        expected: what the geometry gives, as the message shows it.
+        model_name: the model the KV was stored under, once known (see :meth:`for_model`).
+    """
+
+    def __init__(self, what: str, got: str, expected: str, model_name: str | None = None) -> None:
+        self.what = what
+        self.got = got
+        self.expected = expected
+        self.model_name = model_name
+        detail = f"{what} {got} != expected {expected}"
+        if model_name is None:
+            super().__init__(detail)
+        else:
+            super().__init__(
+                f"the KV stored under model {model_name!r} does not match this client's geometry "
+                f"({detail}): it was stored with another geometry under the same model name; "
+                "check geometry= (the KVGeometry given to this client)"
+            )
+
+    def for_model(self, model_name: str) -> LayoutMismatchError:
+        """The same mismatch, its message naming the model and the likely cause."""
+        return LayoutMismatchError(self.what, self.got, self.expected, model_name)
+
+
+class UnknownServerVersionWarning(UserWarning):
+    """The server reports an LMCache version this client was not built against; the
+    client talks to it with the newest wire generation it knows (best effort)."""

@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from lmcache_async._defaults import DEFAULT, DefaultType
+from lmcache_async._wire import validate_cache_salt, validate_tokens
 from lmcache_async.geometry import KVGeometry, dtype_from_name
-from lmcache_async.wire import validate_cache_salt, validate_tokens
 
 try:
     from transformers import DynamicCache

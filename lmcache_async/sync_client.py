@@ -62,10 +62,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, TypeVa
 
 import torch
 
+from lmcache_async._connection import DEFAULT_MAX_IN_FLIGHT
+from lmcache_async._cuda.hooks import caller_device, on_caller_streams
 from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
 from lmcache_async.client import AsyncClient, RemapResult, TransferMode
-from lmcache_async.connection import DEFAULT_MAX_IN_FLIGHT
-from lmcache_async.cuda_hooks import caller_device, on_caller_streams
 from lmcache_async.errors import (
     ClientClosedError,
     ForkedSyncClientError,

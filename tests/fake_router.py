@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from lmcache_async import wire
+from lmcache_async import _wire as wire
 from tests import server_wire
 
 Action = tuple[Any, ...]

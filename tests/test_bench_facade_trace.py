@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from lmcache_async import connection, sync_client
+from lmcache_async import _connection as connection, sync_client
 from tests.support.real_server import RealLMCacheServer
 
 

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import zmq
 
+from lmcache_async._wire import Op, packb
 from lmcache_async.cli import main
 from lmcache_async.testing import EmbeddedServer
-from lmcache_async.wire import Op, packb
 
 REPO = Path(__file__).resolve().parents[1]
 #: A small geometry so each run takes about a second beyond the interpreter start.

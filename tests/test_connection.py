@@ -6,13 +6,12 @@ import asyncio
 import time
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from lmcache_async import wire
-from lmcache_async.connection import Connection, PendingTable
+from lmcache_async import _wire as wire
+from lmcache_async._connection import Connection, PendingTable
+from lmcache_async._wire import Op, Reply
 from lmcache_async.errors import ClientClosedError, LMCacheConnectionError, LMCacheTimeoutError
-from lmcache_async.wire import Op, Reply
 from tests import server_wire
 from tests.fake_router import FakeRouter
 from tests.hypothesis_budget import examples

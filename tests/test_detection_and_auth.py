@@ -13,7 +13,7 @@ import torch
 from aiohttp import web
 
 import lmcache_async as lmc
-from lmcache_async.wire import UnknownServerVersionWarning
+from lmcache_async.errors import UnknownServerVersionWarning
 from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 from tests.support.real_server import RealLMCacheServer
 

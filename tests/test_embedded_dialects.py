@@ -30,9 +30,9 @@ import torch
 import zmq
 import zmq.asyncio
 
-from lmcache_async.pickle_codec import encode_tensor_list
+from lmcache_async._payload.pickle_tensors import encode_tensor_list
+from lmcache_async._wire import Op
 from lmcache_async.testing import EmbeddedServer, InProcessServer, ModelSpec, NoReply, Protocol
-from lmcache_async.wire import Op
 from tests.support.workers import EngineWorker, SDKWorker
 
 pytestmark = pytest.mark.anyio

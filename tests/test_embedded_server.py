@@ -25,10 +25,10 @@ import torch
 import zmq
 import zmq.asyncio
 
-from lmcache_async import AsyncClient, KVGeometry, wire
-from lmcache_async.pickle_codec import decode_tensor_list, encode_tensor_list
+from lmcache_async import AsyncClient, KVGeometry, _wire as wire
+from lmcache_async._payload.pickle_tensors import decode_tensor_list, encode_tensor_list
+from lmcache_async._wire import Op, packb
 from lmcache_async.testing import EmbeddedServer, ModelSpec
-from lmcache_async.wire import Op, packb
 
 pytestmark = pytest.mark.anyio
 

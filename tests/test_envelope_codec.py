@@ -12,10 +12,9 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from lmcache_async.envelope_codec import (
+from lmcache_async._payload.tensor_envelope import (
     MAX_RANK,
     MAX_TENSORS,
     decode_tensor_envelope,

@@ -27,21 +27,21 @@ from lmcache_async import (
     LMCacheTimeoutError,
     ProtocolError,
     TransferError,
-    operations,
+    _operations as operations,
 )
-from lmcache_async.metadata import Metadata
-from lmcache_async.operations import Operations, Registration, _l1_memory, run_detached
-from lmcache_async.shm import ShmPool
-from lmcache_async.testing import EmbeddedServer, NoReply
-from lmcache_async.wire import (
+from lmcache_async._metadata import Metadata
+from lmcache_async._operations import Operations, Registration, _l1_memory, run_detached
+from lmcache_async._shm import ShmPool
+from lmcache_async._wire import (
     GEN_0_5_6,
     CacheKey,
-    LayoutMismatch,
     Op,
     RegisterPayload,
     parse_prepare_store,
     parse_register_response,
 )
+from lmcache_async.errors import LayoutMismatchError
+from lmcache_async.testing import EmbeddedServer, NoReply
 from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio
@@ -164,7 +164,7 @@ OTHERS = [pytest.param(HALF_HEADS, id="half-heads"), pytest.param(FLOAT16, id="f
 
 
 def check_other_geometry(
-    err: LayoutMismatch, model: str, mode: str, other: KVGeometry, protocol: str = "0.5.6"
+    err: LayoutMismatchError, model: str, mode: str, other: KVGeometry, protocol: str = "0.5.6"
 ) -> None:
     """``err`` names the model, the mismatch and what to check (and pickles whole)."""
     reply = "slot" if mode == "shm" else "tensor" if protocol == "0.5.6" else "envelope"
@@ -177,7 +177,7 @@ def check_other_geometry(
     assert isinstance(err, ProtocolError)
     assert (err.what, err.got, err.expected, err.model_name) == (what, got, expected, model)
     copy = pickle.loads(pickle.dumps(err))
-    assert (type(copy), str(copy), copy.model_name) == (LayoutMismatch, str(err), model)
+    assert (type(copy), str(copy), copy.model_name) == (LayoutMismatchError, str(err), model)
 
 
 @pytest.mark.parametrize("other", OTHERS)
@@ -197,11 +197,11 @@ async def test_kv_of_another_geometry_names_the_model_and_geometry(
             assert await writer.store(kv, tokens) is True
         async with AsyncClient(srv.url, srv.http_url, model, geometry=other, timeout=10) as reader:
             assert await reader.lookup(tokens) == 2 * CS
-            with pytest.raises(LayoutMismatch) as info:
+            with pytest.raises(LayoutMismatchError) as info:
                 await reader.retrieve(tokens)
             check_other_geometry(info.value, model, mode, other, protocol)
             if mode == "shm":  # the in-pool remap reads the source's slots the same way
-                with pytest.raises(LayoutMismatch) as info:
+                with pytest.raises(LayoutMismatchError) as info:
                     await reader.remap(tokens, fresh_tokens(2 * CS))
                 check_other_geometry(info.value, model, mode, other, protocol)
         # Nothing is left pending: every lock, read and session was released.
@@ -220,7 +220,7 @@ async def test_kv_of_another_geometry_on_the_real_server(real_server: Any, other
     async with AsyncClient(url, http_url, model, geometry=SMALL_GEOMETRY, timeout=30) as writer:
         assert await writer.store(kv, tokens) is True
     async with AsyncClient(url, http_url, model, geometry=other, timeout=30) as reader:
-        with pytest.raises(LayoutMismatch) as info:
+        with pytest.raises(LayoutMismatchError) as info:
             await reader.retrieve(tokens)
         check_other_geometry(info.value, model, real_server.mode, other)
     async with AsyncClient(url, http_url, model, geometry=SMALL_GEOMETRY, timeout=30) as again:

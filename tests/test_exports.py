@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import lmcache_async
 
 
@@ -24,3 +27,19 @@ def test_every_error_and_the_default_sentinel_are_exported() -> None:
     assert all(getattr(lmcache_async, name) is getattr(errors, name) for name in errors.__all__)
     assert lmcache_async.DEFAULT is _defaults.DEFAULT
     assert lmcache_async.DefaultType is _defaults.DefaultType
+
+
+def test_the_type_checkers_imports_are_the_table() -> None:
+    """``__init__``'s ``if TYPE_CHECKING:`` imports (what mypy and IDEs see) name exactly
+    the table behind ``__all__`` and the lazy re-exports, each from its module."""
+    tree = ast.parse(Path(lmcache_async.__file__).read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    seen: dict[str, tuple[str, ...]] = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom) and node.module is not None
+        assert all(a.asname == a.name for a in node.names)  # explicit re-exports
+        seen[node.module] = tuple(a.name for a in node.names)
+    assert {m: sorted(n) for m, n in seen.items()} == {
+        m: sorted(n) for m, n in lmcache_async._EXPORTS.items()
+    }
+    assert sorted(lmcache_async.__all__) == sorted(n for names in seen.values() for n in names)

@@ -16,7 +16,7 @@ import torch
 
 import lmcache_async as lmc
 from lmcache_async import kvcache
-from lmcache_async.connection import Connection, check_zmq_url
+from lmcache_async._connection import Connection, check_zmq_url
 from lmcache_async.testing import EmbeddedServer
 from tests.support.real_server import REPO_ROOT
 

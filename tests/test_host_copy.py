@@ -1,4 +1,4 @@
-"""lmcache_async.host_copy: the same bytes as ``Tensor.copy_``, on one thread."""
+"""lmcache_async._host_copy: the same bytes as ``Tensor.copy_``, on one thread."""
 
 from __future__ import annotations
 
@@ -6,11 +6,10 @@ import threading
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from lmcache_async import host_copy
-from lmcache_async.host_copy import copy_into
+from lmcache_async import _host_copy as host_copy
+from lmcache_async._host_copy import copy_into
 from tests.hypothesis_budget import examples
 
 DTYPES = [

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import lmcache_async as lmc
-from lmcache_async import wire
-from lmcache_async.envelope_codec import decode_tensor_envelope, encode_tensor_envelope
-from lmcache_async.wire import Op
+from lmcache_async import _wire as wire
+from lmcache_async._payload.tensor_envelope import decode_tensor_envelope, encode_tensor_envelope
+from lmcache_async._wire import Op
 from tests.conftest import SMALL_GEOMETRY
 from tests.fake_router import FakeRouter, json_http_server
 from tests.test_hostile_server import POOL, scripted, shm_segment, slot

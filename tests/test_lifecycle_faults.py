@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import lmcache_async as lmc
-from lmcache_async.wire import Op
+from lmcache_async._wire import Op
 from tests import server_wire
 from tests.conftest import SMALL_GEOMETRY
 from tests.fake_router import FakeRouter, json_http_server

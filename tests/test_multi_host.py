@@ -44,7 +44,7 @@ import pytest
 import torch
 
 from lmcache_async import AsyncClient, KVGeometry, RemapResult, TransferError
-from lmcache_async.shm import ShmPool
+from lmcache_async._shm import ShmPool
 from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 from tests.support.real_server import REPO_ROOT, RealLMCacheServer
 from tests.support.redis_server import RedisServer
@@ -418,7 +418,7 @@ async def test_remap_batch_sharded_over_two_hosts(cluster: Cluster, tmp_path: Pa
     """``remap-batch --shard 1/2`` on host A and ``--shard 2/2`` on host B: every pair is
     remapped exactly once, each target is visible through the other server, and each
     shard resumes from its own report."""
-    from lmcache_async.sharding import Shard, select_shard
+    from lmcache_async.cli.sharding import Shard, select_shard
 
     model = unique_model("mh-shard")
     n = 12

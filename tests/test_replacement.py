@@ -1,4 +1,4 @@
-"""ServerWatch (lmcache_async/replacement.py) on its own: when it checks the server's
+"""ServerWatch (lmcache_async/_replacement.py) on its own: when it checks the server's
 identity, what a check reports, and the background watch (no server needed)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from lmcache_async._replacement import ServerWatch
 from lmcache_async.errors import LMCacheConnectionError, LMCacheTimeoutError
-from lmcache_async.replacement import ServerWatch
 
 pytestmark = pytest.mark.anyio
 

@@ -1,14 +1,13 @@
-"""Unit tests of lmcache_async.sharding (the pure part of remap-batch --shard)."""
+"""Unit tests of lmcache_async.cli.sharding (the pure part of remap-batch --shard)."""
 
 from __future__ import annotations
 
 import hashlib
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
-from lmcache_async.sharding import Shard, parse_shard, select_shard, shard_of
+from lmcache_async.cli.sharding import Shard, parse_shard, select_shard, shard_of
 
 
 @pytest.mark.parametrize(

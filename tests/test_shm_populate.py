@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import lmcache_async as lmc
-from lmcache_async import shm
-from lmcache_async.shm import GRANULE, ShmPool
+from lmcache_async import _shm as shm
+from lmcache_async._shm import GRANULE, ShmPool
+from lmcache_async._wire import SlotDescriptor
 from lmcache_async.testing import EmbeddedServer
-from lmcache_async.wire import SlotDescriptor
 
 POOL = 64 << 20  # 32 granules
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lmcache_async import KVGeometry
-from lmcache_async.connection import Connection
-from lmcache_async.metadata import Metadata
-from lmcache_async.wire import Op
+from lmcache_async._connection import Connection
+from lmcache_async._metadata import Metadata
+from lmcache_async._wire import Op
 from tests.conftest import SESSION_CHUNK_SIZE, unique_model
 
 pytestmark = pytest.mark.anyio

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import lmcache_async as lmc
-from lmcache_async import AsyncClient, operations
-from lmcache_async.operations import UnfilledReservation
+from lmcache_async import AsyncClient, _operations as operations
+from lmcache_async.errors import UnfilledReservationError
 from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio
@@ -116,7 +116,7 @@ async def test_an_unfillable_reservation_is_never_admitted(
     monkeypatch.setattr(operations, "refill_slots", garbage_then_fail)
     c = await lmc.connect(srv.url, srv.http_url, model, geometry=SMALL_GEOMETRY, timeout=30)
     first_id = c.instance_id
-    with pytest.raises(UnfilledReservation, match="could not write 2 reserved chunks") as info:
+    with pytest.raises(UnfilledReservationError, match="could not write 2 reserved chunks") as info:
         await c.store(kv, tokens)
     assert isinstance(info.value, lmc.TransferError)
     assert c.instance_id != first_id  # the registration holding the slots is retired

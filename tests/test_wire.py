@@ -8,12 +8,11 @@ import msgpack
 import numpy
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from lmcache_async import wire
+from lmcache_async import _wire as wire
+from lmcache_async._wire import CacheKey, Op, RegisterPayload, SlotDescriptor
 from lmcache_async.errors import ProtocolError
-from lmcache_async.wire import CacheKey, Op, RegisterPayload, SlotDescriptor
 from tests import server_wire
 from tests.hypothesis_budget import examples
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_async import wire
-from lmcache_async.errors import UnsupportedServerVersionError
-from lmcache_async.wire import GEN_0_5_6, GEN_0_5_7, CacheKey, Op, UnknownServerVersionWarning
+from lmcache_async import _wire as wire
+from lmcache_async._wire import GEN_0_5_6, GEN_0_5_7, CacheKey, Op
+from lmcache_async.errors import UnknownServerVersionWarning, UnsupportedServerVersionError
 
 
 def _key(tokens: list[int], end: int | None = None) -> CacheKey:

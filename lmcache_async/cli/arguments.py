@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
 from lmcache_async._defaults import check_timeout
+from lmcache_async._wire import MAX_TOKEN, validate_cache_salt, validate_model_name, validate_tokens
 from lmcache_async.cli.runner import DEFAULT_HTTP_URL, DEFAULT_URL, UsageError
-from lmcache_async.wire import MAX_TOKEN, validate_cache_salt, validate_model_name, validate_tokens
 
 if TYPE_CHECKING:  # imported where used: it imports torch, which parsing must not pay
     from lmcache_async.geometry import KVGeometry
@@ -62,7 +62,7 @@ _SIZE: Final = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNOR
 
 def _check_ids(start: int, end: int) -> None:
     """Refuse ``range(start, end)`` if it holds an id at or past 2**32, naming the first
-    such id (as :func:`~lmcache_async.wire.validate_tokens` would)."""
+    such id (as :func:`~lmcache_async._wire.validate_tokens` would)."""
     if end > start and end > MAX_TOKEN:
         raise ValueError(f"token id {max(start, MAX_TOKEN)} is outside [0, 2**32)")
 

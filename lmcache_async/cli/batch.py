@@ -45,7 +45,7 @@ from lmcache_async.cli.runner import (
     emit,
     one_line,
 )
-from lmcache_async.sharding import select_shard, shard_arg
+from lmcache_async.cli.sharding import select_shard, shard_arg
 
 if TYPE_CHECKING:  # annotations only: lmcache_async.bulk imports torch, which --help must not pay
     from lmcache_async.bulk import BatchProgress, ItemResult

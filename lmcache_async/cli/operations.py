@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lmcache_async._metadata import Metadata
 from lmcache_async.cli.arguments import (
     PACKAGE_DTYPES,
     add_token_args,
@@ -43,7 +44,6 @@ from lmcache_async.cli.runner import (
     salt_text,
 )
 from lmcache_async.errors import ModelNotRegisteredError
-from lmcache_async.metadata import Metadata
 
 # torch, the package files and the geometry are imported by the commands that use them:
 # building the parser (``--help``) does not pay torch's ~2 s import.

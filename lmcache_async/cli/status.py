@@ -18,13 +18,13 @@ from typing import Any, Final
 
 import aiohttp
 
+from lmcache_async._connection import Connection
+from lmcache_async._metadata import Metadata
+from lmcache_async._shm_segment import map_segment
+from lmcache_async._wire import Op
 from lmcache_async.cli.arguments import server_parent
 from lmcache_async.cli.runner import command, connect_client, emit, one_line, run_async, table
-from lmcache_async.connection import Connection
 from lmcache_async.errors import LMCacheError, ProtocolError, TransferError
-from lmcache_async.metadata import Metadata
-from lmcache_async.shm_segment import map_segment
-from lmcache_async.wire import Op
 
 # torch (through lmcache_async.geometry) is imported only to decode the geometry of the
 # models an engine registered, and by --probe: a health check does not pay its ~2 s.

@@ -30,7 +30,7 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 import torch
 
-from lmcache_async.pickle_codec import decode_tensor_list, encode_tensor_list
+from lmcache_async._payload.pickle_tensors import decode_tensor_list, encode_tensor_list
 
 __all__ = [
     "ARGUMENTS",

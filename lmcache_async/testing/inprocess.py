@@ -37,6 +37,7 @@ from typing import Any, Final, Literal
 
 import torch
 
+from lmcache_async._wire import PreEncoded, packb, unpackb
 from lmcache_async.testing.dialect import (
     ARGUMENTS,
     BadRequest,
@@ -61,7 +62,6 @@ from lmcache_async.testing.engine import (
     Mode,
     ServerKey,
 )
-from lmcache_async.wire import PreEncoded, packb, unpackb
 
 __all__ = ["InProcessServer", "Lane", "NoReply", "PreparedCall"]
 
@@ -206,7 +206,7 @@ class InProcessServer:
         """Run one request; return the reply's value as a client decodes it.
 
         Args:
-            op: the operation (``lmcache_async.wire.Op``, a legacy id, or its name).
+            op: the operation (``lmcache_async._wire.Op``, a legacy id, or its name).
             args: the argument values a client would send (each msgpack-encoded as the
                 client does; a ``PreEncoded`` is taken as the frame itself).
 

@@ -33,9 +33,9 @@ from typing import Final
 
 import torch
 
-from lmcache_async.errors import ProtocolError
-from lmcache_async.host_copy import copy_host
-from lmcache_async.wire import MAX_BIN, LayoutMismatch
+from lmcache_async._host_copy import copy_host
+from lmcache_async._wire import MAX_BIN
+from lmcache_async.errors import LayoutMismatchError, ProtocolError
 
 __all__ = [
     "ENVELOPE_VERSION",
@@ -131,7 +131,7 @@ def encode_tensor_envelope(
             (the ``bytes`` argument of ``commit_store``).
         copy: ``copy(i, dst, src)`` writes tensor ``i`` into ``dst`` (a flat CPU view of
             the frame) instead of ``dst.view(src.shape).copy_(src)`` (the CUDA path
-            stages through pinned memory, :mod:`lmcache_async.cuda`).
+            stages through pinned memory, :mod:`lmcache_async._cuda.copies`).
 
     Raises:
         ValueError: more than 65536 tensors, a rank above 16, a tensor above 2 GiB, more
@@ -362,14 +362,14 @@ def _read_frames(
                 if name not in _DTYPES:
                     raise ProtocolError(f"tensor envelope: tensor {i} has unsupported dtype {name!r}")
                 if name != want_dtype:
-                    raise LayoutMismatch(f"tensor envelope: tensor {i} dtype", name, want_dtype)
+                    raise LayoutMismatchError(f"tensor envelope: tensor {i} dtype", name, want_dtype)
             elif key == "shape":
                 rank = reader.array_len("shape")
                 if rank > MAX_RANK:
                     raise ProtocolError(f"tensor envelope: tensor {i} has rank {rank} (limit {MAX_RANK})")
                 got = tuple(reader.uint("a dimension") for _ in range(rank))
                 if got != shape:
-                    raise LayoutMismatch(
+                    raise LayoutMismatchError(
                         f"tensor envelope: tensor {i} shape", str(list(got)), str(list(shape))
                     )
             elif key == "data":

@@ -1,11 +1,11 @@
 """The client's entry points into the CUDA path, cheap when no GPU is involved.
 
 Every function here decides from a tensor's (or a ``device=``'s) device whether the call
-touches a GPU, and only then imports :mod:`lmcache_async.cuda` (which does all CUDA work):
+touches a GPU, and only then imports :mod:`lmcache_async._cuda.copies` (which does all CUDA work):
 a program that never passes a CUDA tensor never loads that module or initialises CUDA.
 
 * :func:`kv_mark` / :func:`target_mark`: the caller's stream ordering point (a
-  :class:`~lmcache_async.cuda.Mark`) of a call's CUDA tensor, taken in the caller's
+  :class:`~lmcache_async._cuda.copies.Mark`) of a call's CUDA tensor, taken in the caller's
   context before the operation's task starts (``docs/design.md``, "CUDA tensors").
 * :func:`new_target`: the tensor a retrieve without ``out=`` fills (CPU, or the GPU of
   ``device=``).
@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 import torch
 
-from lmcache_async.host_copy import empty_host
+from lmcache_async._host_copy import empty_host
 
 if TYPE_CHECKING:
-    from lmcache_async.cuda import Mark
+    from lmcache_async._cuda.copies import Mark
 
 __all__ = [
     "caller_device",
@@ -46,7 +46,7 @@ def kv_mark(t: torch.Tensor) -> Mark | None:
     """
     if not t.is_cuda:
         return None
-    from lmcache_async import cuda
+    from lmcache_async._cuda import copies as cuda
 
     return cuda.caller_mark(t.device)
 
@@ -65,7 +65,7 @@ def target_mark(out: torch.Tensor | None, device: object) -> Mark | None:
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"device must be a torch.device or a device string, got {device!r}") from exc
         if dev.type != "cpu":
-            from lmcache_async import cuda
+            from lmcache_async._cuda import copies as cuda
 
             dev = cuda.resolve_device(dev)
         if out is not None and out.device != dev:
@@ -82,7 +82,7 @@ def new_target(
     mark the copies into it wait on)."""
     if mark is None:
         return empty_host(shape, dtype), None
-    from lmcache_async import cuda
+    from lmcache_async._cuda import copies as cuda
 
     return cuda.empty(shape, dtype, mark)
 
@@ -94,7 +94,7 @@ def caller_order() -> Iterator[None]:
     if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         yield
         return
-    from lmcache_async import cuda
+    from lmcache_async._cuda import copies as cuda
 
     with cuda.caller_order():
         yield
@@ -106,7 +106,7 @@ def on_caller_streams(
     """For the blocking facade: capture this (the calling) thread's current streams of the
     CUDA tensors or devices in ``tensors`` (the current GPU's when None and CUDA is in use)
     before the call is handed to the loop thread, whose own current stream is unrelated
-    (:func:`lmcache_async.cuda.bind_caller_order`). CPU only: ``factory`` unchanged."""
+    (:func:`lmcache_async._cuda.copies.bind_caller_order`). CPU only: ``factory`` unchanged."""
     if tensors is None:
         if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             return factory
@@ -115,7 +115,7 @@ def on_caller_streams(
         devices = [t.device if isinstance(t, torch.Tensor) else t for t in tensors if _on_gpu(t)]
         if not devices:
             return factory
-    from lmcache_async import cuda
+    from lmcache_async._cuda import copies as cuda
 
     return cuda.bind_caller_order(factory, devices)
 

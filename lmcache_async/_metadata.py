@@ -26,6 +26,7 @@ from typing import Any
 
 import aiohttp
 
+from lmcache_async._task_cancel import cancel_and_wait
 from lmcache_async.errors import (
     AuthenticationError,
     HTTPStatusError,
@@ -33,7 +34,6 @@ from lmcache_async.errors import (
     LMCacheTimeoutError,
     ProtocolError,
 )
-from lmcache_async.task_cancel import cancel_and_wait
 
 __all__ = ["API_KEY_ENV", "Metadata", "resolve_api_key"]
 

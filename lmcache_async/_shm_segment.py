@@ -1,4 +1,4 @@
-"""Opening the server's SHM segment: the checks :class:`~lmcache_async.shm.ShmPool` makes
+"""Opening the server's SHM segment: the checks :class:`~lmcache_async._shm.ShmPool` makes
 before it maps the pool, without torch (``lmcache-async status`` uses them to tell
 whether this host can map a server's pool, and must not pay torch's import for that)."""
 

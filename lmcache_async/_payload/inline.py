@@ -1,8 +1,8 @@
 """The tensor payload of the inline transport (no shared memory), per server generation.
 
-lmcache 0.5.6 exchanges a pickled list of tensors (:mod:`lmcache_async.pickle_codec`),
-0.5.7 a msgpack ``TensorEnvelope`` (:mod:`lmcache_async.envelope_codec`). Which one is
-data in the :class:`~lmcache_async.wire.WireGeneration` (``inline_payload``); these two
+lmcache 0.5.6 exchanges a pickled list of tensors (:mod:`lmcache_async._payload.pickle_tensors`),
+0.5.7 a msgpack ``TensorEnvelope`` (:mod:`lmcache_async._payload.tensor_envelope`). Which one is
+data in the :class:`~lmcache_async._wire.WireGeneration` (``inline_payload``); these two
 functions are the only place that maps it to a codec, so operations never branch on the
 server generation.
 """
@@ -14,9 +14,9 @@ from typing import Final
 
 import torch
 
-from lmcache_async.envelope_codec import decode_tensor_envelope, encode_tensor_envelope
-from lmcache_async.pickle_codec import decode_tensor_list, encode_tensor_list
-from lmcache_async.wire import WireGeneration
+from lmcache_async._payload.pickle_tensors import decode_tensor_list, encode_tensor_list
+from lmcache_async._payload.tensor_envelope import decode_tensor_envelope, encode_tensor_envelope
+from lmcache_async._wire import WireGeneration
 
 __all__ = ["CopyHook", "decode_inline", "encode_inline"]
 
@@ -42,7 +42,7 @@ def encode_inline(
 ) -> bytearray:
     """``commit_store``'s data frame (msgpack bin header included) for ``tensors``,
     each copied once (by ``copy(i, dst, src)`` when given: the CUDA path stages
-    through pinned memory, :func:`lmcache_async.cuda.encode_inline`).
+    through pinned memory, :func:`lmcache_async._cuda.copies.encode_inline`).
 
     Raises:
         ValueError: a dtype the payload cannot carry, or a size limit exceeded.

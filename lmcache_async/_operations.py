@@ -12,14 +12,14 @@ ZMQ connection; a test's can be the embedded server's in-process engine
 cancelled at each of its RPCs, without sockets.
 
 Everything that differs between server generations is data in
-:class:`~lmcache_async.wire.WireGeneration` (key encoding, trailing argument frames) and
-:mod:`lmcache_async.inline_codec` (the inline tensor payload): no sequence here branches
+:class:`~lmcache_async._wire.WireGeneration` (key encoding, trailing argument frames) and
+:mod:`lmcache_async._payload.inline` (the inline tensor payload): no sequence here branches
 on the generation.
 
 The tensor copies are small named functions (:func:`fill_slots`, :func:`copy_chunks_out`,
-:func:`~lmcache_async.inline_codec.encode_inline`,
-:func:`~lmcache_async.inline_codec.decode_inline`), so they can be replaced or hooked in
-one place. A CUDA tensor's copies go through :mod:`lmcache_async.cuda` instead (side
+:func:`~lmcache_async._payload.inline.encode_inline`,
+:func:`~lmcache_async._payload.inline.decode_inline`), so they can be replaced or hooked in
+one place. A CUDA tensor's copies go through :mod:`lmcache_async._cuda.copies` instead (side
 streams ordered after the caller's ``Mark``, the pinned SHM pool, pinned staging for the
 inline payload); that module is imported only when a call carries a mark.
 
@@ -44,15 +44,12 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, TypeGuard, TypeVar
 
 import torch
 
-from lmcache_async.cuda_hooks import new_target
-from lmcache_async.errors import LMCacheError, LMCacheTimeoutError, ProtocolError, TransferError
-from lmcache_async.geometry import KVGeometry
-from lmcache_async.host_copy import copy_host
-from lmcache_async.inline_codec import decode_inline, encode_inline
-from lmcache_async.shm import ShmPool
-from lmcache_async.wire import (
+from lmcache_async._cuda.hooks import new_target
+from lmcache_async._host_copy import copy_host
+from lmcache_async._payload.inline import decode_inline, encode_inline
+from lmcache_async._shm import ShmPool
+from lmcache_async._wire import (
     CacheKey,
-    LayoutMismatch,
     Op,
     PreEncoded,
     SlotDescriptor,
@@ -60,9 +57,18 @@ from lmcache_async.wire import (
     parse_prepare_retrieve,
     parse_prepare_store,
 )
+from lmcache_async.errors import (
+    LayoutMismatchError,
+    LMCacheError,
+    LMCacheTimeoutError,
+    ProtocolError,
+    TransferError,
+    UnfilledReservationError,
+)
+from lmcache_async.geometry import KVGeometry
 
 if TYPE_CHECKING:
-    from lmcache_async.cuda import Mark
+    from lmcache_async._cuda.copies import Mark
 
 __all__ = [
     "Channel",
@@ -70,7 +76,6 @@ __all__ = [
     "Operations",
     "Registration",
     "RemapResult",
-    "UnfilledReservation",
     "copy_chunks_out",
     "fill_slots",
     "refill_slots",
@@ -273,7 +278,7 @@ def _expire(waiter: asyncio.Future[None]) -> None:
 def fill_slots(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pool: ShmPool | None = None) -> None:
     """Copy each ``(target, source)`` pair: chunks into reserved SHM slots (store), or
     source slots into target slots (SHM remap). ``pool``: map its pages under the
-    target slots first (:meth:`~lmcache_async.shm.ShmPool.populate`); slots that are
+    target slots first (:meth:`~lmcache_async._shm.ShmPool.populate`); slots that are
     only read are left to fault (see there)."""
     if pool is not None:
         pool.populate(target for target, _ in pairs)
@@ -299,7 +304,7 @@ def copy_chunks_out(
     """Copy ``chunks`` (SHM slot views, or decoded inline tensors) into consecutive
     chunks of ``target`` along ``token_axis`` (retrieve). Slots are only read: their
     pages are left to fault in during the copy (cheaper than mapping them first, see
-    :meth:`~lmcache_async.shm.ShmPool.populate`)."""
+    :meth:`~lmcache_async._shm.ShmPool.populate`)."""
     total = sum(c.numel() for c in chunks) * target.element_size()
     for i, chunk in enumerate(chunks):
         copy_host(target.narrow(token_axis, i * chunk_size, chunk_size), chunk, total)
@@ -345,7 +350,7 @@ async def _await_to_the_end(aw: Awaitable[None]) -> None:
 
 
 def _value(reply: Any) -> Any:
-    """A posted request's reply value (a :class:`~lmcache_async.wire.Reply`), or the
+    """A posted request's reply value (a :class:`~lmcache_async._wire.Reply`), or the
     :class:`ProtocolError` decoding it raised (returned, as ``gather`` returns errors)."""
     try:
         return reply.value()
@@ -410,15 +415,6 @@ class _Gate:
         entry[1] -= 1
         if entry[1] == 0:
             del self._gates[self._identity]
-
-
-class UnfilledReservation(TransferError):
-    """Slots the server reserved for a store could not be filled with the caller's data.
-
-    The reservation stays pending on the server, invisible to readers; the registration
-    that holds it is retired (never unregistered) so that it is never admitted: see
-    docs/design.md, "A store that fails after prepare_store".
-    """
 
 
 class Operations:
@@ -838,7 +834,7 @@ class Operations:
         shape = geom.kv_shape(self.reg.chunk_size)
         try:
             tensors = decode_inline(self.reg.wire, data, count=n_chunks, shape=shape, dtype=geom.dtype)
-        except LayoutMismatch as exc:
+        except LayoutMismatchError as exc:
             raise exc.for_model(self.reg.model_name) from None
         if op.abandoned:
             return None
@@ -851,7 +847,7 @@ class Operations:
         """Views of the SHM slots of stored KV (a retrieve's) in the geometry's chunk shape.
 
         Raises:
-            LayoutMismatch: a slot of another shape or dtype, named as KV stored under
+            LayoutMismatchError: a slot of another shape or dtype, named as KV stored under
                 this model by a client of another geometry.
             ProtocolError: a slot outside the pool.
         """
@@ -860,7 +856,7 @@ class Operations:
         shape = geom.kv_shape(self.reg.chunk_size)
         try:
             return [self.reg.pool.view(s, shape, geom.dtype) for s in slots]
-        except LayoutMismatch as exc:
+        except LayoutMismatchError as exc:
             raise exc.for_model(self.reg.model_name) from None
 
     def _gate(self, identity: tuple[Any, ...]) -> _Gate:
@@ -871,7 +867,7 @@ class Operations:
         self, target: torch.Tensor, chunks: Sequence[torch.Tensor], mark: Mark | None = None
     ) -> None:
         if mark is not None:  # CUDA target: side streams ordered after the caller's
-            from lmcache_async import cuda
+            from lmcache_async._cuda import copies as cuda
 
             pairs = [(self._chunk(target, i), c) for i, c in enumerate(chunks)]
             await cuda.to_device(pairs, mark, self.reg.pool, staged=self.reg.pool is None)
@@ -1002,17 +998,17 @@ class Operations:
         :func:`refill_slots` (the slots then hold exactly the caller's data).
 
         ``mark``: the sources are CUDA tensors, copied on the CUDA copy streams after the
-        caller's stream mark (:func:`lmcache_async.cuda.to_host`); their repair waits
+        caller's stream mark (:func:`lmcache_async._cuda.copies.to_host`); their repair waits
         for the mark on the host first, in a worker thread.
 
         Raises:
-            UnfilledReservation: the repair failed too (the slots hold anything).
+            UnfilledReservationError: the repair failed too (the slots hold anything).
 
         Cancellation: a copy running in a thread is waited for before re-raising.
         """
         try:
             if mark is not None:
-                from lmcache_async import cuda
+                from lmcache_async._cuda import copies as cuda
 
                 await _await_to_the_end(cuda.to_host(pairs, mark, self.reg.pool))
             else:
@@ -1033,7 +1029,7 @@ class Operations:
             else:
                 await _copy_to_the_end(nbytes, lambda: refill_slots(pairs))
         except Exception as exc:
-            raise UnfilledReservation(
+            raise UnfilledReservationError(
                 f"could not write {len(pairs)} reserved chunks ({exc!r}); nothing was committed "
                 "and the slots stay invisible to readers (this client's registration that holds "
                 "them is retired and never unregistered)"
@@ -1067,7 +1063,7 @@ class Operations:
             chunks = [self._chunk(kv, j) for j in range(first, end // self.reg.chunk_size)]
             nbytes = sum(c.numel() for c in chunks) * kv.element_size()
             if mark is not None:  # CUDA kv: staged through pinned memory
-                from lmcache_async import cuda
+                from lmcache_async._cuda import copies as cuda
 
                 frame = await cuda.encode_inline(self.reg.wire, chunks, mark)
             elif nbytes >= THREAD_COPY_BYTES:

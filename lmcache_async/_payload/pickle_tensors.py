@@ -47,9 +47,9 @@ from typing import Any, Final
 
 import torch
 
-from lmcache_async.errors import ProtocolError, UnsafePayloadError
-from lmcache_async.host_copy import copy_host
-from lmcache_async.wire import MAX_BIN, LayoutMismatch
+from lmcache_async._host_copy import copy_host
+from lmcache_async._wire import MAX_BIN
+from lmcache_async.errors import LayoutMismatchError, ProtocolError, UnsafePayloadError
 
 __all__ = ["decode_tensor_list", "encode_tensor_list"]
 
@@ -141,7 +141,7 @@ def encode_tensor_list(
         msgpack_bin: prefix the msgpack bin header so the result is a ready ZMQ frame.
         copy: ``copy(i, dst, src)`` writes tensor ``i`` into ``dst`` (a flat CPU view of
             the frame) instead of ``dst.view(src.shape).copy_(src)`` (the CUDA path
-            stages through pinned memory, :mod:`lmcache_async.cuda`).
+            stages through pinned memory, :mod:`lmcache_async._cuda.copies`).
 
     Raises:
         ValueError: an unsupported dtype, or more than 4 GiB in one frame.
@@ -586,7 +586,7 @@ def decode_tensor_list(
     Raises:
         UnsafePayloadError: the payload references a disallowed global or is malformed.
         ProtocolError: the decoded list does not match ``count``; its subclass
-            :class:`~lmcache_async.wire.LayoutMismatch`: a tensor of another ``shape`` or
+            :class:`~lmcache_async.errors.LayoutMismatchError`: a tensor of another ``shape`` or
             ``dtype``.
     """
     try:
@@ -604,9 +604,9 @@ def decode_tensor_list(
         raise ProtocolError(f"expected {count} tensors, got {len(obj)}")
     for t in obj:
         if shape is not None and tuple(t.shape) != shape:
-            raise LayoutMismatch("tensor shape", str(list(t.shape)), str(list(shape)))
+            raise LayoutMismatchError("tensor shape", str(list(t.shape)), str(list(shape)))
         if dtype is not None and t.dtype != dtype:
-            raise LayoutMismatch("tensor dtype", str(t.dtype), str(dtype))
+            raise LayoutMismatchError("tensor dtype", str(t.dtype), str(dtype))
     return obj
 
 

@@ -24,7 +24,7 @@ Stream semantics (``docs/design.md``, "CUDA tensors"):
 
 The SHM pool is registered with ``cudaHostRegister`` (through ``_cudart()``)
 once per mapping, on the first CUDA copy, and unregistered before it is unmapped
-(:meth:`lmcache_async.shm.ShmPool.close`). If registration fails a warning is logged and
+(:meth:`lmcache_async._shm.ShmPool.close`). If registration fails a warning is logged and
 copies go to pageable memory (slower, still correct). ``LMCACHE_ASYNC_PIN_SHM=0``
 switches registration off (for measurements).
 """
@@ -43,12 +43,12 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import torch
 
+from lmcache_async._payload.inline import encode_inline as _encode_inline
 from lmcache_async.errors import TransferError
-from lmcache_async.inline_codec import encode_inline as _encode_inline
 
 if TYPE_CHECKING:
-    from lmcache_async.shm import ShmPool
-    from lmcache_async.wire import WireGeneration
+    from lmcache_async._shm import ShmPool
+    from lmcache_async._wire import WireGeneration
 
 __all__ = [
     "Mark",
@@ -506,7 +506,7 @@ def _encode_staged(wire: WireGeneration, tensors: Sequence[torch.Tensor], mark: 
 async def encode_inline(wire: WireGeneration, tensors: Sequence[torch.Tensor], mark: Mark) -> bytearray:
     """The inline transport's frame for CUDA ``tensors`` in ``wire``'s payload (a pickle
     for 0.5.6, a msgpack tensor envelope for 0.5.7: see
-    :func:`lmcache_async.inline_codec.encode_inline`), staged through a reused pinned
+    :func:`lmcache_async._payload.inline.encode_inline`), staged through a reused pinned
     buffer, ordered after ``mark``.
 
     Cancellation: the encoding runs on in its worker thread; its result is dropped.

@@ -1,7 +1,7 @@
 """The LMCache MP wire protocol, sans-IO.
 
 Pure functions and frozen dataclasses: no sockets, no event loop, no torch. Both the
-client (:mod:`lmcache_async.connection`) and the embedded server
+client (:mod:`lmcache_async._connection`) and the embedded server
 (:mod:`lmcache_async.testing`) build on this module.
 
 A request is a multipart ZMQ message ``[uid, op, *args]``: ``uid`` is the msgpack of a
@@ -39,7 +39,12 @@ from typing import Annotated, Any, Final, Literal
 import msgpack
 import msgspec
 
-from lmcache_async.errors import ProtocolError, UnsupportedServerVersionError
+from lmcache_async.errors import (
+    LayoutMismatchError,
+    ProtocolError,
+    UnknownServerVersionWarning,
+    UnsupportedServerVersionError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +56,11 @@ __all__ = [
     "MAX_SALT_LEN",
     "MAX_TOKEN",
     "CacheKey",
-    "LayoutMismatch",
     "Op",
     "PreEncoded",
     "RegisterPayload",
     "Reply",
     "SlotDescriptor",
-    "UnknownServerVersionWarning",
     "WireGeneration",
     "bin_header",
     "decode_reply",
@@ -161,11 +164,6 @@ def pack_token_bytes(tokens: Sequence[int]) -> bytes:
     if sys.byteorder == "little":
         words.byteswap()
     return words.tobytes()
-
-
-class UnknownServerVersionWarning(UserWarning):
-    """The server reports an LMCache version this client was not built against; the
-    client talks to it with the newest wire generation it knows (best effort)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -614,38 +612,6 @@ class RegisterPayload:
             raise ProtocolError(f"invalid register payload: {exc}") from exc
 
 
-class LayoutMismatch(ProtocolError):
-    """A slot or tensor of a reply has another shape or dtype than the client's geometry
-    gives: a hostile server, or (the usual case) KV stored under the same model name by a
-    client of another geometry. Nothing was read from it.
-
-    Attributes:
-        what: ``"slot shape"``, ``"slot dtype"``, ``"tensor shape"`` or ``"tensor dtype"``.
-        got: what the reply has, as the message shows it.
-        expected: what the geometry gives, as the message shows it.
-        model_name: the model the KV was stored under, once known (see :meth:`for_model`).
-    """
-
-    def __init__(self, what: str, got: str, expected: str, model_name: str | None = None) -> None:
-        self.what = what
-        self.got = got
-        self.expected = expected
-        self.model_name = model_name
-        detail = f"{what} {got} != expected {expected}"
-        if model_name is None:
-            super().__init__(detail)
-        else:
-            super().__init__(
-                f"the KV stored under model {model_name!r} does not match this client's geometry "
-                f"({detail}): it was stored with another geometry under the same model name; "
-                "check geometry= (the KVGeometry given to this client)"
-            )
-
-    def for_model(self, model_name: str) -> LayoutMismatch:
-        """The same mismatch, its message naming the model and the likely cause."""
-        return LayoutMismatch(self.what, self.got, self.expected, model_name)
-
-
 @dataclass(frozen=True, slots=True)
 class SlotDescriptor:
     """An SHM slot: ``length`` bytes at ``offset`` in the pool, holding ``shape`` x ``dtype``."""
@@ -660,15 +626,15 @@ class SlotDescriptor:
 
     def check(self, pool_size: int, shape: tuple[int, ...], dtype: str, itemsize: int) -> None:
         """Raise :class:`ProtocolError` unless the slot lies inside the pool and matches
-        (:class:`LayoutMismatch` for another shape or dtype).
+        (:class:`LayoutMismatchError` for another shape or dtype).
 
         A wrong or hostile server must never make the client touch memory outside the
         pool, so this runs before any view is made.
         """
         if self.dtype != dtype:
-            raise LayoutMismatch("slot dtype", repr(self.dtype), repr(dtype))
+            raise LayoutMismatchError("slot dtype", repr(self.dtype), repr(dtype))
         if self.shape != shape:
-            raise LayoutMismatch("slot shape", str(list(self.shape)), str(list(shape)))
+            raise LayoutMismatchError("slot shape", str(list(self.shape)), str(list(shape)))
         if self.length != math.prod(shape) * itemsize:
             raise ProtocolError(f"slot length {self.length} does not match shape {list(shape)}")
         if self.offset < 0 or self.offset + self.length > pool_size:

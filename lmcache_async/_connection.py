@@ -30,7 +30,7 @@ Design (see docs/design.md):
   call fails at once and new calls are refused: nothing waits for a reply nobody reads;
 * :attr:`Connection.last_reply` is when a reply last arrived (one clock read per batch of
   replies routed): the client's check for a server replaced behind a connection that
-  stayed up (:mod:`lmcache_async.replacement`) runs only after some silence.
+  stayed up (:mod:`lmcache_async._replacement`) runs only after some silence.
 
 The server never sends error replies, so every call has a deadline.
 """
@@ -55,14 +55,14 @@ import zmq
 import zmq.backend
 from zmq.utils.monitor import parse_monitor_message
 
+from lmcache_async._task_cancel import cancel_and_wait
+from lmcache_async._wire import GEN_0_5_6, Op, Reply, WireGeneration, decode_reply, encode_request, op_name
 from lmcache_async.errors import (
     ClientClosedError,
     LMCacheConnectionError,
     LMCacheTimeoutError,
     ProtocolError,
 )
-from lmcache_async.task_cancel import cancel_and_wait
-from lmcache_async.wire import GEN_0_5_6, Op, Reply, WireGeneration, decode_reply, encode_request, op_name
 
 __all__ = ["Connection", "PendingTable", "check_zmq_url"]
 
@@ -499,7 +499,7 @@ class Connection:
 
         Args:
             op: the operation.
-            args: its arguments (Python values or :class:`~lmcache_async.wire.PreEncoded`).
+            args: its arguments (Python values or :class:`~lmcache_async._wire.PreEncoded`).
             timeout: seconds until the call fails; ``None`` waits forever.
 
         Raises:

@@ -19,11 +19,11 @@ from collections.abc import Iterable
 
 import torch
 
+from lmcache_async._host_copy import madvise
+from lmcache_async._shm_segment import map_segment
+from lmcache_async._wire import SlotDescriptor
 from lmcache_async.errors import TransferError
 from lmcache_async.geometry import dtype_name
-from lmcache_async.host_copy import madvise
-from lmcache_async.shm_segment import map_segment
-from lmcache_async.wire import SlotDescriptor
 
 __all__ = ["ShmPool"]
 
@@ -54,7 +54,7 @@ class ShmPool:
         self.populate_on_use = _madvise is not None
         self._mapped = bytearray(-(-pool_size // GRANULE))  # 1: granule mapped by populate()
         #: Whether the mapping is registered as pinned CUDA memory: None until the first
-        #: CUDA copy asks (:func:`lmcache_async.cuda.pin_pool`), then True or False.
+        #: CUDA copy asks (:func:`lmcache_async._cuda.copies.pin_pool`), then True or False.
         self.cuda_pinned: bool | None = None
         self.cuda_lock = threading.Lock()
 
@@ -135,7 +135,7 @@ class ShmPool:
             return
         with self.cuda_lock:
             if self.cuda_pinned:
-                from lmcache_async import cuda  # only ever loaded when a CUDA copy pinned it
+                from lmcache_async._cuda import copies as cuda  # only ever loaded when a CUDA copy pinned it
 
                 cuda.unpin_pool(self)
                 self.cuda_pinned = False

@@ -1,0 +1,1 @@
+"""The CUDA paths: loaded only for CUDA tensors (:mod:`.hooks`, :mod:`.copies`)."""
