@@ -15,7 +15,7 @@ import ctypes
 import logging
 import mmap
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -57,6 +57,12 @@ class ShmPool:
         #: CUDA copy asks (:func:`lmcache_async._cuda.copies.pin_pool`), then True or False.
         self.cuda_pinned: bool | None = None
         self.cuda_lock = threading.Lock()
+        self._close_hooks: list[Callable[[ShmPool], None]] = []
+
+    def call_before_close(self, hook: Callable[[ShmPool], None]) -> None:
+        """Have :meth:`close` call ``hook(pool)`` before it unmaps the pool (the CUDA
+        copies unregister a pool they pinned this way), once."""
+        self._close_hooks.append(hook)
 
     def address_range(self) -> tuple[int, int]:
         """(start address, length) of the mapping in this process."""
@@ -128,17 +134,14 @@ class ShmPool:
     def close(self) -> None:
         """Unmap the pool (views made by :meth:`view` must be gone). Idempotent.
 
-        A pool pinned for CUDA copies is unregistered first (after the copy streams are
-        idle), never after it is unmapped.
+        The hooks given to :meth:`call_before_close` run first: a pool pinned for CUDA
+        copies is unregistered (after the copy streams are idle), never after it is unmapped.
         """
         if self._base is None:
             return
-        with self.cuda_lock:
-            if self.cuda_pinned:
-                from lmcache_async._cuda import copies as cuda  # only ever loaded when a CUDA copy pinned it
-
-                cuda.unpin_pool(self)
-                self.cuda_pinned = False
+        hooks, self._close_hooks = self._close_hooks, []
+        for hook in hooks:
+            hook(self)
         self._base = None
         # A view still alive somewhere keeps the mapping until it is collected.
         with contextlib.suppress(BufferError):

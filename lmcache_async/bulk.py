@@ -63,9 +63,9 @@ import logging
 import time
 import traceback
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
 import torch
 
@@ -74,13 +74,14 @@ from lmcache_async._host_copy import empty_host
 from lmcache_async._wire import validate_cache_salt, validate_tokens
 
 if TYPE_CHECKING:
-    from lmcache_async.client import AsyncClient
+    from lmcache_async._operations import RemapResult
     from lmcache_async.geometry import KVGeometry
 
 __all__ = [
     "BatchProgress",
     "BatchResult",
     "BatchSummary",
+    "BulkClient",
     "ItemResult",
     "RemapPair",
     "RetrieveItem",
@@ -91,6 +92,55 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+class BulkClient(Protocol):
+    """What the bulk jobs use of a client: an open
+    :class:`~lmcache_async.client.AsyncClient` is one (the jobs take any object that has
+    these, so this module never imports the client)."""
+
+    timeout: float | None
+
+    @property
+    def chunk_size(self) -> int: ...
+
+    @property
+    def geometry(self) -> KVGeometry: ...
+
+    @property
+    def transfer(self) -> Literal["shm", "pickle"]: ...
+
+    async def store(
+        self,
+        kv: torch.Tensor,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        *,
+        request_configs: Mapping[str, Any] | None = None,
+        timeout: float | DefaultType | None = DEFAULT,
+    ) -> bool: ...
+
+    async def retrieve(
+        self,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        out: torch.Tensor | None = None,
+        *,
+        device: torch.device | str | None = None,
+        request_configs: Mapping[str, Any] | None = None,
+        timeout: float | DefaultType | None = DEFAULT,
+    ) -> torch.Tensor | None: ...
+
+    async def remap(
+        self,
+        source_tokens: Sequence[int],
+        target_tokens: Sequence[int],
+        cache_salt: str = "",
+        target_cache_salt: str | None = None,
+        *,
+        timeout: float | DefaultType | None = DEFAULT,
+    ) -> RemapResult: ...
+
 
 #: The default of ``timeout``: the client's timeout. An alias of
 #: :data:`lmcache_async.DEFAULT`, kept for code written before it existed.
@@ -686,7 +736,7 @@ def _left(start: float, timeout: float | None) -> float | None:
 
 
 async def remap_many(
-    client: AsyncClient,
+    client: BulkClient,
     pairs: Iterable[RemapPair | Sequence[Any]],
     *,
     concurrency: int = 8,
@@ -785,7 +835,7 @@ async def remap_many(
 
 
 async def store_many(
-    client: AsyncClient,
+    client: BulkClient,
     items: Iterable[StoreItem | Sequence[Any]],
     *,
     concurrency: int = 8,
@@ -848,7 +898,7 @@ async def store_many(
 
 
 async def retrieve_many(
-    client: AsyncClient,
+    client: BulkClient,
     token_lists: Iterable[RetrieveItem | Sequence[Any]],
     *,
     concurrency: int = 8,

@@ -269,6 +269,8 @@ def pin_pool(pool: ShmPool) -> bool:
         address, nbytes = pool.address_range()
         rc = _host_register(address, nbytes)
         pool.cuda_pinned = rc == 0
+        if rc == 0:
+            pool.call_before_close(_unpin_before_unmap)
         if rc:
             _cudart()  # keep the runtime initialised for the fallback copies
             log.warning(
@@ -278,6 +280,13 @@ def pin_pool(pool: ShmPool) -> bool:
                 rc,
             )
         return pool.cuda_pinned
+
+
+def _unpin_before_unmap(pool: ShmPool) -> None:
+    with pool.cuda_lock:
+        if pool.cuda_pinned:
+            unpin_pool(pool)
+            pool.cuda_pinned = False
 
 
 def unpin_pool(pool: ShmPool) -> None:
