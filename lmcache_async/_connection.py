@@ -55,7 +55,7 @@ import zmq
 import zmq.backend
 from zmq.utils.monitor import parse_monitor_message
 
-from lmcache_async._task_cancel import cancel_and_wait
+from lmcache_async._runner import Expired, cancel_and_wait, expire
 from lmcache_async._wire import GEN_0_5_6, Op, Reply, WireGeneration, decode_reply, encode_request, op_name
 from lmcache_async.errors import (
     ClientClosedError,
@@ -163,15 +163,6 @@ def _release(ctx: zmq.Context[Any], sock: zmq.Socket[Any] | None, monitor: zmq.S
     if monitor is not None:
         monitor.close(linger=0)
     ctx.destroy(linger=0)
-
-
-class _Expired(Exception):
-    """A call's deadline passed (set on its future by the timer; never seen by callers)."""
-
-
-def _expire(fut: asyncio.Future[Any]) -> None:
-    if not fut.done():
-        fut.set_exception(_Expired())
 
 
 @dataclass
@@ -535,9 +526,9 @@ class Connection:
             if not self._send(frames, op):
                 await self._send_when_ready(frames, op, start, timeout)
             if timeout is not None:
-                timer = self._loop.call_later(timeout - (time.monotonic() - start), _expire, fut)
+                timer = self._loop.call_later(timeout - (time.monotonic() - start), expire, fut)
             return await fut
-        except _Expired:
+        except Expired:
             raise LMCacheTimeoutError(op_name(op), time.monotonic() - start, uid) from None
         finally:
             if timer is not None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import aiohttp
 
-from lmcache_async._task_cancel import cancel_and_wait
+from lmcache_async._runner import cancel_and_wait
 from lmcache_async.errors import (
     AuthenticationError,
     HTTPStatusError,

@@ -44,9 +44,10 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, TypeGuard, TypeVar
 
 import torch
 
+from lmcache_async import _copies as copies
 from lmcache_async._cuda.hooks import new_target
-from lmcache_async._host_copy import copy_host
 from lmcache_async._payload.inline import decode_inline, encode_inline
+from lmcache_async._runner import OpState
 from lmcache_async._shm import ShmPool
 from lmcache_async._wire import (
     CacheKey,
@@ -60,7 +61,6 @@ from lmcache_async._wire import (
 from lmcache_async.errors import (
     LayoutMismatchError,
     LMCacheError,
-    LMCacheTimeoutError,
     ProtocolError,
     TransferError,
     UnfilledReservationError,
@@ -72,14 +72,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Channel",
-    "OpState",
     "Operations",
     "Registration",
     "RemapResult",
-    "copy_chunks_out",
-    "fill_slots",
-    "refill_slots",
-    "run_detached",
     "store_groups",
 ]
 
@@ -88,8 +83,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Configs = dict[str, Any] | None
 
-#: Copies larger than this run in a worker thread so the event loop keeps serving others.
-THREAD_COPY_BYTES: Final = 8 << 20
 #: Longest single wait_prefetch_status: it blocks one of the server's CPU workers.
 PREFETCH_WAIT_SLICE: Final = 0.05
 #: How long a store whose chunks another writer reserved waits for them at most (without
@@ -171,28 +164,6 @@ class Registration:
     write_ttl: float | None = None
 
 
-class OpState:
-    """Shared state between a caller and the task running its operation.
-
-    Attributes:
-        deadline: when the task must be done (the caller's deadline plus cleanup grace).
-        caller_deadline: when the caller stops waiting (``None``: never).
-        abandoned: the caller left (timed out or cancelled).
-    """
-
-    __slots__ = ("abandoned", "caller_deadline", "deadline")
-
-    def __init__(self, deadline: float | None, caller_deadline: float | None = None) -> None:
-        self.deadline = deadline
-        self.caller_deadline = caller_deadline if caller_deadline is not None else deadline
-        self.abandoned = False
-
-    def remaining(self) -> float | None:
-        if self.deadline is None:
-            return None
-        return max(self.deadline - time.monotonic(), 0.0)
-
-
 class _Reserved:
     """Whether a store half sent its ``prepare_store`` and filled what it reserved."""
 
@@ -213,140 +184,6 @@ class _RetrieveState:
         self.gate: _Gate | None = None
         #: ``end_session`` is taken care of (chained after a background commit).
         self.ended = False
-
-
-async def run_detached(
-    name: str,
-    timeout: float | None,
-    cleanup_grace: float,
-    body: Callable[[OpState], Awaitable[T]],
-    track: Callable[[asyncio.Task[Any]], None] | None = None,
-) -> T:
-    """Run ``body`` in a task of its own and wait for it under ``timeout``.
-
-    The task's deadline is ``timeout + cleanup_grace``. ``track`` is given the task (the
-    client keeps a set of them, to wait for their cleanup on close).
-
-    Raises:
-        LMCacheTimeoutError: ``timeout`` passed; the task goes on, abandoned, to clean up.
-
-    Cancellation: the task is marked abandoned and goes on to clean up; the caller's
-    ``CancelledError`` propagates.
-    """
-    start = time.monotonic()
-    op = OpState(
-        None if timeout is None else start + timeout + cleanup_grace,
-        None if timeout is None else start + timeout,
-    )
-    task = asyncio.ensure_future(body(op))
-    if track is not None:
-        track(task)
-    # The caller waits on a future of its own, never on the task: cancelling or timing
-    # out the caller leaves the task running (abandoned) to clean up.
-    loop = asyncio.get_running_loop()
-    waiter: asyncio.Future[None] = loop.create_future()
-
-    def finished(_task: object) -> None:
-        if not waiter.done():
-            waiter.set_result(None)
-
-    task.add_done_callback(finished)
-    timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
-    try:
-        await waiter
-    except _Expired:
-        op.abandoned = True
-        raise LMCacheTimeoutError(name, time.monotonic() - start) from None
-    except asyncio.CancelledError:
-        op.abandoned = True
-        raise
-    finally:
-        if timer is not None:
-            timer.cancel()
-    return task.result()
-
-
-class _Expired(Exception):
-    """An operation's deadline passed (set on its caller's waiter by the timer)."""
-
-
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(_Expired())
-
-
-def fill_slots(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pool: ShmPool | None = None) -> None:
-    """Copy each ``(target, source)`` pair: chunks into reserved SHM slots (store), or
-    source slots into target slots (SHM remap). ``pool``: map its pages under the
-    target slots first (:meth:`~lmcache_async._shm.ShmPool.populate`); slots that are
-    only read are left to fault (see there)."""
-    if pool is not None:
-        pool.populate(target for target, _ in pairs)
-    total = sum(t.numel() * t.element_size() for t, _ in pairs)
-    for target, source in pairs:
-        copy_host(target, source, total)
-
-
-def refill_slots(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """The repair path of :func:`fill_slots`: copy each pair again, each source first
-    materialised as a fresh CPU tensor of its own (so a failure of the direct copy path,
-    e.g. of a device-to-host copy into a strided view, is not repeated)."""
-    for target, source in pairs:
-        copy_host(target, source.detach().to("cpu", copy=True).contiguous())
-
-
-def copy_chunks_out(
-    target: torch.Tensor,
-    chunks: Sequence[torch.Tensor],
-    chunk_size: int,
-    token_axis: int,
-) -> None:
-    """Copy ``chunks`` (SHM slot views, or decoded inline tensors) into consecutive
-    chunks of ``target`` along ``token_axis`` (retrieve). Slots are only read: their
-    pages are left to fault in during the copy (cheaper than mapping them first, see
-    :meth:`~lmcache_async._shm.ShmPool.populate`)."""
-    total = sum(c.numel() for c in chunks) * target.element_size()
-    for i, chunk in enumerate(chunks):
-        copy_host(target.narrow(token_axis, i * chunk_size, chunk_size), chunk, total)
-
-
-async def _maybe_in_thread(nbytes: int, fn: Callable[[], None]) -> None:
-    if nbytes >= THREAD_COPY_BYTES:
-        await asyncio.to_thread(fn)
-    else:
-        fn()
-
-
-async def _copy_to_the_end(nbytes: int, fn: Callable[[], None]) -> None:
-    """Run a copy into reserved slots (in a thread when large) and, if the awaiting task
-    is cancelled meanwhile, still wait for the thread to finish before re-raising: the
-    slots are never left half-written by a copy still running after its task ended."""
-    if nbytes < THREAD_COPY_BYTES:
-        fn()
-        return
-    fut = asyncio.ensure_future(asyncio.to_thread(fn))
-    try:
-        await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        # A thread cannot be interrupted: wait for the memcpy (bounded by its size).
-        await asyncio.wait({fut})
-        if not fut.cancelled() and fut.exception() is not None:
-            log.debug("a copy into reserved slots failed after its task was cancelled: %r", fut.exception())
-        raise
-
-
-async def _await_to_the_end(aw: Awaitable[None]) -> None:
-    """Await a copy (the CUDA path: its own worker thread) and, if the awaiting task is
-    cancelled meanwhile, still wait for it to finish before re-raising (as
-    :func:`_copy_to_the_end`)."""
-    fut = asyncio.ensure_future(aw)
-    try:
-        await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        await asyncio.wait({fut})
-        if not fut.cancelled() and fut.exception() is not None:
-            log.debug("a copy into reserved slots failed after its task was cancelled: %r", fut.exception())
-        raise
 
 
 def _value(reply: Any) -> Any:
@@ -874,7 +711,7 @@ class Operations:
             return
         total = sum(c.numel() for c in chunks) * target.element_size()
         axis, size = self.reg.geometry.token_axis, self.reg.chunk_size
-        await _maybe_in_thread(total, lambda: copy_chunks_out(target, chunks, size, axis))
+        await copies.maybe_in_thread(total, lambda: copies.copy_chunks_out(target, chunks, size, axis))
 
     async def _store_shm(
         self,
@@ -1010,10 +847,10 @@ class Operations:
             if mark is not None:
                 from lmcache_async._cuda import copies as cuda
 
-                await _await_to_the_end(cuda.to_host(pairs, mark, self.reg.pool))
+                await copies.await_to_the_end(cuda.to_host(pairs, mark, self.reg.pool))
             else:
                 pool = self.reg.pool
-                await _copy_to_the_end(nbytes, lambda: fill_slots(pairs, pool))
+                await copies.copy_to_the_end(nbytes, lambda: copies.fill_slots(pairs, pool))
             return
         except Exception as exc:
             log.warning("copy into reserved SHM slots failed (%r); filling them again from CPU copies", exc)
@@ -1023,11 +860,11 @@ class Operations:
 
                 def repair() -> None:
                     event.synchronize()  # the caller's writes to the sources are done
-                    refill_slots(pairs)
+                    copies.refill_slots(pairs)
 
-                await _copy_to_the_end(max(nbytes, THREAD_COPY_BYTES), repair)
+                await copies.copy_to_the_end(max(nbytes, copies.THREAD_COPY_BYTES), repair)
             else:
-                await _copy_to_the_end(nbytes, lambda: refill_slots(pairs))
+                await copies.copy_to_the_end(nbytes, lambda: copies.refill_slots(pairs))
         except Exception as exc:
             raise UnfilledReservationError(
                 f"could not write {len(pairs)} reserved chunks ({exc!r}); nothing was committed "
@@ -1066,7 +903,7 @@ class Operations:
                 from lmcache_async._cuda import copies as cuda
 
                 frame = await cuda.encode_inline(self.reg.wire, chunks, mark)
-            elif nbytes >= THREAD_COPY_BYTES:
+            elif nbytes >= copies.THREAD_COPY_BYTES:
                 frame = await asyncio.to_thread(encode_inline, self.reg.wire, chunks)
             else:
                 frame = encode_inline(self.reg.wire, chunks)

@@ -9,7 +9,11 @@ import os
 
 from lmcache_async.errors import TransferError
 
-__all__ = ["map_segment"]
+__all__ = ["POOL_PREFIX", "map_segment"]
+
+#: The prefix of the LMCache server's pool segment: ``--shm-name NAME`` is
+#: ``/dev/shm/lmcache_l1_pool_NAME``.
+POOL_PREFIX = "lmcache_l1_pool_"
 
 
 def map_segment(shm_name: str, pool_size: int) -> tuple[str, mmap.mmap]:

@@ -23,32 +23,23 @@ import contextlib
 import enum
 import logging
 import os
-import secrets
 import time
 import warnings
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, Unpack
 
 import torch
 
-from lmcache_async._connection import DEFAULT_MAX_IN_FLIGHT, Connection, check_zmq_url
+from lmcache_async._connection import DEFAULT_MAX_IN_FLIGHT, check_zmq_url
 from lmcache_async._cuda.hooks import caller_order, kv_mark, target_mark
 from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
-from lmcache_async._metadata import Metadata
-from lmcache_async._operations import Operations, OpState, Registration, RemapResult, run_detached
-from lmcache_async._replacement import ServerWatch
-from lmcache_async._shm import ShmPool
-from lmcache_async._task_cancel import cancel_and_wait
+from lmcache_async._operations import Operations, RemapResult
+from lmcache_async._runner import OpState, run_detached, wait_all
+from lmcache_async._session import Session, TransferMode
 from lmcache_async._tensor_checks import check_tensor_storage
 from lmcache_async._wire import (
-    GEN_0_5_6,
     Op,
-    RegisterPayload,
-    WireGeneration,
-    generation_for_version,
-    op_name,
-    parse_register_response,
     validate_cache_salt,
     validate_model_name,
     validate_request_configs,
@@ -59,29 +50,23 @@ from lmcache_async.errors import (
     ClientNotOpenError,
     ClientStateError,
     ForkedClientError,
-    LMCacheError,
     LMCacheTimeoutError,
     ProtocolError,
-    ServerError,
     ServerReplacedError,
     TransferError,
     WrongEventLoopError,
 )
-from lmcache_async.geometry import KVGeometry, dtype_name
+from lmcache_async.geometry import KVGeometry
 
 if TYPE_CHECKING:  # bulk imports this module; its types are needed for annotations only
     from lmcache_async.bulk import BatchProgress, BatchResult, RemapPair, RetrieveItem, StoreItem
 
-__all__ = ["AsyncClient", "RemapResult", "connect"]
+__all__ = ["AsyncClient", "ClientOptions", "RemapResult", "TransferMode", "connect"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-TransferMode = Literal["auto", "shm", "pickle"]
 Configs = dict[str, Any] | None
-
-#: Longest wait for the ``unregister`` reply when closing.
-UNREGISTER_TIMEOUT: Final = 2.0
 
 
 class _Lifecycle(enum.Enum):
@@ -92,174 +77,23 @@ class _Lifecycle(enum.Enum):
     CLOSED = "closed"
 
 
-async def _wait_all(futures: set[asyncio.Future[Any]], timeout: float | None) -> bool:
-    """Wait until ``futures`` (a live set: done ones leave it, follow-ups join it) is
-    empty; False if ``timeout`` passed first."""
-    end = None if timeout is None else time.monotonic() + timeout
-    settled = False
-    while True:
-        pending = {f for f in futures if not f.done()}
-        if not pending:
-            if settled:
-                return True
-            settled = True
-            await asyncio.sleep(0)  # done-callbacks may still post follow-ups
-            continue
-        settled = False
-        left = None if end is None else end - time.monotonic()
-        if left is not None and left <= 0:
-            return False
-        await asyncio.wait(pending, timeout=left)
-
-
 class _Abandoned(Exception):
     """An operation whose caller left before it sent anything (never seen by callers)."""
-
-
-class _ConnectionChannel:
-    """The :class:`~lmcache_async._operations.Channel` of a ZMQ connection, for the
-    operations of one server: when that server is found replaced, the channel is retired
-    (a new one serves the new server) and its operations' requests fail at once with
-    :class:`ServerReplacedError`, cleanups included (nothing of theirs exists there)."""
-
-    __slots__ = ("_conn", "retired")
-
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-        self.retired = False
-
-    @property
-    def usable(self) -> bool:
-        return not self.retired and self._conn.usable
-
-    async def call(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> Any:
-        if self.retired:
-            raise ServerReplacedError(_replaced_message(opcode, self._conn.url))
-        reply = await self._conn.call(opcode, args, timeout=timeout)
-        return reply.value()
-
-    def post(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> asyncio.Future[Any] | None:
-        """Send a request now and return the future of its reply (a
-        :class:`~lmcache_async._wire.Reply`) without waiting; ``None`` when it cannot be
-        sent at once (see :meth:`~lmcache_async._connection.Connection.send_nowait`)."""
-        if self.retired:
-            return None
-        return self._conn.send_nowait(opcode, args, timeout=timeout)
-
-
-def _replaced_message(opcode: Op, url: str) -> str:
-    return (
-        f"{op_name(opcode)}: the LMCache server behind {url} was replaced (a new server instance, "
-        "with no visible disconnect); the client registers with the new one"
-    )
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _weakly(method: _F) -> _F:
-    """``method`` (bound) called through a weak reference to its object: a background
-    task holding it does not keep the object alive. Once the object is collected a call
-    raises :class:`ClientClosedError`."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: Any) -> Any:
-        bound = ref()
-        if bound is None:
-            raise ClientClosedError("the client was garbage-collected")
-        return bound(*args)
-
-    return call  # type: ignore[return-value]
-
-
-async def _keepalive_loop(
-    ref: weakref.ReferenceType[AsyncClient], conn: Connection, ping_interval: float
-) -> None:
-    """Every ``ping_interval`` seconds, and at once when the connection comes back after a
-    loss: check that the server is the one registered with (``/config`` instance id) and
-    refresh the registration, or register again (and re-map SHM) with the new server.
-    Holds the client weakly between refreshes (it ends when the client was collected).
-
-    The refresh is a re-registration of the same id, which the server answers as a
-    liveness refresh. It is deliberately not a ``ping``: a pinged instance is reaped 120 s
-    after its last message and reaping admits its pending write reservations, while a
-    never-pinged one is reaped only after ``--worker-registration-grace-seconds`` (3600 s),
-    by which time such reservations expired and are dropped, never admitted (see
-    :meth:`AsyncClient._retire_registration`).
-    """
-    reconnected = conn.reconnected
-    assert reconnected is not None
-    while True:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(ping_interval):
-                await reconnected.wait()
-        if reconnected.is_set():
-            reconnected.clear()
-            log.info("reconnected to %s; registering again", conn.url)
-        client = ref()
-        if client is None:
-            return
-        try:
-            await client._refresh_registration()
-        except LMCacheError as exc:
-            log.debug("keep-alive failed: %s", exc)
-        finally:
-            del client
 
 
 #: Closes of clients collected while open, kept referenced until they are done.
 _closing_collected: set[asyncio.Task[None]] = set()
 
 
-def _release_locally(
-    loop: asyncio.AbstractEventLoop, conn: Connection, meta: Metadata, tasks: Sequence[asyncio.Task[None]]
-) -> None:
-    """Release a client's socket, ZMQ context and HTTP session without awaiting anything
-    (``loop``, theirs, is closed or not running)."""
-    if not loop.is_closed():
-        for task in tasks:
-            task.cancel()
-    conn.abandon()
-    meta.abandon()
-
-
-async def _unregister_and_close(conn: Connection, meta: Metadata, instance_id: int) -> None:
-    try:
-        if conn.usable:
-            with contextlib.suppress(LMCacheError):
-                await conn.call(Op.UNREGISTER_ENGINE_DRIVEN, (instance_id,), timeout=UNREGISTER_TIMEOUT)
-    finally:
-        try:
-            await conn.close()
-        finally:
-            await meta.close()
-
-
-def _close_collected(
-    loop: asyncio.AbstractEventLoop,
-    conn: Connection,
-    meta: Metadata,
-    tasks: Sequence[asyncio.Task[None]],
-    instance_id: int,
-) -> None:
-    """On the client's running loop: stop the background tasks of a collected client,
-    unregister it and close its socket and session."""
-    for task in tasks:
-        task.cancel()
-    closing = loop.create_task(_unregister_and_close(conn, meta, instance_id), name="lmcache-close-collected")
+def _close_collected(loop: asyncio.AbstractEventLoop, session: Session) -> None:
+    """On the client's running loop: close the session of a collected client (background
+    tasks stopped, unregistered, socket and HTTP session closed)."""
+    closing = loop.create_task(session.close(unregister=True), name="lmcache-close-collected")
     _closing_collected.add(closing)
     closing.add_done_callback(_closing_collected.discard)
 
 
-def _collected_open(
-    loop: asyncio.AbstractEventLoop,
-    conn: Connection,
-    meta: Metadata,
-    tasks: list[asyncio.Task[None]],
-    instance_id: int,
-    desc: str,
-    pid: int,
-) -> None:
+def _collected_open(loop: asyncio.AbstractEventLoop, session: Session, desc: str, pid: int) -> None:
     """``weakref.finalize`` callback of an :class:`AsyncClient` collected while open: a
     :class:`ResourceWarning`, then the close. On its loop, if that loop still runs (the
     callback may run in any thread: the close is handed over thread-safely), with the
@@ -274,26 +108,33 @@ def _collected_open(
     )
     if loop.is_running():
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(_close_collected, loop, conn, meta, tasks, instance_id)
+            loop.call_soon_threadsafe(_close_collected, loop, session)
             return
-    _release_locally(loop, conn, meta, tasks)
+    session.release_locally(loop)
+
+
+class ClientOptions(TypedDict, total=False):
+    """The keyword arguments of :class:`AsyncClient`, written once: :func:`connect`,
+    :class:`~lmcache_async.sync_client.Client` and ``Client.connect`` take the same
+    (``**options``), with the defaults and meanings :class:`AsyncClient` gives."""
+
+    geometry: KVGeometry | None
+    timeout: float | None
+    transfer: TransferMode
+    num_kv_readers: int
+    ping_interval: float
+    cleanup_grace: float
+    metadata_ttl: float
+    prefault_shm: bool
+    api_key: str | None
+    max_in_flight: int
 
 
 async def connect(
     url: str = "tcp://localhost:5555",
     http_url: str = "http://localhost:8080",
     model_name: str = "",
-    *,
-    geometry: KVGeometry | None = None,
-    timeout: float | None = 60.0,
-    transfer: TransferMode = "auto",
-    num_kv_readers: int = 1,
-    ping_interval: float = 20.0,
-    cleanup_grace: float = 10.0,
-    metadata_ttl: float = 5.0,
-    prefault_shm: bool = True,
-    api_key: str | None = None,
-    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    **options: Unpack[ClientOptions],
 ) -> AsyncClient:
     """Create an :class:`AsyncClient` and open it (see there for the arguments).
 
@@ -304,21 +145,7 @@ async def connect(
 
     Cancellation: everything opened so far is closed again.
     """
-    client = AsyncClient(
-        url,
-        http_url,
-        model_name,
-        geometry=geometry,
-        timeout=timeout,
-        transfer=transfer,
-        num_kv_readers=num_kv_readers,
-        ping_interval=ping_interval,
-        cleanup_grace=cleanup_grace,
-        metadata_ttl=metadata_ttl,
-        prefault_shm=prefault_shm,
-        api_key=api_key,
-        max_in_flight=max_in_flight,
-    )
+    client = AsyncClient(url, http_url, model_name, **options)
     await client.open()
     return client
 
@@ -395,51 +222,32 @@ class AsyncClient:
         self.http_url = http_url
         self.model_name = model_name
         self.timeout = timeout
-        self.cleanup_grace = check_timeout(cleanup_grace, "cleanup_grace", allow_none=False) or 0.0
-        self.num_kv_readers = num_kv_readers
-        self._want_transfer: TransferMode = transfer
-        self._prefault_shm = bool(prefault_shm)
-        self._explicit_geometry = geometry
-        self._geometry: KVGeometry | None = geometry
-        self._ping_interval = ping_interval
-        self._meta = Metadata(http_url, ttl=metadata_ttl, api_key=api_key)
-        self._wire: WireGeneration = GEN_0_5_6
-        self._server_version: str | None = None
-        self._conn = Connection(url, max_in_flight=max_in_flight)
-        self._channel = _ConnectionChannel(self._conn)
         self._state = _Lifecycle.NEW
         self._pid = os.getpid()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._chunk_size = 0
-        self._fifo_cpu = False
-        self._write_ttl: float | None = None
-        self._expected_pool: tuple[str, int] | None = None  # from /config, when it says
-        self._instance_id = secrets.randbits(63)
-        self._registered_id: int | None = None  # the id the server knows this client by
-        self._pool_identity: tuple[str, int] = ("", 0)  # (shm name, pool size) registered with
-        self._retired_ids: list[int] = []
-        self._server_instance: object = None
-        self._pool: ShmPool | None = None
-        self._transfer: Literal["shm", "pickle"] | None = None
-        self._server_has_shm = False
-        self._cannot_retrieve: str | None = None  # why retrieve can't work (SHM server, no map)
-        self._reg_generation = -1
-        self._stale = False
-        self._reg_lock: asyncio.Lock | None = None
         self._ops: set[asyncio.Future[Any]] = set()  # operation tasks and cleanup replies
         self._posted: set[asyncio.Future[Any]] = set()  # cleanup replies awaited in the background
-        self._gates: dict[tuple[Any, ...], list[Any]] = {}
-        self._operations_cache: tuple[tuple[Any, ...], Operations] | None = None
-        self._keepalive: asyncio.Task[None] | None = None
-        # Weakly: the watch task runs on the loop, and must not keep a dropped client alive
-        # (so that its finalizer can release what it holds).
-        self._watch = ServerWatch(
-            self._conn, _weakly(self._fetch_identity), _weakly(self._known_instance), _weakly(self._replaced)
-        )
-        self._watch_task: asyncio.Task[None] | None = None
         self._closed_event: asyncio.Event | None = None
         #: Releases the socket of a client collected while open (made by open()).
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        # The session holds this client's tracking weakly: its background tasks must not
+        # keep a dropped client alive (so that the finalizer can release the session).
+        track = _weak_tracker(self)
+        self._session = Session(
+            url,
+            http_url,
+            model_name,
+            geometry=geometry,
+            transfer=transfer,
+            num_kv_readers=num_kv_readers,
+            ping_interval=ping_interval,
+            cleanup_grace=check_timeout(cleanup_grace, "cleanup_grace", allow_none=False) or 0.0,
+            metadata_ttl=metadata_ttl,
+            prefault_shm=bool(prefault_shm),
+            api_key=api_key,
+            max_in_flight=max_in_flight,
+            track=track,
+        )
 
     # ------------------------------------------------------------------ properties
 
@@ -447,49 +255,63 @@ class AsyncClient:
     def chunk_size(self) -> int:
         """Tokens per chunk (the server's ``--chunk-size``)."""
         self._require_open()
-        return self._chunk_size
+        return self._session.chunk_size
 
     @property
     def geometry(self) -> KVGeometry:
         """The KV layout in use (explicit, or derived from ``/status``)."""
         self._require_open()
-        assert self._geometry is not None
-        return self._geometry
+        assert self._session.geometry is not None
+        return self._session.geometry
 
     @property
     def transfer(self) -> Literal["shm", "pickle"]:
         """``"shm"`` or ``"pickle"``: how tensors travel."""
         self._require_open()
-        assert self._transfer is not None
-        return self._transfer
+        assert self._session.transfer is not None
+        return self._session.transfer
 
     @property
     def server_version(self) -> str:
         """The LMCache version the server reported on ``/lmc_version`` at connect
         (``"unknown"`` for a server without that route, talked to as 0.5.6)."""
         self._require_open()
-        return self._server_version or "unknown"
+        return self._session.server_version or "unknown"
 
     @property
     def wire_generation(self) -> str:
         """The wire generation in use, ``"0.5.6"`` or ``"0.5.7"`` (picked from
         :attr:`server_version`)."""
         self._require_open()
-        return self._wire.name
+        return self._session.wire.name
 
     @property
     def instance_id(self) -> int:
         """The engine-driven registration id of this client (random, 63 bits)."""
-        return self._instance_id
+        return self._session.instance_id
 
     @property
     def closed(self) -> bool:
         return self._state is _Lifecycle.CLOSED
 
+    @property
+    def cleanup_grace(self) -> float:
+        """Extra seconds an abandoned operation may spend cleaning up (settable)."""
+        return self._session.cleanup_grace
+
+    @cleanup_grace.setter
+    def cleanup_grace(self, value: float) -> None:
+        self._session.cleanup_grace = check_timeout(value, "cleanup_grace", allow_none=False) or 0.0
+
+    @property
+    def num_kv_readers(self) -> int:
+        """Read locks a lookup reserves per object."""
+        return self._session.num_kv_readers
+
     def __repr__(self) -> str:
         return (
             f"<AsyncClient {self.model_name!r} at {self.url} state={self._state.value} "
-            f"transfer={self._transfer} in_flight={len(self._ops)}>"
+            f"transfer={self._session.transfer} in_flight={len(self._ops)}>"
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -515,37 +337,14 @@ class AsyncClient:
             raise ClientStateError(f"open() on a client that is {self._state.value}")
         self._state = _Lifecycle.OPENING
         self._loop = asyncio.get_running_loop()
-        self._reg_lock = asyncio.Lock()
         try:
             deadline = None if self.timeout is None else time.monotonic() + self.timeout
-            await self._detect_generation(_remaining(deadline))
-            await self._load_config(_remaining(deadline))
-            if self._geometry is None:
-                status = await self._meta.status(max_age=0, timeout=_remaining(deadline))
-                self._geometry = KVGeometry.from_status(status, self.model_name)
-            if self._chunk_size % self._geometry.block_size:
-                raise ServerError(
-                    f"chunk size {self._chunk_size} is not a multiple of the block size "
-                    f"{self._geometry.block_size}"
-                )
-            await self._conn.open(_remaining(deadline))
-            reply = await self._conn.call(Op.NOOP, (), timeout=_remaining(deadline))
-            if reply.value() != "OK":
-                raise ProtocolError(f"noop answered {reply.value()!r}")
-            await self._check_chunk_size_over_zmq(_remaining(deadline))
-            await self._register(_remaining(deadline))
-            self._keepalive = asyncio.create_task(
-                _keepalive_loop(weakref.ref(self), self._conn, self._ping_interval), name="lmcache-keepalive"
-            )
-            self._watch_task = asyncio.create_task(self._watch.run(), name="lmcache-server-watch")
+            await self._session.open(lambda: _remaining(deadline))
             self._finalizer = weakref.finalize(
                 self,
                 _collected_open,
                 self._loop,
-                self._conn,
-                self._meta,
-                [self._keepalive, self._watch_task],
-                self._instance_id,
+                self._session,
                 f"<lmcache_async.AsyncClient {self.model_name!r} at {self.url}>",
                 self._pid,
             )
@@ -563,7 +362,7 @@ class AsyncClient:
         ``cleanup_grace`` seconds (those left are cancelled, and the registration is then
         retired rather than unregistered: a cancelled store may hold reserved slots that
         unregistering would admit); the keep-alive task's end; the ``unregister`` reply,
-        at most :data:`UNREGISTER_TIMEOUT` seconds (skipped while disconnected).
+        at most :data:`~lmcache_async._session.UNREGISTER_TIMEOUT` seconds (skipped while disconnected).
 
         Idempotent; a call while another ``aclose()`` runs waits for that one. In a
         process forked from the one that opened the client it only drops the inherited
@@ -591,15 +390,15 @@ class AsyncClient:
         unregister = opened
         try:
             if self._ops:
-                await _wait_all(self._ops, self.cleanup_grace)
+                await wait_all(self._ops, self.cleanup_grace)
         except asyncio.CancelledError:
             unregister = False
             raise
         finally:
             left = [t for t in self._ops if not t.done()]
             if left:
-                self._retire_registration(
-                    self._instance_id, f"{len(left)} operations were still running at close"
+                self._session.retire_registration(
+                    self._session.instance_id, f"{len(left)} operations were still running at close"
                 )
                 for task in left:
                     task.cancel()
@@ -626,9 +425,7 @@ class AsyncClient:
         )
         self._detach_finalizer()
         self._state = _Lifecycle.CLOSED
-        self._pool = None
-        tasks = [t for t in (self._keepalive, self._watch_task) if t is not None]
-        _release_locally(loop, self._conn, self._meta, tasks)
+        self._session.release_locally(loop)
 
     def _detach_finalizer(self) -> None:
         if self._finalizer is not None:
@@ -636,30 +433,12 @@ class AsyncClient:
 
     async def _shutdown(self, *, unregister: bool) -> None:
         try:
-            if self._watch_task is not None:
-                await cancel_and_wait(self._watch_task, "the server watch")
-            if self._keepalive is not None:
-                await cancel_and_wait(self._keepalive, "the keep-alive")
-            registered = self._registered_id is not None and self._registered_id == self._instance_id
-            if unregister and registered and self._conn.usable:
-                with contextlib.suppress(LMCacheError):
-                    await self._conn.call(
-                        Op.UNREGISTER_ENGINE_DRIVEN, (self._instance_id,), timeout=UNREGISTER_TIMEOUT
-                    )
+            await self._session.close(unregister=unregister)
         finally:
-            try:
-                if self._pool is not None:
-                    self._pool.close()
-                    self._pool = None
-                await self._conn.close()
-            finally:
-                try:
-                    await self._meta.close()
-                finally:
-                    self._detach_finalizer()
-                    self._state = _Lifecycle.CLOSED
-                    if self._closed_event is not None:
-                        self._closed_event.set()
+            self._detach_finalizer()
+            self._state = _Lifecycle.CLOSED
+            if self._closed_event is not None:
+                self._closed_event.set()
 
     def _drop_inherited(self) -> None:
         """In a forked child: forget the parent's socket, context, session and pool
@@ -669,11 +448,7 @@ class AsyncClient:
             return
         self._state = _Lifecycle.CLOSED
         self._detach_finalizer()
-        self._conn.drop_inherited()
-        self._meta.drop_inherited()
-        self._pool = None
-        self._keepalive = None
-        self._watch_task = None
+        self._session.drop_inherited()
         self._ops = set()
         self._posted = set()
 
@@ -683,221 +458,6 @@ class AsyncClient:
             raise WrongEventLoopError(
                 "the client is used from an event loop other than the one that opened it"
             )
-
-    async def _detect_generation(self, timeout: float | None) -> None:
-        """Ask ``/lmc_version`` which generation the server is and speak its wire.
-
-        Raises:
-            UnsupportedServerVersionError: a version older than 0.5.6 or unparseable.
-            AuthenticationError: the server wants an API key (0.5.7 with keys).
-        """
-        version = await self._meta.version(timeout=timeout)
-        if version is None:
-            log.warning(
-                "%s has no /lmc_version (a server older than lmcache 0.5.6?); talking to it as 0.5.6",
-                self.http_url,
-            )
-            wire = GEN_0_5_6
-        else:
-            wire = generation_for_version(version)
-        self._server_version = version
-        self._wire = wire
-        self._conn.wire = wire
-
-    async def _load_config(self, timeout: float | None) -> None:
-        config = await self._meta.config(max_age=0, timeout=timeout)
-        mp = Metadata.mp_section(config)
-        if self._wire.chunk_size_from == "status":
-            # The configured size is only a minimum the server may round up; /status
-            # has the live one (get_chunk_size would freeze it: never used as a probe).
-            status = await self._meta.status(max_age=0, timeout=timeout)
-            chunk_size = status.get("chunk_size")
-            where = "/status chunk_size"
-        else:
-            chunk_size = mp.get("chunk_size")
-            where = "/config mp.chunk_size"
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ProtocolError(f"{where} is {chunk_size!r}")
-        mode = mp.get("supported_transfer_mode", "engine_driven")
-        if mode not in ("engine_driven", "auto"):
-            raise ServerError(
-                f"the server runs --supported-transfer-mode {mode}; engine-driven requests would "
-                "go unanswered (start it with --supported-transfer-mode auto or engine_driven)"
-            )
-        self._chunk_size = chunk_size
-        self._expected_pool = _expected_pool(config)
-        self._server_instance = mp.get("instance_id")
-        self._fifo_cpu = mp.get("max_cpu_workers") == 1
-        ttl = _find_number(config, "write_ttl_seconds")
-        grace = mp.get("worker_registration_grace_seconds")
-        self._write_ttl = ttl
-        if (
-            ttl is not None
-            and isinstance(grace, int | float)
-            and not isinstance(grace, bool)
-            and grace <= ttl
-        ):
-            log.warning(
-                "the server reaps silent registrations after %gs, before write reservations expire "
-                "(%gs): a reservation this client cannot fill could be admitted when its "
-                "retired registration is reaped (see docs/design.md)",
-                grace,
-                ttl,
-            )
-
-    def _register_payload(self) -> RegisterPayload:
-        geom = self._geometry
-        assert geom is not None
-        return RegisterPayload(
-            instance_id=self._instance_id,
-            model_name=self.model_name,
-            world_size=geom.world_size,
-            block_size=geom.block_size,
-            num_layers=geom.num_layers,
-            hidden_dim_size=geom.hidden_dim,
-            dtype_str=dtype_name(geom.dtype),
-            use_mla=geom.use_mla,
-            num_physical_slots=self._chunk_size,
-        )
-
-    async def _check_chunk_size_over_zmq(self, timeout: float | None) -> None:
-        """On 0.5.6 (where ``get_chunk_size`` is a pure query; on 0.5.7 it would freeze
-        the chunk size) check that the ZMQ endpoint has the chunk size ``/config`` gave.
-
-        Raises:
-            ServerError: the two endpoints are not the same server.
-        """
-        if self._wire.chunk_size_from != "config":
-            return
-        reply = await self._conn.call(Op.GET_CHUNK_SIZE, (), timeout=timeout)
-        zmq_chunk = reply.value()
-        if zmq_chunk != self._chunk_size:
-            raise ServerError(
-                f"{self.url} and {self.http_url} are not the same LMCache server: the ZMQ endpoint "
-                f"has chunk size {zmq_chunk!r}, the HTTP endpoint's /config {self._chunk_size}"
-            )
-
-    async def _register(self, timeout: float | None) -> None:
-        payload = self._register_payload()
-        generation = self._conn.generation
-        reply = await self._conn.call(Op.REGISTER_ENGINE_DRIVEN, (payload.to_wire(),), timeout=timeout)
-        shm_name, pool_size = parse_register_response(reply.value())
-        self._registered_id = payload.instance_id
-        self._pool_identity = (shm_name, pool_size)
-        if self._expected_pool is not None and self._expected_pool != (shm_name, pool_size):
-            # Another server than the one whose /config was read: undo the registration.
-            with contextlib.suppress(LMCacheError):
-                await self._conn.call(Op.UNREGISTER_ENGINE_DRIVEN, (payload.instance_id,), timeout=timeout)
-            self._registered_id = None
-            raise ServerError(
-                f"{self.url} and {self.http_url} are not the same LMCache server: the ZMQ endpoint "
-                f"serves the SHM pool {shm_name!r} ({pool_size} bytes), the HTTP endpoint's /config "
-                f"describes {self._expected_pool[0]!r} ({self._expected_pool[1]} bytes)"
-            )
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-        self._server_has_shm = bool(shm_name) and pool_size > 0
-        why_not = "transfer='pickle' was asked for"
-        if self._server_has_shm and self._want_transfer != "pickle":
-            try:
-                self._pool = ShmPool(shm_name, pool_size)
-                if not self._prefault_shm:
-                    self._pool.populate_on_use = False
-            except TransferError as exc:
-                if self._want_transfer == "shm":
-                    raise
-                why_not = str(exc)
-        elif self._want_transfer == "shm":
-            raise TransferError("transfer='shm' but the server has no SHM pool (--shm-name)")
-        self._transfer = "shm" if self._pool is not None else "pickle"
-        # An SHM server answers prepare_retrieve only with slots in its pool, never with
-        # inline data: a client that cannot map the pool (another host) can store over
-        # TCP but never retrieve. Say so now, and make every retrieve fail with it.
-        self._cannot_retrieve = None
-        if self._server_has_shm and self._pool is None:
-            self._cannot_retrieve = (
-                f"the server {self.url} keeps its KV in the shared-memory pool {shm_name!r}, which this "
-                f"client does not map ({why_not}); an SHM server never sends KV over TCP, so retrieve "
-                "and remap cannot work from here. Run the client on the server's host, or start the "
-                "server with --shm-name '' to serve KV over TCP. store and lookup work."
-            )
-            log.warning("%s", self._cannot_retrieve)
-        self._reg_generation = generation
-        self._stale = False
-
-    def _known_instance(self) -> object:
-        """The identity (``/config`` instance id) of the server registered with."""
-        return self._server_instance
-
-    async def _refresh_registration(self) -> None:
-        config = await self._meta.config(max_age=0, timeout=10.0)
-        identity = Metadata.mp_section(config).get("instance_id")
-        if identity != self._server_instance:
-            log.info("server restarted (instance id changed); re-registering")
-            self._replaced(identity)
-        if self._stale or self._reg_generation != self._conn.generation:
-            await self._ensure_registered(30.0)
-            return
-        reply = await self._conn.call(
-            Op.REGISTER_ENGINE_DRIVEN, (self._register_payload().to_wire(),), timeout=10.0
-        )
-        if parse_register_response(reply.value()) != self._pool_identity:
-            log.info("the server's SHM pool changed; re-registering")
-            self._stale = True
-            await self._ensure_registered(30.0)
-
-    async def _ensure_registered(self, timeout: float | None) -> None:
-        """Re-register (and re-map SHM) after a reconnect or a server restart."""
-        if self._reg_generation == self._conn.generation and not self._stale:
-            return
-        assert self._reg_lock is not None
-        async with self._reg_lock:
-            if self._reg_generation == self._conn.generation and not self._stale:
-                return
-            log.info("re-registering %s with %s", self.model_name, self.url)
-            before = self._chunk_size
-            await self._load_config(timeout)
-            assert self._geometry is not None
-            if self._chunk_size % self._geometry.block_size:
-                raise ServerError(
-                    f"the server now has chunk size {self._chunk_size}, not a multiple of the block "
-                    f"size {self._geometry.block_size}"
-                )
-            if self._chunk_size != before:
-                log.warning("the server's chunk size changed from %d to %d", before, self._chunk_size)
-            await self._register(timeout)
-
-    async def _fetch_identity(self, timeout: float) -> object:
-        """The server's identity: ``/config`` ``mp.instance_id`` (new for every server
-        process, on both generations; see :mod:`lmcache_async._replacement`)."""
-        config = await self._meta.config(max_age=0, timeout=timeout)
-        return Metadata.mp_section(config).get("instance_id")
-
-    def _replaced(self, identity: object) -> None:
-        """The server now has another identity than the one registered with.
-
-        After a visible disconnect the reconnection already made the registration stale
-        and failed the old server's requests: register again (same id). With no visible
-        disconnect (a proxy kept the connection up), requests of the old server are still
-        waiting and more may reach the new server: fail them with
-        :class:`ServerReplacedError` (their operations are run again once, see
-        :meth:`_run`), retire the channel they use, and retire the registration id too
-        (a fresh one is registered), so nothing sent under it, queued by a proxy and
-        delivered late, can act on the new server.
-        """
-        self._server_instance = identity
-        self._stale = True
-        if self._reg_generation != self._conn.generation:
-            return
-        log.warning(
-            "the LMCache server behind %s was replaced (no disconnect seen); registering again", self.url
-        )
-        self._retire_registration(self._instance_id, "the server was replaced")
-        self._channel.retired = True
-        self._channel = _ConnectionChannel(self._conn)
-        url = self.url
-        self._conn.fail_pending(lambda opcode: ServerReplacedError(_replaced_message(opcode, url)))
 
     def _require_open(self) -> None:
         if self._state is not _Lifecycle.OPEN:
@@ -915,26 +475,27 @@ class AsyncClient:
         self, name: str, timeout: float | None, body: Callable[[Operations, OpState], Awaitable[T]]
     ) -> T:
         """Run ``body`` over this client's operations in a task of its own (see
-        :func:`~lmcache_async._operations.run_detached`), re-registering first if needed."""
+        :func:`~lmcache_async._runner.run_detached`), re-registering first if needed."""
         self._require_open()
         self._check_loop()
 
         async def run(op: OpState) -> T:
             # Started while the server is away: wait briefly for the reconnection (then the
             # new server is registered with first), or fail fast with a connection error.
-            await self._conn.wait_usable(op.remaining())
-            if self._watch.due():  # silence: was the server replaced behind the connection?
-                await self._watch.check_quietly(op.remaining())
+            session = self._session
+            await session.conn.wait_usable(op.remaining())
+            if session.watch.due():  # silence: was the server replaced behind the connection?
+                await session.watch.check_quietly(op.remaining())
             for attempt in (1, 2):
                 try:
-                    await self._ensure_registered(op.remaining())
+                    await session.ensure_registered(op.remaining())
                     if op.abandoned:  # the caller left before anything was sent
                         raise _Abandoned
-                    return await body(self._operations(), op)
+                    return await body(session.operations(), op)
                 except LMCacheTimeoutError:
                     # Unanswered prepare/commit requests are what a reaped registration looks
                     # like; re-registering an existing id is cheap, so do it before the next op.
-                    self._stale = True
+                    session.stale = True
                     raise
                 except ServerReplacedError as exc:
                     # Everything this attempt did was on the old server (gone with it) or
@@ -964,80 +525,13 @@ class AsyncClient:
             if exc is not None:
                 log.debug("operation task ended with %r", exc)
 
-    def _operations(self) -> Operations:
-        """The operations of the current registration (built again only when something
-        it is made of changed: re-registration, a new pool, a new chunk size)."""
-        geom = self._geometry
-        assert geom is not None
-        made_of = (
-            geom, self._chunk_size, self._wire, self._instance_id, self.num_kv_readers, self._pool,
-            self._server_has_shm, self._fifo_cpu, self._write_ttl, self.cleanup_grace,
-        )  # fmt: skip
-        cached = self._operations_cache
-        if cached is not None and cached[0] == made_of:
-            return cached[1]
-        reg = Registration(
-            model_name=self.model_name,
-            geometry=geom,
-            chunk_size=self._chunk_size,
-            wire=self._wire,
-            instance_id=self._instance_id,
-            num_kv_readers=self.num_kv_readers,
-            pool=self._pool,
-            server_has_shm=self._server_has_shm,
-            fifo_cpu=self._fifo_cpu,
-            write_ttl=self._write_ttl,
-        )
-        ops = Operations(
-            self._channel,
-            reg,
-            cleanup_grace=self.cleanup_grace,
-            gates=self._gates,
-            on_unfilled=self._retire_registration,
-            track=self._track_posted,
-            server_status=self._fresh_status,
-        )
-        self._operations_cache = (made_of, ops)
-        return ops
-
-    async def _fresh_status(self, timeout: float) -> dict[str, Any]:
-        """``/status`` fetched now (a store's error reports the server's memory use)."""
-        return await self._meta.status(max_age=0, timeout=timeout)
-
-    def _retire_registration(
-        self, instance_id: int, reason: str = "a store's reserved slots could not be filled"
-    ) -> None:
-        """Stop using ``instance_id``: a reservation of it may hold anything but KV.
-
-        The LMCache server has no operation that drops a write reservation: committing
-        it, unregistering its instance, or the server reaping a silent instance that has
-        *pinged* (120 s) all admit the reserved slots as valid KV, whatever they hold.
-        Only a reservation whose write lock expired (``--l1-write-ttl-seconds``, 600 s)
-        is never admitted. So the retired id is never unregistered and never refreshed
-        again; as it never pinged (this client keeps alive by re-registering, see
-        :meth:`_keepalive_loop`), the server reaps it only after
-        ``--worker-registration-grace-seconds`` (3600 s) of silence, after its write
-        locks expired. This client registers a fresh id before its next operation.
-        """
-        if instance_id != self._instance_id:
-            return  # already retired
-        log.warning(
-            "retiring registration %d (%s): reservations it may hold stay invisible and expire "
-            "on the server; registering a new id",
-            instance_id,
-            reason,
-        )
-        self._retired_ids.append(instance_id)
-        self._instance_id = secrets.randbits(63)
-        self._stale = True
-
     # ------------------------------------------------------------------ helpers
 
     def _aligned(self, n: int) -> int:
-        return n // self._chunk_size * self._chunk_size
+        return n // self._session.chunk_size * self._session.chunk_size
 
     def _check_kv(self, kv: object, num_tokens: int) -> torch.Tensor:
-        geom = self._geometry
+        geom = self._session.geometry
         assert geom is not None
         if not isinstance(kv, torch.Tensor):
             raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
@@ -1145,8 +639,8 @@ class AsyncClient:
         axis = self.geometry.token_axis
         mark = target_mark(out, device)  # None unless the KV goes to a GPU
 
-        if self._cannot_retrieve is not None:  # before anything is sent: never a silent miss
-            raise TransferError(self._cannot_retrieve)
+        if self._session.cannot_retrieve is not None:  # before anything is sent: never a silent miss
+            raise TransferError(self._session.cannot_retrieve)
 
         def body(ops: Operations, op: OpState) -> Awaitable[torch.Tensor | None]:
             n = _align(len(toks), ops.reg.chunk_size)
@@ -1157,7 +651,7 @@ class AsyncClient:
         return await self._run("retrieve", timeout, body)
 
     def _check_out(self, out: object, end: int) -> None:
-        geom = self._geometry
+        geom = self._session.geometry
         assert geom is not None
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
@@ -1256,7 +750,7 @@ class AsyncClient:
         )
         timeout = self._timeout(timeout)
         self._require_open()
-        if self._pool is not None:
+        if self._session.pool is not None:
             # The target takes no more than its whole chunks (of the live chunk size).
             return await self._run(
                 "remap",
@@ -1282,7 +776,7 @@ class AsyncClient:
         self._require_open()
         self._check_loop()
         t0 = time.perf_counter()
-        reply = await self._conn.call(Op.NOOP, (), timeout=self._timeout(timeout))
+        reply = await self._session.conn.call(Op.NOOP, (), timeout=self._timeout(timeout))
         if reply.value() != "OK":
             raise ProtocolError(f"noop answered {reply.value()!r}")
         return time.perf_counter() - t0
@@ -1303,10 +797,10 @@ class AsyncClient:
         timeout = self._timeout(timeout)
         if self._posted:
             start = time.monotonic()
-            await _wait_all(self._posted, timeout)  # replies may post follow-ups: a loop
+            await wait_all(self._posted, timeout)  # replies may post follow-ups: a loop
             if timeout is not None:
                 timeout = max(timeout - (time.monotonic() - start), 0.0)
-        return await self._meta.status(max_age=max_age, timeout=timeout)
+        return await self._session.meta.status(max_age=max_age, timeout=timeout)
 
     async def config(
         self, *, max_age: float | None = None, timeout: float | DefaultType | None = DEFAULT
@@ -1317,7 +811,7 @@ class AsyncClient:
         """
         self._require_open()
         self._check_loop()
-        return await self._meta.config(max_age=max_age, timeout=self._timeout(timeout))
+        return await self._session.meta.config(max_age=max_age, timeout=self._timeout(timeout))
 
     async def drain(self, timeout: float | DefaultType | None = DEFAULT) -> bool:
         """Wait until operations abandoned by a timeout or a cancellation have finished
@@ -1330,7 +824,7 @@ class AsyncClient:
         """
         timeout = self._timeout(timeout)
         self._check_loop()
-        return await _wait_all(self._ops, timeout)
+        return await wait_all(self._ops, timeout)
 
     # ---- bulk operations (lmcache_async.bulk) ----
     # Thin wrappers: the implementation and its documentation live in lmcache_async.bulk,
@@ -1452,58 +946,23 @@ def _check_iterable(value: object, name: str) -> None:
 
 
 #: The prefix the server gives its SHM pool's name (``engine_context._compute_shm_pool_info``).
-_POOL_PREFIX: Final = "lmcache_l1_pool_"
-
-
-def _expected_pool(config: object) -> tuple[str, int] | None:
-    """The ``(shm_name, pool_size)`` a registration with the server whose ``/config`` this
-    is answers, or ``None`` when ``/config`` does not say (then nothing is checked)."""
-    if not isinstance(config, dict):
-        return None
-    sm = config.get("storage_manager")
-    if not isinstance(sm, dict):
-        return None
-    configs = sm.get("l1_manager_configs")
-    if isinstance(configs, list) and len(configs) != 1:
-        return ("", 0)
-    l1 = sm.get("l1_manager_config")
-    mem = l1.get("memory_config") if isinstance(l1, dict) else None
-    if not isinstance(mem, dict):
-        return None
-    name = mem.get("shm_name") or ""
-    if not isinstance(name, str):
-        return None
-    if not name or mem.get("use_lazy") or mem.get("devdax_path"):
-        return ("", 0)
-    size = mem.get("size_in_bytes")
-    if isinstance(size, bool) or not isinstance(size, int):
-        return None
-    if not name.lstrip("/").startswith(_POOL_PREFIX):
-        name = _POOL_PREFIX + name.lstrip("/")
-    return (name, size)
-
-
-def _find_number(doc: object, name: str) -> float | None:
-    """The first number under key ``name`` anywhere in a JSON document (depth first)."""
-    if isinstance(doc, dict):
-        value = doc.get(name)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        for v in doc.values():
-            found = _find_number(v, name)
-            if found is not None:
-                return found
-    elif isinstance(doc, list):
-        for v in doc:
-            found = _find_number(v, name)
-            if found is not None:
-                return found
-    return None
 
 
 def _align(n: int, chunk_size: int) -> int:
     """``n`` rounded down to whole chunks."""
     return n // chunk_size * chunk_size
+
+
+def _weak_tracker(client: AsyncClient) -> Callable[[asyncio.Future[Any]], None]:
+    """``client._track_posted`` through a weak reference (a no-op once it is collected)."""
+    ref = weakref.ref(client)
+
+    def track(fut: asyncio.Future[Any]) -> None:
+        alive = ref()
+        if alive is not None:
+            alive._track_posted(fut)
+
+    return track
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -7,7 +7,7 @@ by every :class:`Client` of the process::
     caller thread(s)                      lmcache-async-loop (daemon)
     ----------------                      ---------------------------
     client.store(kv, tokens)  ──submit──▶  task: await AsyncClient.store(...)
-       waits on a lock (_Done)   ◀─done──  (owns the ZMQ socket, the aiohttp
+       waits on a lock (Done)   ◀─done──  (owns the ZMQ socket, the aiohttp
        (bounded, Ctrl-C aware)              session, the SHM mapping)
 
 * The :class:`~lmcache_async.AsyncClient` is constructed, opened, used and closed only on
@@ -38,39 +38,45 @@ by every :class:`Client` of the process::
   is closed in the background (the collecting thread never blocks); at exit the closes
   are waited for (bounded) before the loop thread stops.
 * The loop thread starts with the first client and exits after it has been idle (no
-  client open) for ``_IDLE_LINGER`` seconds; there is never more than one.
+  client open) for ``IDLE_LINGER`` seconds; there is never more than one.
 
-The waiting thread wakes every ``_WAIT_SLICE`` seconds, so an interrupt that is only
+The waiting thread wakes every ``WAIT_SLICE`` seconds, so an interrupt that is only
 flagged (``_thread.interrupt_main()``, or a SIGINT delivered to another thread) is also
 noticed promptly; a real SIGINT to the waiting main thread is handled at once.
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
-import contextlib
 import logging
 import os
-import selectors
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack
 
 import torch
 
-from lmcache_async._connection import DEFAULT_MAX_IN_FLIGHT
 from lmcache_async._cuda.hooks import caller_device, on_caller_streams
 from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
-from lmcache_async.client import AsyncClient, RemapResult, TransferMode
+from lmcache_async._loop_thread import (
+    CLOSE_EXTRA,
+    EXIT_WAIT,
+    INTERRUPT_CLOSE,
+    LOOP_THREAD_NAME,
+    LoopCall,
+    LoopThread,
+    bounded_aclose,
+    refuse_on_loop_thread,
+    tls,
+)
+from lmcache_async.client import AsyncClient, ClientOptions, RemapResult
 from lmcache_async.errors import (
     ClientClosedError,
     ForkedSyncClientError,
     LMCacheTimeoutError,
-    LoopThreadCallError,
     SyncUsageError,
 )
 from lmcache_async.geometry import KVGeometry
@@ -84,424 +90,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Name of the event-loop thread (at most one per process).
-LOOP_THREAD_NAME: Final = "lmcache-async-loop"
-#: A waiting caller wakes this often (s) to notice a flagged KeyboardInterrupt.
-_WAIT_SLICE: Final = 0.1
-#: Seconds the loop thread stays alive with no open client (read at each release).
-_IDLE_LINGER = 30.0
-#: ``aclose()`` beyond ``cleanup_grace``: unregister (2 s) and closing socket/session.
-_CLOSE_EXTRA: Final = 10.0
-#: Longest wait for a retiring loop thread to finish.
-_JOIN_TIMEOUT: Final = 10.0
-#: Longest wait at interpreter exit for clients left open to close (issue 12, defect 10).
-_EXIT_WAIT: Final = 3.0
-#: Longest wait for the close of a client whose ``with`` block is left by a
-#: KeyboardInterrupt (Ctrl-C) or SystemExit: the close is then cancelled, which still
-#: closes socket and session (operations still cleaning up against a hung server are
-#: cancelled, the unregister is skipped; what they held expires on the server).
-_INTERRUPT_CLOSE: Final = 1.5
-
-
-async def _bounded_aclose(aclient: AsyncClient, bound: float) -> None:
-    """``aclient.aclose()``, cancelled after ``bound`` seconds (it then still closes
-    socket and session, without waiting for cleanups or the unregister)."""
-    try:
-        async with asyncio.timeout(bound):
-            await aclient.aclose()
-    except TimeoutError:
-        log.warning(
-            "lmcache-async: the close of %r did not finish within %.1f s (a server that does not "
-            "answer?); socket and session closed, cleanups left to expire on the server",
-            aclient,
-            bound,
-        )
-
-
-_tls = threading.local()
-
-
-def _on_loop_thread() -> bool:
-    return bool(getattr(_tls, "is_loop_thread", False))
-
-
-def _refuse_on_loop_thread(what: str) -> None:
-    if _on_loop_thread():
-        raise LoopThreadCallError(
-            f"{what} blocks, and it was called from the lmcache-async event-loop thread it "
-            "would wait for (a deadlock); from code running on an event loop use "
-            "AsyncClient and 'await' instead"
-        )
-
-
-class _Done:
-    """A one-shot flag a thread can wait on: ``threading.Event``'s ``set``/``is_set``/
-    ``wait`` on a bare lock (held until set), without the Condition behind an Event,
-    whose Python-level waiter bookkeeping cost the facade ~25 µs per hand-over.
-    Set once, by the loop thread; any number of threads may wait."""
-
-    __slots__ = ("_flag", "_lock")
-
-    def __init__(self) -> None:
-        self._flag = False
-        self._lock = threading.Lock()
-        self._lock.acquire()
-
-    def set(self) -> None:
-        if not self._flag:
-            self._flag = True
-            self._lock.release()
-
-    def is_set(self) -> bool:
-        return self._flag
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """True once set; False after ``timeout`` seconds (``None``: no limit)."""
-        if self._flag:
-            return True
-        if self._lock.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
-            self._lock.release()  # the next waiter (if any) passes too
-            return True
-        return self._flag
-
-
-class _WakingSelector(selectors.DefaultSelector):
-    """The loop thread's selector: it wakes the callers whose calls finished during a
-    loop iteration right before the loop blocks (and releases the GIL) in ``select``.
-
-    A caller woken at once (from inside a callback) finds the GIL still held by the loop
-    thread for the rest of the iteration and sleeps a second time until the loop thread
-    drops it: two thread wake-ups instead of one (``python -m benchmarks.bench_facade``
-    times one hand-over and the two-thread floor).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.to_wake: list[_Done] = []
-
-    def wake_all(self) -> None:
-        to_wake, self.to_wake = self.to_wake, []
-        for event in to_wake:
-            event.set()
-
-    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        if self.to_wake:
-            self.wake_all()
-        return super().select(timeout)
-
-
-def _new_loop() -> tuple[asyncio.AbstractEventLoop, _WakingSelector | None]:
-    if hasattr(selectors, "EpollSelector") or hasattr(selectors, "KqueueSelector"):
-        selector = _WakingSelector()
-        return asyncio.SelectorEventLoop(selector), selector
-    return asyncio.new_event_loop(), None  # pragma: no cover - Windows' proactor
-
-
-class _LoopCall(Generic[T]):
-    """One coroutine run on the loop thread on behalf of a waiting (or absent) caller."""
-
-    __slots__ = (
-        "_callbacks", "_cancelled", "_exc", "_factory", "_finished", "_result", "_waker",
-        "done", "loop", "task",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        factory: Callable[[], Coroutine[Any, Any, T]],
-        waker: _WakingSelector | None = None,
-    ) -> None:
-        self.loop = loop
-        self._waker = waker
-        #: Set (on the loop thread) once the call has finished: ``done`` follows when the
-        #: loop thread next blocks (:class:`_WakingSelector`), or at once without a waker.
-        self._finished = False
-        self.done = _Done()
-        self.task: asyncio.Task[None] | None = None
-        self._factory: Callable[[], Coroutine[Any, Any, T]] | None = factory
-        self._result: T | None = None
-        self._exc: BaseException | None = None
-        self._cancelled = False
-        self._callbacks: list[Callable[[], None]] = []
-
-    # -- on the loop thread
-    def _start(self) -> None:
-        factory, self._factory = self._factory, None
-        assert factory is not None
-        try:
-            coro = factory()  # the coroutine is created here, on the loop thread
-        except BaseException as exc:  # e.g. the factory itself raised
-            self._exc = exc
-            self._finish()
-            return
-        self.task = self.loop.create_task(self._run(coro))
-        self.task.add_done_callback(lambda task: self._cancelled_before_start(task, coro))
-
-    def _cancelled_before_start(self, task: asyncio.Task[None], coro: Coroutine[Any, Any, T]) -> None:
-        # A task cancelled before its first step never entered _run's body: close the
-        # call's coroutine (never started: no "never awaited" warning) and finish here.
-        if not self._finished:
-            coro.close()
-            self._cancelled = True
-            self._finish()
-
-    async def _run(self, coro: Coroutine[Any, Any, T]) -> None:
-        """Await ``coro`` and record its outcome from inside the task's last step: the
-        caller is woken one loop iteration sooner than by a done-callback (which asyncio
-        schedules for the next iteration). A cancelled or interrupted call still ends
-        its task the same way (cancelled, or raising)."""
-        try:
-            self._result = await coro
-        except asyncio.CancelledError:
-            self._cancelled = True
-            self._finish()
-            raise
-        except Exception as exc:
-            self._exc = exc
-        except BaseException as exc:  # KeyboardInterrupt, SystemExit: the loop stops on them
-            self._exc = exc
-            self._finish()
-            raise
-        self._finish()
-
-    def _finish(self) -> None:
-        self._finished = True
-        if self._waker is None:
-            self.done.set()
-        else:
-            self._waker.to_wake.append(self.done)
-        for callback in self._callbacks:
-            try:
-                callback()
-            except Exception:  # pragma: no cover - a bug in our own callbacks
-                log.exception("lmcache-async: callback of a finished call failed")
-
-    def _cancel_on_loop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-
-    # -- on any thread
-    def cancel(self) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to cancel
-            self.loop.call_soon_threadsafe(self._cancel_on_loop)
-
-    def abandon(self, on_success: Callable[[T], object]) -> None:
-        """Cancel, and hand the result to ``on_success`` (on the loop) should the task
-        succeed anyway (it finished already, or it finishes before the cancel lands)."""
-
-        def on_loop() -> None:
-            def deliver() -> None:
-                if self.succeeded():
-                    on_success(self._result)  # type: ignore[arg-type]
-
-            if self._finished:
-                deliver()
-            else:
-                self._callbacks.append(deliver)
-                self._cancel_on_loop()
-
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to hand over
-            self.loop.call_soon_threadsafe(on_loop)
-
-    def succeeded(self) -> bool:
-        return self._finished and not self._cancelled and self._exc is None
-
-    def outcome(self) -> T:
-        if self._exc is not None:
-            exc = self._exc
-            try:
-                raise exc
-            finally:
-                del exc
-        if self._cancelled:
-            raise ClientClosedError("the operation was cancelled on the event loop (is it shutting down?)")
-        return self._result  # type: ignore[return-value]
-
-    def wait(self, name: str, bound: float | None, grace: float) -> T:
-        """Block until done; ``bound`` seconds at most (``None``: as long as it takes).
-
-        KeyboardInterrupt: cancel the task, wait up to ``grace`` for it, re-raise.
-        Bound expired: cancel the task, wait up to ``grace``, raise LMCacheTimeoutError.
-        """
-        start = time.monotonic()
-        deadline = None if bound is None else start + bound
-        try:
-            while True:
-                if deadline is None:
-                    slice_ = _WAIT_SLICE
-                else:
-                    slice_ = min(_WAIT_SLICE, deadline - time.monotonic())
-                    if slice_ <= 0:
-                        break
-                if self.done.wait(slice_):
-                    return self.outcome()
-        except KeyboardInterrupt:
-            self.cancel()
-            self.done.wait(grace)
-            raise
-        self.cancel()
-        self.done.wait(grace)
-        if self.succeeded():  # it made it after all
-            return self.outcome()
-        raise LMCacheTimeoutError(name, time.monotonic() - start)
-
-
-class _LoopThread:
-    """An asyncio loop running on a daemon thread; one per process, shared and ref-counted."""
-
-    # Reentrant: a client collected (finalized) inside a critical section releases its
-    # reference on the same thread. Replaced in a forked child.
-    _lock: ClassVar[threading.RLock] = threading.RLock()
-    _current: ClassVar[_LoopThread | None] = None
-    _retiring: ClassVar[_LoopThread | None] = None
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.refs = 0
-        self.background: set[_LoopCall[Any]] = set()
-        self._idle_gen = 0
-        self.loop, self._waker = _new_loop()
-        self.thread = threading.Thread(target=self._main, name=LOOP_THREAD_NAME, daemon=True)
-        self.thread.start()
-
-    def _main(self) -> None:
-        _tls.is_loop_thread = True
-        loop = self.loop
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_forever()
-        finally:
-            try:
-                tasks = asyncio.all_tasks(loop)
-                for task in tasks:
-                    task.cancel()
-                if tasks:
-                    loop.run_until_complete(asyncio.wait(tasks, timeout=_JOIN_TIMEOUT))
-                loop.run_until_complete(loop.shutdown_asyncgens())
-                loop.run_until_complete(asyncio.wait_for(loop.shutdown_default_executor(), _JOIN_TIMEOUT))
-            except BaseException:  # pragma: no cover - best effort at shutdown
-                log.debug("lmcache-async: loop shutdown was not clean", exc_info=True)
-            finally:
-                asyncio.set_event_loop(None)
-                if self._waker is not None:
-                    self._waker.wake_all()  # calls that finished in the loop's last iteration
-                loop.close()
-
-    def __repr__(self) -> str:
-        return f"<_LoopThread {self.thread.name} refs={self.refs} alive={self.alive()}>"
-
-    def alive(self) -> bool:
-        return self.pid == os.getpid() and self.thread.is_alive() and not self.loop.is_closed()
-
-    # ------------------------------------------------------------ sharing
-
-    @classmethod
-    def acquire(cls) -> _LoopThread:
-        """The process's loop thread (started if needed), with one more reference."""
-        while True:
-            with cls._lock:
-                lt = cls._current
-                if lt is not None and lt.alive():
-                    lt.refs += 1
-                    return lt
-                retiring = cls._retiring
-                if retiring is None or not retiring.alive():
-                    cls._retiring = None
-                    lt = cls._current = cls()
-                    lt.refs = 1
-                    return lt
-            # A retiring thread is still finishing; never run two (join outside the lock).
-            retiring.thread.join(_JOIN_TIMEOUT)
-            if retiring.thread.is_alive():
-                log.warning("lmcache-async: the idle event-loop thread did not exit; starting another")
-                with cls._lock:
-                    if cls._retiring is retiring:
-                        cls._retiring = None
-
-    def release(self) -> None:
-        """Drop one reference; at zero the thread exits after ``_IDLE_LINGER`` idle seconds."""
-        with _LoopThread._lock:
-            if self.pid != os.getpid():
-                return
-            self.refs -= 1
-            if self.refs > 0:
-                return
-            self._idle_gen += 1
-            gen = self._idle_gen
-        with contextlib.suppress(RuntimeError):  # the loop is closed already
-            self.loop.call_soon_threadsafe(self._arm_idle, gen)
-
-    def _arm_idle(self, gen: int) -> None:
-        self.loop.call_later(_IDLE_LINGER, self._retire_if_idle, gen)
-
-    def _retire_if_idle(self, gen: int) -> None:
-        cls = _LoopThread
-        with cls._lock:
-            if self.refs or gen != self._idle_gen or cls._current is not self:
-                return
-            cls._current = None
-            cls._retiring = self
-        self.loop.stop()
-
-    # ------------------------------------------------------------ running
-
-    def submit(
-        self,
-        factory: Callable[[], Coroutine[Any, Any, T]],
-        on_done: Callable[[], None] | None = None,
-    ) -> _LoopCall[T]:
-        """Schedule ``factory()`` as a task on the loop (the coroutine is created there);
-        ``on_done`` runs on the loop once it has finished (registered before it starts)."""
-        call = _LoopCall(self.loop, factory, self._waker)
-        if on_done is not None:
-            call._callbacks.append(on_done)
-        if not self.alive():
-            raise ClientClosedError("the lmcache-async event-loop thread has stopped")
-        try:
-            self.loop.call_soon_threadsafe(call._start)
-        except RuntimeError as exc:
-            raise ClientClosedError("the lmcache-async event-loop thread has stopped") from exc
-        return call
-
-    def close_in_background(self, aclient: AsyncClient, bound: float | None = None) -> _LoopCall[None] | None:
-        """Schedule ``aclient.aclose()`` without waiting (holds a reference until done);
-        with ``bound``, the close is cancelled after that many seconds."""
-        with _LoopThread._lock:
-            if not self.alive():
-                return None
-            self.refs += 1
-        holder: list[_LoopCall[None]] = []
-
-        def finished() -> None:  # on the loop thread
-            for call in holder:
-                self.background.discard(call)
-            self.release()
-
-        try:
-            if bound is None:
-                call = self.submit(aclient.aclose, on_done=finished)
-            else:
-                call = self.submit(lambda: _bounded_aclose(aclient, bound), on_done=finished)
-        except ClientClosedError:
-            self.release()
-            return None
-        holder.append(call)
-        self.background.add(call)
-        if call._finished:  # it finished before it was added (finished is set first)
-            self.background.discard(call)
-        return call
-
-    def shutdown(self, timeout: float) -> None:
-        """Stop the loop and join the thread (interpreter exit)."""
-        with _LoopThread._lock:
-            if _LoopThread._current is self:
-                _LoopThread._current = None
-        try:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        except RuntimeError:
-            return
-        self.thread.join(timeout)
-
 
 def _bound(timeout: float | None, grace: float) -> float | None:
     """The facade's wait for an operation with the (checked) deadline ``timeout``."""
@@ -512,7 +100,7 @@ def _bound(timeout: float | None, grace: float) -> float | None:
 _live: weakref.WeakSet[Client] = weakref.WeakSet()
 
 
-def _finalize(aclient: AsyncClient, lt: _LoopThread, pid: int, desc: str) -> None:
+def _finalize(aclient: AsyncClient, lt: LoopThread, pid: int, desc: str) -> None:
     """weakref.finalize callback of a Client dropped (or still open at exit) unclosed."""
     if os.getpid() != pid:
         return  # inherited across fork: the parent owns the server-side state
@@ -525,7 +113,7 @@ def _finalize(aclient: AsyncClient, lt: _LoopThread, pid: int, desc: str) -> Non
     finally:
         # At exit the close is bounded (it must end before the exit hook stops the loop,
         # so that socket and session are closed quietly).
-        bound = _EXIT_WAIT - 0.5 if _exiting else None
+        bound = EXIT_WAIT - 0.5 if _exiting else None
         lt.close_in_background(aclient, bound)  # holds its own reference until the close is done
         lt.release()
 
@@ -539,18 +127,18 @@ def _at_exit() -> None:
     _exiting = True
     for client in list(_live):
         client._finalizer()
-    lt = _LoopThread._current
+    lt = LoopThread._current
     if lt is None or not lt.alive():
         return
     # Bounded (a hung server must not hold the exit for cleanup_grace + unregister): what
     # is not done by then expires on the server (sessions, locks, the registration).
-    deadline = time.monotonic() + _EXIT_WAIT
+    deadline = time.monotonic() + EXIT_WAIT
     pending = [call for call in list(lt.background) if not call.done.is_set()]
     if pending:
         log.warning(
             "lmcache-async: at exit, waiting up to %.0f s for %d client close(s) "
             "(operation cleanups, unregister)",
-            _EXIT_WAIT,
+            EXIT_WAIT,
             len(pending),
         )
     for call in pending:
@@ -559,10 +147,10 @@ def _at_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
-    _LoopThread._lock = threading.RLock()
-    _LoopThread._current = None
-    _LoopThread._retiring = None
-    _tls.__dict__.clear()
+    LoopThread._lock = threading.RLock()
+    LoopThread._current = None
+    LoopThread._retiring = None
+    tls.__dict__.clear()
     for client in list(_live):
         client._finalizer.detach()
     _live.clear()
@@ -617,45 +205,23 @@ class Client:
         url: str = "tcp://localhost:5555",
         http_url: str = "http://localhost:8080",
         model_name: str = "",
-        *,
-        geometry: KVGeometry | None = None,
-        timeout: float | None = 60.0,
-        transfer: TransferMode = "auto",
-        num_kv_readers: int = 1,
-        ping_interval: float = 20.0,
-        cleanup_grace: float = 10.0,
-        metadata_ttl: float = 5.0,
-        prefault_shm: bool = True,
-        api_key: str | None = None,
-        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        **options: Unpack[ClientOptions],
     ) -> None:
         self._pid = os.getpid()
         self._closed = True  # until opened
-        timeout = check_timeout(timeout)
-        self._grace = check_timeout(cleanup_grace, "cleanup_grace", allow_none=False) or 0.0
-        _refuse_on_loop_thread("Client()")
+        refuse_on_loop_thread("Client()")
+        # Made here, so that every argument is checked in the calling thread before anything
+        # reaches the loop (the constructor does no I/O); opened on the loop.
+        unopened = AsyncClient(url, http_url, model_name, **options)
+        timeout = unopened.timeout
+        self._grace = unopened.cleanup_grace
 
         async def open_client() -> AsyncClient:
-            client = AsyncClient(
-                url,
-                http_url,
-                model_name,
-                geometry=geometry,
-                timeout=timeout,
-                transfer=transfer,
-                num_kv_readers=num_kv_readers,
-                ping_interval=ping_interval,
-                cleanup_grace=cleanup_grace,
-                metadata_ttl=metadata_ttl,
-                prefault_shm=prefault_shm,
-                api_key=api_key,
-                max_in_flight=max_in_flight,
-            )
-            await client.open()
-            return client
+            await unopened.open()
+            return unopened
 
-        lt = _LoopThread.acquire()
-        call: _LoopCall[AsyncClient] | None = None
+        lt = LoopThread.acquire()
+        call: LoopCall[AsyncClient] | None = None
         try:
             call = lt.submit(open_client)
             aclient = call.wait("open", _bound(timeout, self._grace), self._grace)
@@ -678,34 +244,10 @@ class Client:
         url: str = "tcp://localhost:5555",
         http_url: str = "http://localhost:8080",
         model_name: str = "",
-        *,
-        geometry: KVGeometry | None = None,
-        timeout: float | None = 60.0,
-        transfer: TransferMode = "auto",
-        num_kv_readers: int = 1,
-        ping_interval: float = 20.0,
-        cleanup_grace: float = 10.0,
-        metadata_ttl: float = 5.0,
-        prefault_shm: bool = True,
-        api_key: str | None = None,
-        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        **options: Unpack[ClientOptions],
     ) -> Client:
         """Create and open a :class:`Client` (the same as calling the class)."""
-        return cls(
-            url,
-            http_url,
-            model_name,
-            geometry=geometry,
-            timeout=timeout,
-            transfer=transfer,
-            num_kv_readers=num_kv_readers,
-            ping_interval=ping_interval,
-            cleanup_grace=cleanup_grace,
-            metadata_ttl=metadata_ttl,
-            prefault_shm=prefault_shm,
-            api_key=api_key,
-            max_in_flight=max_in_flight,
-        )
+        return cls(url, http_url, model_name, **options)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -720,7 +262,7 @@ class Client:
 
     def _run(self, name: str, bound: float | None, factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
         self._check_process()
-        _refuse_on_loop_thread(f"Client.{name}()")
+        refuse_on_loop_thread(f"Client.{name}()")
         if self._closed:
             raise ClientClosedError("the client is closed")
         return self._lt.submit(factory).wait(name, bound, self._grace)
@@ -817,7 +359,7 @@ class Client:
         if isinstance(exc_type, type) and not issubclass(exc_type, Exception):
             # Ctrl-C (or SystemExit) out of the block: the user wants out; a server that
             # hangs must not hold the exit for cleanup_grace + the unregister.
-            self._close(_INTERRUPT_CLOSE)
+            self._close(INTERRUPT_CLOSE)
         else:
             self.close()
 
@@ -833,7 +375,7 @@ class Client:
         (fork) it only marks the client closed. From the loop thread: LoopThreadCallError.
 
         A ``with`` block left by ``KeyboardInterrupt`` (Ctrl-C) or ``SystemExit`` closes
-        with a bound instead: at most 1.5 s (``_INTERRUPT_CLOSE``), after which the close
+        with a bound instead: at most 1.5 s (``INTERRUPT_CLOSE``), after which the close
         is cancelled, which still closes socket and session (cleanups of interrupted
         operations against a server that does not answer, and the unregister, are left
         to expire on the server).
@@ -844,7 +386,7 @@ class Client:
         if os.getpid() != self._pid:
             self._closed = True
             return
-        _refuse_on_loop_thread("Client.close()")
+        refuse_on_loop_thread("Client.close()")
         if self._finalizer.detach() is None:
             return  # already closed (or being closed by another thread)
         _live.discard(self)
@@ -852,10 +394,10 @@ class Client:
         lt = self._lt
         try:
             if bound is None:
-                lt.submit(self._async.aclose).wait("close", self._grace + _CLOSE_EXTRA, self._grace)
+                lt.submit(self._async.aclose).wait("close", self._grace + CLOSE_EXTRA, self._grace)
             else:
                 aclient = self._async
-                lt.submit(lambda: _bounded_aclose(aclient, bound)).wait("close", bound + 1.0, 1.0)
+                lt.submit(lambda: bounded_aclose(aclient, bound)).wait("close", bound + 1.0, 1.0)
         except LMCacheTimeoutError:
             log.warning("lmcache-async: closing %r took too long; left to the event loop", self)
         except ClientClosedError:

@@ -1,0 +1,154 @@
+"""How an operation runs: in a task of its own, under deadlines, and how tasks are stopped.
+
+:func:`run_detached` runs an operation's body in a task that outlives a caller who timed
+out or was cancelled (the body finishes its server-side cleanup, abandoned), with the
+shared :class:`OpState`. :func:`wait_all` waits for a live set of such tasks;
+:class:`Expired` / :func:`expire` are the one deadline signal a timer sets on a future.
+
+Cancel a task and wait for it, without swallowing the waiter's own cancellation:
+
+``task.cancel(); with contextlib.suppress(BaseException): await task`` cannot tell the
+task's ``CancelledError`` from one aimed at the waiter: a closer cancelled while it waits
+returns normally, with ``cancelling()`` left at 1. :func:`cancel_and_wait` waits with
+:func:`asyncio.wait`, which never raises the task's outcome, so a ``CancelledError`` it
+raises is the waiter's own and propagates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+from lmcache_async.errors import LMCacheTimeoutError
+
+__all__ = ["Expired", "OpState", "cancel_and_wait", "expire", "run_detached", "wait_all"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Expired(Exception):
+    """A deadline passed (set on a waiting future by its timer; never seen by callers)."""
+
+
+def expire(fut: asyncio.Future[Any]) -> None:
+    """The timer's callback: fail ``fut`` with :class:`Expired` unless it is done."""
+    if not fut.done():
+        fut.set_exception(Expired())
+
+
+class OpState:
+    """Shared state between a caller and the task running its operation.
+
+    Attributes:
+        deadline: when the task must be done (the caller's deadline plus cleanup grace).
+        caller_deadline: when the caller stops waiting (``None``: never).
+        abandoned: the caller left (timed out or cancelled).
+    """
+
+    __slots__ = ("abandoned", "caller_deadline", "deadline")
+
+    def __init__(self, deadline: float | None, caller_deadline: float | None = None) -> None:
+        self.deadline = deadline
+        self.caller_deadline = caller_deadline if caller_deadline is not None else deadline
+        self.abandoned = False
+
+    def remaining(self) -> float | None:
+        if self.deadline is None:
+            return None
+        return max(self.deadline - time.monotonic(), 0.0)
+
+
+async def run_detached(
+    name: str,
+    timeout: float | None,
+    cleanup_grace: float,
+    body: Callable[[OpState], Awaitable[T]],
+    track: Callable[[asyncio.Task[Any]], None] | None = None,
+) -> T:
+    """Run ``body`` in a task of its own and wait for it under ``timeout``.
+
+    The task's deadline is ``timeout + cleanup_grace``. ``track`` is given the task (the
+    client keeps a set of them, to wait for their cleanup on close).
+
+    Raises:
+        LMCacheTimeoutError: ``timeout`` passed; the task goes on, abandoned, to clean up.
+
+    Cancellation: the task is marked abandoned and goes on to clean up; the caller's
+    ``CancelledError`` propagates.
+    """
+    start = time.monotonic()
+    op = OpState(
+        None if timeout is None else start + timeout + cleanup_grace,
+        None if timeout is None else start + timeout,
+    )
+    task = asyncio.ensure_future(body(op))
+    if track is not None:
+        track(task)
+    # The caller waits on a future of its own, never on the task: cancelling or timing
+    # out the caller leaves the task running (abandoned) to clean up.
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[None] = loop.create_future()
+
+    def finished(_task: object) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    task.add_done_callback(finished)
+    timer = None if timeout is None else loop.call_later(timeout, expire, waiter)
+    try:
+        await waiter
+    except Expired:
+        op.abandoned = True
+        raise LMCacheTimeoutError(name, time.monotonic() - start) from None
+    except asyncio.CancelledError:
+        op.abandoned = True
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+    return task.result()
+
+
+async def cancel_and_wait(
+    tasks: asyncio.Future[Any] | Iterable[asyncio.Future[Any]], what: str = "task"
+) -> None:
+    """Cancel ``tasks`` and wait until they are done; their errors are logged at debug
+    level (they were being stopped), never raised.
+
+    Cancellation: the waiter's ``CancelledError`` propagates at once (the tasks were
+    already told to stop and finish on their own).
+    """
+    pending = {tasks} if isinstance(tasks, asyncio.Future) else set(tasks)
+    if not pending:
+        return
+    for task in pending:
+        task.cancel()
+    await asyncio.wait(pending)
+    for task in pending:
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("%s ended with %r while being stopped", what, task.exception())
+
+
+async def wait_all(futures: set[asyncio.Future[Any]], timeout: float | None) -> bool:
+    """Wait until ``futures`` (a live set: done ones leave it, follow-ups join it) is
+    empty; False if ``timeout`` passed first."""
+    end = None if timeout is None else time.monotonic() + timeout
+    settled = False
+    while True:
+        pending = {f for f in futures if not f.done()}
+        if not pending:
+            if settled:
+                return True
+            settled = True
+            await asyncio.sleep(0)  # done-callbacks may still post follow-ups
+            continue
+        settled = False
+        left = None if end is None else end - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        await asyncio.wait(pending, timeout=left)
