@@ -55,6 +55,7 @@ import zmq
 import zmq.backend
 from zmq.utils.monitor import parse_monitor_message
 
+from lmcache_async import _trace
 from lmcache_async._runner import Expired, cancel_and_wait, expire
 from lmcache_async._wire import GEN_0_5_6, Op, Reply, WireGeneration, decode_reply, encode_request, op_name
 from lmcache_async.errors import (
@@ -641,6 +642,8 @@ class Connection:
         sock = self._sock
         assert sock is not None and self._loop is not None
         last = len(frames) - 1
+        if _trace.hook is not None:
+            _trace.hook("send")
         try:
             # All or nothing: once libzmq took the first part of a message it takes the rest.
             for i, frame in enumerate(frames):
@@ -650,6 +653,8 @@ class Connection:
             return False
         except zmq.ZMQError as exc:
             raise LMCacheConnectionError(f"{op_name(op)}: send failed: {exc}") from exc
+        if _trace.hook is not None:
+            _trace.hook("sent")
         # A send may consume the descriptor's edge (libzmq processes its commands then):
         # look for replies once more on the next loop turn.
         if not self._drain_scheduled:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar, Final, Generic, Protocol, TypeVar
 
+from lmcache_async import _trace
 from lmcache_async.errors import ClientClosedError, LMCacheTimeoutError, LoopThreadCallError
 
 __all__ = [
@@ -142,6 +143,8 @@ class WakingSelector(selectors.DefaultSelector):
         self.to_wake: list[Done] = []
 
     def wake_all(self) -> None:
+        if _trace.hook is not None:
+            _trace.hook("wake")
         to_wake, self.to_wake = self.to_wake, []
         for event in to_wake:
             event.set()
@@ -188,6 +191,8 @@ class LoopCall(Generic[T]):
 
     # -- on the loop thread
     def _start(self) -> None:
+        if _trace.hook is not None:
+            _trace.hook("start")
         factory, self._factory = self._factory, None
         assert factory is not None
         try:
@@ -227,6 +232,8 @@ class LoopCall(Generic[T]):
         self._finish()
 
     def _finish(self) -> None:
+        if _trace.hook is not None:
+            _trace.hook("finish")
         self._finished = True
         if self._waker is None:
             self.done.set()
@@ -414,6 +421,8 @@ class LoopThread:
     ) -> LoopCall[T]:
         """Schedule ``factory()`` as a task on the loop (the coroutine is created there);
         ``on_done`` runs on the loop once it has finished (registered before it starts)."""
+        if _trace.hook is not None:
+            _trace.hook("submit")
         call = LoopCall(self.loop, factory, self._waker)
         if on_done is not None:
             call._callbacks.append(on_done)

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack
 
 import torch
 
+from lmcache_async import _trace
 from lmcache_async._cuda.hooks import caller_device, on_caller_streams
 from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
 from lmcache_async._loop_thread import (
@@ -84,11 +85,30 @@ from lmcache_async.geometry import KVGeometry
 if TYPE_CHECKING:
     from lmcache_async.bulk import BatchProgress, BatchResult, RemapPair, RetrieveItem, StoreItem
 
-__all__ = ["LOOP_THREAD_NAME", "Client", "SyncUsageError"]
+__all__ = ["LOOP_THREAD_NAME", "Client", "SyncUsageError", "set_trace_hook"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def set_trace_hook(hook: Callable[[str], None] | None) -> None:
+    """Have ``hook(point)`` called at each hand-over point a blocking call passes, for
+    profiling (``benchmarks/bench_facade.py --trace`` times the phases of a call with it);
+    ``None`` turns it off. The points, in a call's order:
+
+    * ``"submit"``: in the caller's thread, as the call is handed to the loop thread;
+    * ``"start"``: on the loop thread, as the call's coroutine is created;
+    * ``"send"`` / ``"sent"``: on the loop thread, around each request's send on the socket
+      (any client's, the async ones' too);
+    * ``"finish"``: on the loop thread, as the call is done;
+    * ``"wake"``: on the loop thread, as it wakes the callers whose calls finished, before
+      it waits for I/O again.
+
+    The hook runs inline at these points: it must be fast and must not raise. One hook per
+    process; a new one replaces the old.
+    """
+    _trace.hook = hook
 
 
 def _bound(timeout: float | None, grace: float) -> float | None:
