@@ -6,11 +6,11 @@ the server: the ZMQ connection, the HTTP metadata session, the server's generati
 configuration (:class:`~lmcache_async._server_config.ServerConfig`), the registration
 (its id, the SHM pool it maps, whether it is stale), the keep-alive task and the watch for
 a server replaced behind the connection; and it makes the
-:class:`~lmcache_async._operations.Operations` of the current registration. The client
+:class:`~lmcache_async._ops.Operations` of the current registration. The client
 keeps argument checks, the public methods and its lifecycle state, and runs operations
 over :meth:`Session.operations`.
 
-The request path goes down from here: ``client`` -> ``_session`` -> ``_operations`` ->
+The request path goes down from here: ``client`` -> ``_session`` -> ``_ops`` ->
 ``_connection`` -> ``_wire``.
 """
 
@@ -26,7 +26,7 @@ from typing import Any, Final, Literal
 
 from lmcache_async._connection import Connection
 from lmcache_async._metadata import Metadata
-from lmcache_async._operations import Operations, Registration
+from lmcache_async._ops import Operations, Registration
 from lmcache_async._replacement import ServerWatch
 from lmcache_async._runner import cancel_and_wait
 from lmcache_async._server_config import ServerConfig
@@ -61,7 +61,7 @@ UNREGISTER_TIMEOUT: Final = 2.0
 
 
 class ConnectionChannel:
-    """The :class:`~lmcache_async._operations.Channel` of a ZMQ connection, for the
+    """The :class:`~lmcache_async._ops.Channel` of a ZMQ connection, for the
     operations of one server: when that server is found replaced, the channel is retired
     (a new one serves the new server) and its operations' requests fail at once with
     :class:`ServerReplacedError`, cleanups included (nothing of theirs exists there)."""

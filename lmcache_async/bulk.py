@@ -74,7 +74,7 @@ from lmcache_async._host_copy import empty_host
 from lmcache_async._wire import validate_cache_salt, validate_tokens
 
 if TYPE_CHECKING:
-    from lmcache_async._operations import RemapResult
+    from lmcache_async._ops import RemapResult
     from lmcache_async.geometry import KVGeometry
 
 __all__ = [

@@ -11,7 +11,7 @@ So a timeout or a cancellation never leaves sessions, locks or reservations behi
 
 Layers: this module holds the lifecycle (detect the server generation, load the
 configuration, register, keep alive, re-register after a restart) and validates every
-argument; each operation's RPC sequence lives once in :mod:`lmcache_async._operations`,
+argument; each operation's RPC sequence lives once in :mod:`lmcache_async._ops`,
 over a small channel interface; what differs between server generations is data in
 :class:`lmcache_async._wire.WireGeneration`.
 """
@@ -34,7 +34,7 @@ import torch
 from lmcache_async._connection import DEFAULT_MAX_IN_FLIGHT, check_zmq_url
 from lmcache_async._cuda.hooks import caller_order, kv_mark, target_mark
 from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
-from lmcache_async._operations import Operations, RemapResult
+from lmcache_async._ops import Operations, RemapResult
 from lmcache_async._runner import OpState, run_detached, wait_all
 from lmcache_async._session import Session, TransferMode
 from lmcache_async._tensor_checks import check_tensor_storage
