@@ -24,12 +24,12 @@ venv: $(STAMP)
 
 ## Both real LMCache venvs: .lmcache-venv (0.5.6) and .lmcache-venv-057 (0.5.7rc3).
 lmcache-venv:
-	tests/support/build_lmcache_venv.sh --generation 0.5.6
-	tests/support/build_lmcache_venv.sh --generation 0.5.7
+	harness/build_lmcache_venv.sh --generation 0.5.6
+	harness/build_lmcache_venv.sh --generation 0.5.7
 
 ## Debian's redis-server (the multi-host tests' shared L2); installs it only if missing.
 redis:
-	tests/support/ensure_redis.sh
+	harness/ensure_redis.sh
 
 ## The main job: the KV remap demo on the embedded server (no LMCache needed).
 demo: venv
@@ -50,10 +50,10 @@ check: venv lint typecheck
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 2 --dist loadgroup --hypothesis-profile=check -m "not real_server"
 
 lint: venv
-	$(BIN)/ruff check lmcache_async tests benchmarks examples
-	$(BIN)/ruff format --check lmcache_async tests benchmarks examples
+	$(BIN)/ruff check lmcache_async harness tests benchmarks examples
+	$(BIN)/ruff format --check lmcache_async harness tests benchmarks examples
 
-# mypy strict over lmcache_async and tests (pyproject.toml [tool.mypy]).
+# mypy strict over lmcache_async, harness and tests (pyproject.toml [tool.mypy]).
 typecheck: venv
 	$(BIN)/mypy
 

@@ -53,8 +53,8 @@ from benchmarks.harness import (
     spread,
     workers,
 )
-from tests.support.real_server import RealLMCacheServer
-from tests.support.workers import EngineWorker
+from harness.real_server import RealLMCacheServer
+from harness.workers import EngineWorker
 
 CS = 256
 BIG = lmc.KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)

@@ -37,8 +37,8 @@ import torch
 
 import lmcache_async as lmc
 from benchmarks.harness import SDKBench, clear_l1, sdk_call, server_python, settle, spread, workers
-from tests.support.real_server import RealLMCacheServer
-from tests.support.workers import EngineWorker
+from harness.real_server import RealLMCacheServer
+from harness.workers import EngineWorker
 
 CS = 256
 GEOM = lmc.KVGeometry(num_layers=2, num_kv_heads=1, head_dim=128, dtype=torch.bfloat16, block_size=16)

@@ -345,7 +345,7 @@ def main() -> None:
     if args.url is not None:
         result = measure(args.url, args.http_url)
     else:
-        from tests.support.real_server import RealLMCacheServer, lmcache_venv_python
+        from harness.real_server import RealLMCacheServer, lmcache_venv_python
 
         with RealLMCacheServer(args.mode, venv_python=lmcache_venv_python(), chunk_size=16) as srv:
             result = measure(srv.url, srv.http_url)

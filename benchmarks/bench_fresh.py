@@ -34,8 +34,8 @@ import torch
 
 import lmcache_async as lmc
 from benchmarks.harness import SDKBench, sdk_call, server_python, spread, workers
-from tests.support.real_server import RealLMCacheServer
-from tests.support.workers import EngineWorker
+from harness.real_server import RealLMCacheServer
+from harness.workers import EngineWorker
 
 CS = 256
 CHUNKS = 16

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 import lmcache_async as lmc
-from tests.support.real_server import RealLMCacheServer, lmcache_venv_python
-from tests.support.redis_server import RedisServer, _encode, _Reader
+from harness.real_server import RealLMCacheServer, lmcache_venv_python
+from harness.redis_server import RedisServer, _encode, _Reader
 
 _PREFETCH_LINE = re.compile(r"Prefetch request completed \(L1\+L2\): .*\(0 L1, (\d+) L2\) in ([0-9.]+) ms")
 

@@ -35,9 +35,9 @@ import torch
 
 import lmcache_async as lmc
 from benchmarks.harness import server_python
+from harness.real_server import RealLMCacheServer
 from lmcache_async import _operations as operations
 from lmcache_async._wire import Op
-from tests.support.real_server import RealLMCacheServer
 
 CS = 256
 GEOM = lmc.KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)

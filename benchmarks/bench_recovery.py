@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 import lmcache_async as lmc
-from tests.support.real_server import RealLMCacheServer, lmcache_venv_python
+from harness.real_server import RealLMCacheServer, lmcache_venv_python
 
 CS = 16
 GEOMETRY = lmc.KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_size=16)

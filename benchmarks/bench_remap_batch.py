@@ -50,8 +50,8 @@ import torch
 
 import lmcache_async as lmc
 from benchmarks.harness import BENCH_DIR, settle, workers
-from tests.support.real_server import RealLMCacheServer, lmcache_venv_python
-from tests.support.workers import SUPPORT_DIR, EngineWorker, _JsonLinesWorker
+from harness.real_server import RealLMCacheServer, lmcache_venv_python
+from harness.workers import HARNESS_DIR, EngineWorker, _JsonLinesWorker
 
 CS = 256
 GEOMETRY = lmc.KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
@@ -65,7 +65,7 @@ ITEM_BYTES = TOKENS * GEOMETRY.bytes_per_token  # 128 MiB
 
 class SDKRemap(_JsonLinesWorker):
     SCRIPT = str(BENCH_DIR / "sdk_remap_worker.py")
-    IMPORT_DIRS = (SUPPORT_DIR,)  # its bare `from _worker_loop import ...`
+    IMPORT_DIRS = (HARNESS_DIR,)  # its bare `from _worker_loop import ...`
     KIND = "sdk-remap"
 
 

@@ -23,9 +23,9 @@ import zmq
 
 import lmcache_async as lmc
 from benchmarks.harness import settle, spread
+from harness.real_server import RealLMCacheServer, lmcache_venv_python
 from lmcache_async import _wire as wire
 from lmcache_async._wire import Op
-from tests.support.real_server import RealLMCacheServer, lmcache_venv_python
 
 CASES: tuple[tuple[Op, tuple[Any, ...]], ...] = ((Op.NOOP, ()), (Op.END_SESSION, ("bench-rtt",)))
 

@@ -26,8 +26,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.support.real_server import LMCacheServerError, RealLMCacheServer, lmcache_venv_python
-from tests.support.workers import SUPPORT_DIR, _JsonLinesWorker
+from harness.real_server import LMCacheServerError, RealLMCacheServer, lmcache_venv_python
+from harness.workers import HARNESS_DIR, _JsonLinesWorker
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / "benchmarks"
@@ -40,7 +40,7 @@ class SDKBench(_JsonLinesWorker):
     """The official SDK in the lmcache venv (``benchmarks/sdk_bench_worker.py``)."""
 
     SCRIPT = str(BENCH_DIR / "sdk_bench_worker.py")
-    IMPORT_DIRS = (SUPPORT_DIR,)  # its bare `from _worker_loop import ...`
+    IMPORT_DIRS = (HARNESS_DIR,)  # its bare `from _worker_loop import ...`
     KIND = "sdk-bench"
 
 

@@ -1,6 +1,6 @@
 """The official SDK's side of benchmarks/bench_remap_batch.py (run with the lmcache venv's python).
 
-JSON lines over stdin/stdout (framing: tests/support/_worker_loop.py):
+JSON lines over stdin/stdout (framing: harness/_worker_loop.py):
 
 * ``connect`` {url, http_url, model_name} -> {chunk_size}
   ``lmcache.sdk.kvcache.connect``; the model must have a vLLM-style registration.
@@ -17,7 +17,7 @@ import sys
 import time
 
 # Run as a script with an lmcache venv's python: its own directory is sys.path[0]
-# (sdk_worker_ready), and the spawner puts tests/support on PYTHONPATH (_worker_loop).
+# (sdk_worker_ready), and the spawner puts harness/ on PYTHONPATH (_worker_loop).
 from _worker_loop import WorkerExit, error_reply, send, serve, take_protocol_stdout
 from sdk_worker_ready import ready_line
 

@@ -1,6 +1,6 @@
 """The ready line of the benchmark SDK workers (run in an lmcache venv, stdlib only).
 
-The test helpers (tests/support/workers.py) check that a worker runs the lmcache
+The test helpers (harness/workers.py) check that a worker runs the lmcache
 generation they asked for, from ``lmcache_version`` and ``generation`` in its ready line.
 """
 

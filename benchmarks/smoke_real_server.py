@@ -13,7 +13,7 @@ import sys
 import torch
 
 import lmcache_async as lmc
-from tests.support.real_server import RealLMCacheServer, lmcache_venv_python
+from harness.real_server import RealLMCacheServer, lmcache_venv_python
 
 
 async def smoke(srv: RealLMCacheServer) -> None:

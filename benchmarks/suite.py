@@ -57,7 +57,7 @@ from benchmarks.harness import (
     stamp,
     start_servers,
 )
-from tests.support.real_server import RealLMCacheServer
+from harness.real_server import RealLMCacheServer
 
 SHM_SECTIONS = ("rtt", "facade", "concurrent", "single_shm", "fresh", "remap")
 ALL_SECTIONS = (*SHM_SECTIONS, "single_pickle")

@@ -1,7 +1,7 @@
 """Shared pytest fixtures.
 
 Real-server fixtures (the REAL LMCache MP server, run from its own venv built by
-``tests/support/build_lmcache_venv.sh``: ``.lmcache-venv`` for 0.5.6,
+``harness/build_lmcache_venv.sh``: ``.lmcache-venv`` for 0.5.6,
 ``.lmcache-venv-057`` for the 0.5.7rc3 generation):
 
 * ``lmcache_python`` (session): Path of the lmcache venv's python. The venv is
@@ -64,13 +64,13 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
-from tests.hypothesis_budget import PROFILE_ENV
-from tests.support.real_server import (
+from harness.real_server import (
     Generation,
     LMCacheServerError,
     RealLMCacheServer,
     lmcache_venv_python,
 )
+from tests.hypothesis_budget import PROFILE_ENV
 
 # The hypothesis profile named by the environment (tests/hypothesis_budget.py registers
 # "check"); pytest's --hypothesis-profile, applied after this import, wins over it.
@@ -185,7 +185,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         if reporter is not None:
             reporter.write_line(
                 f"preparing the lmcache {generation} venv "
-                f"(tests/support/build_lmcache_venv.sh --generation {generation})"
+                f"(harness/build_lmcache_venv.sh --generation {generation})"
             )
         _build_venv(session.config, generation)
 

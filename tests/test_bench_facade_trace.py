@@ -7,8 +7,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from harness.real_server import RealLMCacheServer
 from lmcache_async import _connection as connection, sync_client
-from tests.support.real_server import RealLMCacheServer
 
 
 def test_trace_times_every_phase_and_restores_the_library(real_server_shm: RealLMCacheServer) -> None:

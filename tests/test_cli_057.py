@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.real_server import RealLMCacheServer
 from lmcache_async import AsyncClient
 from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
-from tests.support.real_server import RealLMCacheServer
 from tests.test_cli_commands import GEOMETRY_FLAGS, cli, ok, server_args
 
 pytestmark = pytest.mark.real_server

@@ -34,11 +34,11 @@ from typing import Any
 import pytest
 import torch
 
+from harness.real_server import RealLMCacheServer, child_env
+from harness.workers import EngineWorker
 from lmcache_async import AsyncClient
 from lmcache_async.cli import build_parser, main
 from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
-from tests.support.real_server import RealLMCacheServer, child_env
-from tests.support.workers import EngineWorker
 
 CS = 16
 GEOMETRY_FLAGS = ["--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8"]  # SMALL_GEOMETRY

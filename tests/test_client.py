@@ -196,7 +196,7 @@ async def test_unregistered_model_names_the_registered_ones(server: Any) -> None
 
 
 async def test_unreachable_server_is_a_connection_error() -> None:
-    from tests.support.real_server import free_loopback_port
+    from harness.real_server import free_loopback_port
 
     port = free_loopback_port()
     with pytest.raises(lmc.LMCacheConnectionError, match=f"GET http://127.0.0.1:{port}/lmc_version failed"):
@@ -277,7 +277,7 @@ async def test_timeouts_and_cancellations_leave_no_sessions_or_locks(own_server:
 
 async def test_explicit_and_status_geometry_agree(real_server: Any) -> None:
     server = real_server
-    from tests.support.workers import EngineWorker
+    from harness.workers import EngineWorker
 
     model = unique_model("engine")
     geometry = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_size=4)
@@ -303,7 +303,7 @@ async def test_interop_with_the_engine_path(real_server: Any) -> None:
     """KV an inference engine (lmcache's own lmcache-driven path, as vLLM) stores is read
     bitwise by AsyncClient, and KV AsyncClient stores under a target prefix (the remap
     flow) is read bitwise by the engine."""
-    from tests.support.workers import EngineWorker
+    from harness.workers import EngineWorker
 
     model = unique_model("engine")
     with EngineWorker(server.url) as eng:
@@ -322,7 +322,7 @@ async def test_interop_with_the_engine_path(real_server: Any) -> None:
 
 async def test_interop_with_the_official_sdk(real_server: Any) -> None:
     server = real_server
-    from tests.support.workers import EngineWorker, SDKWorker
+    from harness.workers import EngineWorker, SDKWorker
 
     model = unique_model("sdk")
     eng, sdk = EngineWorker(server.url), SDKWorker()

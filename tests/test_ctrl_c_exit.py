@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.real_server import REPO_ROOT
+from harness.real_server import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "tests" / "support" / "ctrl_c_script.py"
 #: The exit bound asserted (measured: 2.2-2.4 s with a hung server, 0.5-1.7 s with one that

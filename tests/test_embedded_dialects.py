@@ -30,10 +30,10 @@ import torch
 import zmq
 import zmq.asyncio
 
+from harness.workers import EngineWorker, SDKWorker
 from lmcache_async._payload.pickle_tensors import encode_tensor_list
 from lmcache_async._wire import Op
 from lmcache_async.testing import EmbeddedServer, InProcessServer, ModelSpec, NoReply, Protocol
-from tests.support.workers import EngineWorker, SDKWorker
 
 pytestmark = pytest.mark.anyio
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from harness.real_server import LMCACHE_QUIET_ENV
 from lmcache_async._payload.tensor_envelope import (
     MAX_RANK,
     MAX_TENSORS,
@@ -22,7 +23,6 @@ from lmcache_async._payload.tensor_envelope import (
 )
 from lmcache_async.errors import ProtocolError
 from tests.hypothesis_budget import examples
-from tests.support.real_server import LMCACHE_QUIET_ENV
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.uint8, torch.float8_e4m3fn]
 SHAPE = (2, 2, 4, 3)

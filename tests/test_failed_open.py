@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import lmcache_async as lmc
+from harness.real_server import REPO_ROOT
 from lmcache_async import kvcache
 from lmcache_async._connection import Connection, check_zmq_url
 from lmcache_async.testing import EmbeddedServer
-from tests.support.real_server import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "tests" / "support" / "failed_open_script.py"
 GEOMETRY = lmc.KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, block_size=16)

@@ -348,7 +348,7 @@ async def test_interop_with_lmcaches_engine_path(real_server: Any) -> None:
     """lmcache's own engine path (the fake vLLM worker: paged [2, blocks, 4, NH, HS] per
     layer) stores the model's KV and hf.py reads it bitwise and serves from it; KV that
     hf.py stores is what the engine reads back into its paged cache, bitwise."""
-    from tests.support.workers import EngineWorker
+    from harness.workers import EngineWorker
 
     model = model_of(torch.bfloat16)
     name = unique_model("hf-engine")

@@ -16,7 +16,7 @@ import pytest
 from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 
-from tests.support.real_server import REPO_ROOT, RealLMCacheServer
+from harness.real_server import REPO_ROOT, RealLMCacheServer
 from tests.test_notebook import KERNEL_NAME, _kernel_specs
 
 SCRIPT = REPO_ROOT / "examples" / "kv_edit_experiment.py"

@@ -1,9 +1,9 @@
 """``lmcache_async.kvcache``: the official SDK's module-level API, against the real server.
 
 The model is registered the way vLLM does it (an lmcache-driven registration from
-``tests/support/engine_worker.py``), so ``connect`` without ``geometry=`` derives the
+``harness/engine_worker.py``), so ``connect`` without ``geometry=`` derives the
 layout from ``/status`` exactly like the official SDK. The official SDK itself
-(``tests/support/sdk_worker.py``, in the lmcache venv) runs next to it on the same
+(``harness/sdk_worker.py``, in the lmcache venv) runs next to it on the same
 server: return values and stored bytes are compared with it.
 """
 
@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import lmcache_async.kvcache as lmc_sdk
+from harness.real_server import RealLMCacheServer
+from harness.workers import EngineWorker, SDKWorker
 from lmcache_async import KVGeometry, ModelNotRegisteredError
 from lmcache_async.sync_client import Client
-from tests.support.real_server import RealLMCacheServer
-from tests.support.workers import EngineWorker, SDKWorker
 
 # every test here runs on a real server (some reach it through request.getfixturevalue)
 pytestmark = pytest.mark.real_server

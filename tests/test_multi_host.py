@@ -1,7 +1,7 @@
 """Beyond one machine: per-host LMCache servers sharing a REAL Redis L2 (issue 15).
 
-Real parts only: Debian's ``redis-server`` (``tests/support/redis_server.py``, installed
-by ``tests/support/ensure_redis.sh``) and real LMCache servers started with
+Real parts only: Debian's ``redis-server`` (``harness/redis_server.py``, installed
+by ``harness/ensure_redis.sh``) and real LMCache servers started with
 ``--l2-adapter '{"type":"resp","host":"127.0.0.1","port":PORT}'`` -- 0.5.6 from
 ``.lmcache-venv`` and, for the rolling upgrade, 0.5.7rc3 from ``.lmcache-venv-057``
 (the ``lmcache057_python`` fixture, built by the test set-up like the 0.5.6 one). "Hosts" are servers on loopback ports with their own L1;
@@ -43,11 +43,11 @@ from typing import Any
 import pytest
 import torch
 
+from harness.real_server import REPO_ROOT, RealLMCacheServer
+from harness.redis_server import RedisServer
 from lmcache_async import AsyncClient, KVGeometry, RemapResult, TransferError
 from lmcache_async._shm import ShmPool
 from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
-from tests.support.real_server import REPO_ROOT, RealLMCacheServer
-from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.anyio
 
@@ -510,7 +510,7 @@ async def test_rolling_upgrade_056_and_057_share_redis(
     The 0.5.7 side is driven by the OFFICIAL 0.5.7rc3 SDK from its venv (a 0.5.7 engine
     registration gives it the geometry in /status); the 0.5.6 side by this client and by
     0.5.6's own engine path (a fake vLLM worker)."""
-    from tests.support.workers import EngineWorker, SDKWorker
+    from harness.workers import EngineWorker, SDKWorker
 
     model = unique_model("mh-upgrade")
     geometry = KVGeometry(2, 2, 8, torch.bfloat16, 4)

@@ -23,7 +23,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager, KernelManager
 from nbclient import NotebookClient
 
-from tests.support.real_server import REPO_ROOT, RealLMCacheServer
+from harness.real_server import REPO_ROOT, RealLMCacheServer
 
 NOTEBOOK = REPO_ROOT / "docs" / "examples" / "kv_remap.ipynb"
 KERNEL_NAME = "lmcache-async-test"

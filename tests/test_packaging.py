@@ -51,8 +51,8 @@ def test_build_backend_understands_spdx_licenses() -> None:
 
 
 def test_sdist_ships_the_docs_and_the_whole_test_tree() -> None:
-    # setuptools alone ships tests/test*.py (not conftest.py or tests/support/) and no
-    # docs/; MANIFEST.in adds both trees whole.
+    # setuptools alone ships tests/test*.py (not conftest.py, tests/support/ or harness/)
+    # and no docs/; MANIFEST.in adds the three trees whole.
     commands = [
         line.split()
         for line in (ROOT / "MANIFEST.in").read_text().splitlines()
@@ -60,15 +60,16 @@ def test_sdist_ships_the_docs_and_the_whole_test_tree() -> None:
     ]
     assert ["graft", "docs"] in commands
     assert ["graft", "tests"] in commands
+    assert ["graft", "harness"] in commands
     removing = [c for c in commands if c[0] in {"prune", "exclude", "recursive-exclude", "global-exclude"}]
     assert removing == [["global-exclude", "*.py[cod]"]]
     assert (ROOT / "docs" / "compatibility.md").is_file()
-    assert (ROOT / "tests" / "support" / "real_server.py").is_file()
+    assert (ROOT / "harness" / "real_server.py").is_file()
 
 
-# ---- tests/support/build_lmcache_venv.sh: what a build prints -----------------------
+# ---- harness/build_lmcache_venv.sh: what a build prints -----------------------
 
-BUILD_SCRIPT = ROOT / "tests" / "support" / "build_lmcache_venv.sh"
+BUILD_SCRIPT = ROOT / "harness" / "build_lmcache_venv.sh"
 # pip's conflict report after the server dependencies' install, as a 0.5.6 build prints
 # it (20 such lines in all): lmcache's dependencies that step 2's --no-deps left out.
 RESOLVER_HEADER = (

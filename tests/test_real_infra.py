@@ -1,4 +1,4 @@
-"""Tests of the real-server test infrastructure (tests/support), not of lmcache_async.
+"""Tests of the real-server test infrastructure (harness/), not of lmcache_async.
 
 They pin down what the other real-server tests rely on: both server
 configurations answer over HTTP with chunk size 16; the fake vLLM worker
@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.real_server import RealLMCacheServer, pid_alive
-from tests.support.workers import EngineWorker, SDKWorker, WorkerError, WorkerTimeout
+from harness.real_server import RealLMCacheServer, pid_alive
+from harness.workers import EngineWorker, SDKWorker, WorkerError, WorkerTimeout
 
 CS = 16  # chunk size of the session servers (conftest.SESSION_CHUNK_SIZE)
 # A small vLLM-style geometry: 2 layers, 2 KV heads, head dim 8, block 4.

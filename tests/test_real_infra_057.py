@@ -1,4 +1,4 @@
-"""The 0.5.7 generation in the real-server test infrastructure (tests/support, conftest).
+"""The 0.5.7 generation in the real-server test infrastructure (harness/, conftest).
 
 The real LMCache 0.5.7rc3 server, run from ``.lmcache-venv-057``, starts in both
 transports with the same flags as 0.5.6, says what it is on ``/lmc_version``, and
@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.real_server import (
+from harness.real_server import (
     LMC_VERSIONS,
     LMCacheServerError,
     RealLMCacheServer,
     venv_generation,
 )
-from tests.support.workers import EngineWorker, SDKWorker
+from harness.workers import EngineWorker, SDKWorker
 
 CS = 16  # chunk size of the session servers (conftest.SESSION_CHUNK_SIZE)
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import lmcache_async as lmc
+from harness.real_server import free_loopback_port
 from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
-from tests.support.real_server import free_loopback_port
 
 pytestmark = pytest.mark.anyio
 

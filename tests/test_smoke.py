@@ -40,7 +40,7 @@ async def test_noop_over_a_dealer(real_server: Any) -> None:
 
 
 async def test_status_lists_an_engine_registration(real_server: Any) -> None:
-    from tests.support.workers import EngineWorker
+    from harness.workers import EngineWorker
 
     model = unique_model("smoke")
     meta = Metadata(real_server.http_url)

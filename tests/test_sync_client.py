@@ -30,6 +30,7 @@ import pytest
 import torch
 
 import lmcache_async.sync_client as sync_client
+from harness.real_server import REPO_ROOT, RealLMCacheServer
 from lmcache_async import (
     AsyncClient,
     ClientClosedError,
@@ -42,7 +43,6 @@ from lmcache_async import (
 )
 from lmcache_async.errors import LoopThreadCallError
 from lmcache_async.sync_client import LOOP_THREAD_NAME, Client, SyncUsageError
-from tests.support.real_server import REPO_ROOT, RealLMCacheServer
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_size=16)
 MODEL = f"test-sync-client-{os.getpid()}"

@@ -31,7 +31,7 @@ from typing import Any
 
 import zmq
 
-from tests.support.real_server import free_loopback_port
+from harness.real_server import free_loopback_port
 
 __all__ = ["HttpForwarder", "ZmqForwarder"]
 

@@ -3,9 +3,9 @@
 # Redis as LMCache's shared L2). Idempotent: exits at once when redis-server is
 # on PATH; otherwise installs the Debian package (needs root or sudo).
 #
-#   tests/support/ensure_redis.sh
+#   harness/ensure_redis.sh
 #
-# Nothing is started here: tests/support/redis_server.py starts its own
+# Nothing is started here: harness/redis_server.py starts its own
 # redis-server on a free loopback port and stops exactly that pid.
 set -euo pipefail
 

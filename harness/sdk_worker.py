@@ -3,7 +3,7 @@
 Run with an LMCACHE venv's python: the 0.5.6 SDK (``.lmcache-venv``) or the
 0.5.7rc3 one (``.lmcache-venv-057``, which speaks that generation's wire: packed
 token keys, the msgpack tensor envelope on the inline transport); both have the
-same public API. Driven by ``tests/support/workers.py::SDKWorker`` (framing:
+same public API. Driven by ``harness/workers.py::SDKWorker`` (framing:
 ``_worker_loop.py``). lmcache's log output goes to stderr. The ready line
 carries ``lmcache_version`` and ``generation`` (``"0.5.6"`` or ``"0.5.7"``).
 

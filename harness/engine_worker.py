@@ -5,7 +5,7 @@ Run with an LMCACHE venv's python: lmcache 0.5.6 (``.lmcache-venv``) or the
 version and speaks that generation's key format (0.5.6: ``token_ids``; 0.5.7:
 packed ``token_bytes``, built by lmcache's own ``IPCCacheServerKey.from_token_ids``).
 Every other call is the same public API in both. Spoken to over JSON lines on
-stdin/stdout by ``tests/support/workers.py::EngineWorker`` (protocol framing:
+stdin/stdout by ``harness/workers.py::EngineWorker`` (protocol framing:
 ``_worker_loop.py``). lmcache's log output goes to stderr.
 
 It registers a paged, vLLM flash-attention KV cache through lmcache's own

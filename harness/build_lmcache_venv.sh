@@ -3,18 +3,18 @@
 # LMCache MP server and the official SDK for the test suite, for one of the
 # two server generations this project supports:
 #
-#   tests/support/build_lmcache_venv.sh            # 0.5.6 at <repo>/.lmcache-venv
-#   tests/support/build_lmcache_venv.sh --generation 0.5.7   # at <repo>/.lmcache-venv-057
-#   LMCACHE_GENERATION=0.5.7 tests/support/build_lmcache_venv.sh   # the same
-#   LMCACHE_VENV=/some/dir tests/support/build_lmcache_venv.sh     # 0.5.6 elsewhere
-#   LMCACHE_VENV_057=/some/dir tests/support/build_lmcache_venv.sh --generation 0.5.7
+#   harness/build_lmcache_venv.sh            # 0.5.6 at <repo>/.lmcache-venv
+#   harness/build_lmcache_venv.sh --generation 0.5.7   # at <repo>/.lmcache-venv-057
+#   LMCACHE_GENERATION=0.5.7 harness/build_lmcache_venv.sh   # the same
+#   LMCACHE_VENV=/some/dir harness/build_lmcache_venv.sh     # 0.5.6 elsewhere
+#   LMCACHE_VENV_057=/some/dir harness/build_lmcache_venv.sh --generation 0.5.7
 #
 # Recipe for 0.5.6 (docs: shared reference "real-lmcache-server.md"):
 #   1. python3 -m venv VENV
 #   2. pip install torch==2.13.0          (CPU build; never a bare "torch")
 #   3. pip install --no-deps lmcache==0.5.6
 #   4. pip install the server's runtime deps, all pinned through
-#      tests/support/lmcache-constraints.txt (exact versions => no backtracking)
+#      harness/lmcache-constraints.txt (exact versions => no backtracking)
 #   5. import check
 #
 # Recipe for 0.5.7 (the 0.5.7rc3 build; shared reference "lmcache-0.5.7.md"):
@@ -22,7 +22,7 @@
 #   3. pip install --no-deps lmcache-cli==0.5.7rc3.dev0 (a pure-Python wheel
 #      holding the whole lmcache package, without compiled extensions)
 #   4. the same dependencies plus msgpack, pinned through
-#      tests/support/lmcache-constraints-057.txt
+#      harness/lmcache-constraints-057.txt
 #   5. pip download --no-deps lmcache==0.5.6 and copy its four lmcache/*.so
 #      into the 0.5.7 package (they load and serve on CPU: they differ from
 #      0.5.7's sources by one enum value, used only by one GPU KV-format spec)
@@ -55,7 +55,7 @@
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO_DIR="$(cd "${SCRIPT_DIR}/../.." && pwd)"
+REPO_DIR="$(cd "${SCRIPT_DIR}/.." && pwd)"
 
 die() {
     echo "build_lmcache_venv.sh: ERROR: $*" >&2

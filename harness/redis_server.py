@@ -3,7 +3,7 @@
 Stdlib only. LMCache servers use it as their shared L2 through
 ``--l2-adapter '{"type":"resp","host":"127.0.0.1","port":PORT}'``.
 
-    from tests.support.redis_server import RedisServer
+    from harness.redis_server import RedisServer
 
     with RedisServer() as redis:
         redis.port               # a free loopback port
@@ -16,7 +16,7 @@ persistence by default (``--save "" --appendonly no``): a restart then starts
 empty, exactly like a cache node that lost its memory. ``stop()`` signals
 exactly the pid it started (never by name).
 
-Install redis-server with ``tests/support/ensure_redis.sh`` (idempotent).
+Install redis-server with ``harness/ensure_redis.sh`` (idempotent).
 """
 
 from __future__ import annotations

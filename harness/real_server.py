@@ -3,10 +3,10 @@
 Two server generations: ``"0.5.6"`` (the default) and ``"0.5.7"`` (the
 0.5.7rc3 build). Stdlib only; never imports ``lmcache_async`` nor ``lmcache``
 (each generation's server runs in its own virtual environment, built by
-``tests/support/build_lmcache_venv.sh [--generation 0.5.7]``: ``.lmcache-venv``
+``harness/build_lmcache_venv.sh [--generation 0.5.7]``: ``.lmcache-venv``
 and ``.lmcache-venv-057``).
 
-    from tests.support.real_server import RealLMCacheServer
+    from harness.real_server import RealLMCacheServer
 
     with RealLMCacheServer("shm", chunk_size=16) as srv:
         srv.url        # "tcp://127.0.0.1:<port>"  (ZMQ request endpoint)
@@ -54,7 +54,7 @@ __all__ = [
     "venv_generation",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = Path(__file__).resolve().with_name("build_lmcache_venv.sh")
 
 SHM_DIR = Path("/dev/shm")
@@ -135,7 +135,7 @@ _venv_pythons: dict[Generation, Path] = {}
 def lmcache_venv_python(*, generation: Generation = "0.5.6", timeout: float = 1800.0) -> Path:
     """Build (idempotently) the lmcache venv of ``generation`` and return its python.
 
-    Runs ``tests/support/build_lmcache_venv.sh --generation G``. Location:
+    Runs ``harness/build_lmcache_venv.sh --generation G``. Location:
     ``<repo>/.lmcache-venv`` (0.5.6) or ``<repo>/.lmcache-venv-057`` (0.5.7),
     overridden by ``LMCACHE_VENV`` / ``LMCACHE_VENV_057``. A built venv costs
     ~0.1 s; a cold build ~70-80 s (0.5.6) or ~45-60 s (0.5.7). The result is

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from tests.support.real_server import (
+from harness.real_server import (
     Generation,
     check_generation,
     child_env,
@@ -46,7 +46,7 @@ from tests.support.real_server import (
 
 __all__ = ["EngineWorker", "SDKWorker", "WorkerDied", "WorkerError", "WorkerTimeout"]
 
-SUPPORT_DIR = Path(__file__).resolve().parent
+HARNESS_DIR = Path(__file__).resolve().parent
 
 
 class WorkerError(RuntimeError):
@@ -75,7 +75,7 @@ class _JsonLinesWorker:
     KIND: str = ""
     #: Directories put on the child's ``PYTHONPATH`` (``child_env`` drops the caller's): a
     #: script outside this directory that imports ``_worker_loop`` by its bare name names
-    #: :data:`SUPPORT_DIR` here.
+    #: :data:`HARNESS_DIR` here.
     IMPORT_DIRS: tuple[Path, ...] = ()
 
     def __init__(
@@ -142,7 +142,7 @@ class _JsonLinesWorker:
         self._stderr_path = self._tmp / "stderr.log"
         with open(self._stderr_path, "wb") as err:
             self._proc = subprocess.Popen(
-                [str(python), "-u", str(SUPPORT_DIR / self.SCRIPT)],
+                [str(python), "-u", str(HARNESS_DIR / self.SCRIPT)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
