@@ -53,6 +53,7 @@ check: venv lint typecheck docs
 
 lint: venv
 	$(BIN)/ruff check lmcache_async harness tests benchmarks examples
+	$(BIN)/lint-imports
 	$(BIN)/ruff format --check lmcache_async harness tests benchmarks examples
 
 # mypy strict over lmcache_async, harness and tests (pyproject.toml [tool.mypy]).
@@ -68,7 +69,7 @@ pytest: venv lmcache-venv redis
 smoke: venv lmcache-venv
 	$(BIN)/python -m benchmarks.smoke_real_server
 
-## The KV-edit experiment with a real transformers model (docs/hf.md), on an embedded
+## The KV-edit experiment with a real transformers model (docs/guides/transformers.md), on an embedded
 ## server; pass ARGS="--url tcp://host:5555 --http-url http://host:8080" for a running one.
 experiment: venv
 	$(BIN)/python examples/kv_edit_experiment.py $(ARGS)
@@ -93,8 +94,8 @@ bench-render: $(BENCH_STAMP)
 
 ## The documentation site, in site/: mkdocs (mkdocs.yml), the API pages generated from the
 ## docstrings of the public modules (mkdocstrings). --strict: every warning fails it, a
-## broken link or a docstring the parser cannot read among them (docs/hooks.py lists the
-## few known ones, with the fix each waits for). Installs the docs extra first.
+## broken link or a docstring the parser cannot read among them. Installs the docs extra
+## first.
 $(DOCS_STAMP): $(STAMP)
 	$(PIP) -c $(TOOLS) $(TORCH) -e '.[test,docs]'
 	touch $(DOCS_STAMP)

@@ -1,6 +1,6 @@
 """The transport: one ZMQ DEALER socket multiplexing many concurrent requests.
 
-Design (see docs/design.md):
+Design (see docs/internals/design.md):
 
 * one plain (blocking-API) ZMQ DEALER per connection, driven by the event loop that uses
   it: its file descriptor is watched with ``loop.add_reader`` and every ``send``/``recv``

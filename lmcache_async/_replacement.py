@@ -11,7 +11,7 @@ The only identity the server exposes without side effects is ``/config`` ``mp.in
 HTTP round trip, so it is never fetched per operation: only after :data:`QUIET_S` seconds
 without any reply on the connection (a busy client never pays it; a restart takes longer
 than that), before an operation, and every :data:`POLL_S` seconds while requests wait in
-such silence. See docs/design.md ("A server replaced behind the connection").
+such silence. See docs/internals/design.md ("A server replaced behind the connection").
 """
 
 from __future__ import annotations

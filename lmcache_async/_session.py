@@ -289,7 +289,7 @@ class Session:
             log.warning(
                 "the server reaps silent registrations after %gs, before write reservations expire "
                 "(%gs): a reservation this client cannot fill could be admitted when its "
-                "retired registration is reaped (see docs/design.md)",
+                "retired registration is reaped (see docs/internals/design.md)",
                 grace,
                 ttl,
             )

@@ -769,8 +769,9 @@ async def remap_many(
         :class:`BatchSummary`.
 
     Raises:
-        ValueError/TypeError: bad options (nothing is sent). Bad pairs fail their item.
-        Whatever failed first, when ``return_exceptions`` is False.
+        ValueError: bad options (nothing is sent). Bad pairs fail their item.
+        TypeError: bad options (nothing is sent).
+        Exception: whatever failed first, when ``return_exceptions`` is False.
 
     Cancellation: every in-flight item is cancelled and cleans up its server session,
     locks and reservations in the background; items not started are never sent;
@@ -853,7 +854,11 @@ async def store_many(
     Args:
         items: :class:`StoreItem` objects or tuples ``(kv, tokens[, cache_salt])``.
         timeout: seconds per item (default: the client's timeout).
-        Others: as for :func:`remap_many`.
+        concurrency: items in flight at once (as for :func:`remap_many`).
+        max_bytes_in_flight: the byte budget of the items in flight (as for
+            :func:`remap_many`).
+        progress: called after each item (as for :func:`remap_many`).
+        return_exceptions: as for :func:`remap_many`.
 
     Returns:
         A :class:`BatchResult`; ``stored_tokens`` is each item's whole chunks,
@@ -918,7 +923,11 @@ async def retrieve_many(
         token_lists: token sequences, :class:`RetrieveItem` objects, or tuples
             ``(tokens, cache_salt)``.
         timeout: seconds per item (default: the client's timeout).
-        Others: as for :func:`remap_many`.
+        concurrency: items in flight at once (as for :func:`remap_many`).
+        max_bytes_in_flight: the byte budget of the items in flight (as for
+            :func:`remap_many`).
+        progress: called after each item (as for :func:`remap_many`).
+        return_exceptions: as for :func:`remap_many`.
 
     Cancellation/timeout: as :meth:`AsyncClient.retrieve`: read locks, SHM reads and the
     session are released in the background. ``CancelledError`` is re-raised.

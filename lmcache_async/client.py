@@ -1,7 +1,7 @@
 """The asyncio client: store, retrieve, lookup and remap KV caches on an LMCache MP server.
 
 Every public operation runs its protocol exchange in a task of its own and the caller
-awaits that task under the call's deadline (:ref:`docs/design.md`). When the caller
+awaits that task under the call's deadline (docs/internals/design.md). When the caller
 times out or is cancelled, the task is told it was abandoned and finishes the server
 side of the exchange on its own, bounded by ``cleanup_grace`` seconds: it consumes the
 prefetch result, releases the read locks it took, commits the SHM reads or writes it
@@ -170,7 +170,7 @@ class AsyncClient:
         ping_interval: seconds between keep-alive refreshes of the registration (<= 30);
             a refresh is also made at once when the connection comes back after a loss.
             A server replaced behind a connection that stays up (a proxy) is noticed
-            sooner, after 1 s without replies (docs/design.md, "A server replaced behind
+            sooner, after 1 s without replies (docs/internals/design.md, "A server replaced behind
             the connection").
         cleanup_grace: extra seconds an abandoned operation may spend cleaning up.
         metadata_ttl: seconds ``/config`` and ``/status`` stay cached.
@@ -327,9 +327,12 @@ class AsyncClient:
         """Fetch ``/config`` (and ``/status``), connect, register, map SHM.
 
         Raises:
-            LMCacheConnectionError, LMCacheTimeoutError, ModelNotRegisteredError,
-            ServerError (server not serving engine-driven transfers), TransferError
-            (``transfer="shm"`` but SHM unusable).
+            LMCacheConnectionError: an endpoint is unreachable.
+            LMCacheTimeoutError: the server did not answer within ``timeout``.
+            ModelNotRegisteredError: no geometry given and ``/status`` lacks the model.
+            ServerError: the server does not serve engine-driven transfers, or its two
+                endpoints are not one server.
+            TransferError: ``transfer="shm"`` but SHM is unusable.
 
         Cancellation or failure closes whatever was opened.
         """
@@ -608,7 +611,7 @@ class AsyncClient:
                 a CUDA device allocates on the GPU. With ``out``, it must name its device.
                 A CUDA ``out``/``device`` is written on side streams ordered after the
                 caller's current stream, and complete when the call returns
-                (``docs/design.md``, "CUDA tensors").
+                (``docs/internals/design.md``, "CUDA tensors").
             request_configs: LMCache request configs carried in the keys of the lookup
                 and the retrieve (str keys, msgpack-encodable values), as the official
                 SDK sends them; e.g. ``{"lmcache.skip_load": True}`` makes a 0.5.7
@@ -817,7 +820,7 @@ class AsyncClient:
         """Wait until operations abandoned by a timeout or a cancellation have finished
         their server-side cleanup (sessions ended, locks released), and until the
         ``end_session`` messages of operations that returned (sent in the background,
-        see docs/design.md) are answered.
+        see docs/internals/design.md) are answered.
 
         Returns True when none is left, False if ``timeout`` passed first. Cancelling
         the wait does not cancel the cleanups.

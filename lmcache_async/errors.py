@@ -276,7 +276,7 @@ class UnfilledReservationError(TransferError):
 
     The reservation stays pending on the server, invisible to readers; the registration
     that holds it is retired (never unregistered) so that it is never admitted: see
-    docs/design.md, "A store that fails after prepare_store".
+    docs/internals/design.md, "A store that fails after prepare_store".
     """
 
 

@@ -3,7 +3,7 @@
 Install with ``pip install 'lmcache-async[hf]'``; this module is imported only when used
 (``import lmcache_async.hf``), never by ``import lmcache_async``.
 
-Layouts (see ``docs/hf.md``):
+Layouts (see ``docs/guides/transformers.md``):
 
 * transformers keeps, per layer, ``key`` and ``value`` tensors ``[batch, kv_heads, T,
   head_dim]`` (a :class:`~transformers.DynamicCache`, or the legacy tuple of ``(key,

@@ -42,7 +42,7 @@ call of that client; there is no second implementation. ``request_configs`` trav
 cache key, on 0.5.6 and 0.5.7 servers alike, as the official SDK sends them.
 
 Differences from the official SDK (all deliberate; the full table is in
-docs/compatibility.md):
+docs/internals/compatibility.md):
 
 * ``store`` returns False exactly when every whole chunk was already cached (or there is
   no whole chunk), on SHM and on pickle alike; the official SDK answers True for an
@@ -52,7 +52,7 @@ docs/compatibility.md):
 * Failures raise subclasses of :class:`~lmcache_async.LMCacheError`; only the misuse
   errors (:class:`~lmcache_async.ClientStateError`: a closed or forked context) are also
   ``RuntimeError``, as the SDK's ``LMCacheSDKError`` is. ``except RuntimeError`` does not
-  catch a timeout, a lost connection or a transfer error; docs/compatibility.md maps
+  catch a timeout, a lost connection or a transfer error; docs/internals/compatibility.md maps
   each failure and gives one ``except`` clause for both libraries.
 * ``connect`` also takes ``geometry=`` (a :class:`~lmcache_async.KVGeometry`), so no
   inference engine has to have registered the model; without it the geometry comes from

@@ -4,7 +4,7 @@ Imported only when a call sees a CUDA tensor (or a CUDA ``device=``): without CU
 nothing here is loaded or paid for. The client calls into this module at its copy sites;
 all CUDA work happens here.
 
-Stream semantics (``docs/design.md``, "CUDA tensors"):
+Stream semantics (``docs/internals/design.md``, "CUDA tensors"):
 
 * **Store**: the bytes stored are the tensor's contents as seen from the *caller's
   current stream when the call starts*. An event is recorded on that stream in the

@@ -6,7 +6,7 @@ a program that never passes a CUDA tensor never loads that module or initialises
 
 * :func:`kv_mark` / :func:`target_mark`: the caller's stream ordering point (a
   :class:`~lmcache_async._cuda.copies.Mark`) of a call's CUDA tensor, taken in the caller's
-  context before the operation's task starts (``docs/design.md``, "CUDA tensors").
+  context before the operation's task starts (``docs/internals/design.md``, "CUDA tensors").
 * :func:`new_target`: the tensor a retrieve without ``out=`` fills (CPU, or the GPU of
   ``device=``).
 * :func:`caller_order`: bulk jobs capture the current GPU's stream once for all their items.

@@ -377,7 +377,7 @@ def register(subparsers: Any) -> None:
         "--shard",
         type=shard_arg,
         metavar="I/N",
-        help="run only shard I of N (1-based; by pair identity, see docs/deployment.md); "
+        help="run only shard I of N (1-based; by pair identity, see docs/guides/deployment.md); "
         "give each shard its own --report",
     )
     p.add_argument(

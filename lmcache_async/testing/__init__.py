@@ -6,7 +6,7 @@ cache (SHM or inline transfers), so the client -- and code built on it -- runs a
 tested without an LMCache installation. :class:`InProcessServer` runs the same request
 path without sockets (``await srv.handle(op, args)``, :class:`NoReply` where the real
 server stays silent, :meth:`~InProcessServer.leftovers` to check nothing is left held).
-See docs/embedded-server.md for how it differs from the real server.
+See docs/guides/testing-your-code.md for how it differs from the real server.
 """
 
 from lmcache_async.testing.dialect import LMC_VERSIONS, PROTOCOLS, Protocol

@@ -3,7 +3,7 @@
 It models the parts of the LMCache MP server an engine-driven client can observe, for
 either generation (:class:`Semantics`: what 0.5.7 changed; no wire format in here -- the
 dialects decode requests into :class:`ServerKey` and registration Structs, and hand the
-inline payload codec in as a function). docs/embedded-server.md lists what differs:
+inline payload codec in as a function). docs/guides/testing-your-code.md lists what differs:
 
 * **Object identity** ``(chunk_hash, model_name, kv_rank, object_group 0, cache_salt)``,
   ``kv_rank = world_size<<24 | worker<<16 | world_size<<8 | worker``. Chunk hashes chain

@@ -135,7 +135,9 @@ class InProcessServer:
             behaviour it mirrors.
         size_bytes: the L1 byte budget (and pool size).
         shm_name: segment name in SHM mode (``lmcache_l1_pool_`` prefixed if needed).
-        session_ttl, read_lock_ttl, write_ttl: seconds.
+        session_ttl: seconds a session lives.
+        read_lock_ttl: seconds a lookup's read lock lives.
+        write_ttl: seconds an SHM write reservation lives.
         prefault: back the whole pool with memory at once.
         layouts: ``(model_name, world_size, layout)`` to register at start, as if an
             inference engine had.

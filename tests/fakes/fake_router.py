@@ -1,7 +1,7 @@
 """A scripted ZMQ ROUTER for faults the real server will not produce on demand.
 
 ``FakeRouter(handler)`` binds a ROUTER on a free loopback port and, for every request,
-calls ``handler(request)`` (a :class:`tests.server_wire.Request`), which returns a list
+calls ``handler(request)`` (a :class:`tests.fakes.server_wire.Request`), which returns a list
 of actions: ``("reply", value)``, ``("raw", [frames])`` (frames after the identity),
 ``("sleep", seconds)``, ``("drop",)`` (close the socket: the client sees a disconnect).
 Returning ``[]`` means never reply, like the real server on a bad request.
@@ -22,7 +22,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from lmcache_async import _wire as wire
-from tests import server_wire
+from tests.fakes import server_wire
 
 Action = tuple[Any, ...]
 Handler = Callable[[server_wire.Request], list[Action]]

@@ -1,7 +1,7 @@
 """A script that uses the blocking facade in a ``with`` block and runs operations until
-it is interrupted (tests/test_ctrl_c_exit.py sends it SIGINT while the server hangs).
+it is interrupted (tests/faults/test_ctrl_c_exit.py sends it SIGINT while the server hangs).
 
-    python tests/support/ctrl_c_script.py ZMQ_URL HTTP_URL [with|open]
+    python tests/faults/ctrl_c_script.py ZMQ_URL HTTP_URL [with|open]
 
 ``with`` (the default) uses ``with Client(...)``; ``open`` leaves the client open (the exit
 hook closes it). Prints ``READY`` once an operation succeeded, then ``OP`` before each

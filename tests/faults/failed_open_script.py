@@ -1,9 +1,9 @@
 """A process whose first clients fail inside ``Connection.open()`` after the ZMQ context
 exists (``connect`` refused by the socket), then collects its garbage and opens working
-clients (tests/test_failed_open.py runs it in a subprocess under a deadline: a context
+clients (tests/faults/test_failed_open.py runs it in a subprocess under a deadline: a context
 leaked by a failed open hangs the thread that collects it).
 
-    python tests/support/failed_open_script.py
+    python tests/faults/failed_open_script.py
 
 Prints one ``name=value`` line per check and ``OK`` at the end.
 """

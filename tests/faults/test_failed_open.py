@@ -9,6 +9,7 @@ import gc
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from lmcache_async import kvcache
 from lmcache_async._connection import Connection, check_zmq_url
 from lmcache_async.testing import EmbeddedServer
 
-SCRIPT = REPO_ROOT / "tests" / "support" / "failed_open_script.py"
+SCRIPT = Path(__file__).with_name("failed_open_script.py")
 GEOMETRY = lmc.KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, block_size=16)
 
 BAD_URLS = [

@@ -1,5 +1,5 @@
 """A wrong or hostile server: slot descriptors outside the pool, pickle payloads that are
-not plain tensors, silence. Scripted with tests/fake_router.py plus a stub HTTP API."""
+not plain tensors, silence. Scripted with tests/fakes/fake_router.py plus a stub HTTP API."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import torch
 import lmcache_async as lmc
 from lmcache_async import _wire as wire
 from lmcache_async._wire import Op
-from tests import server_wire
 from tests.conftest import SMALL_GEOMETRY
-from tests.fake_router import FakeRouter, json_http_server
+from tests.fakes import server_wire
+from tests.fakes.fake_router import FakeRouter, json_http_server
 
 pytestmark = pytest.mark.anyio
 

@@ -1,6 +1,6 @@
 """A wrong or hostile 0.5.7 server: tensor envelopes that lie, pickles where an envelope
 belongs; and the exact frames the client sends on the 0.5.7 wire. Scripted with
-tests/fake_router.py plus a stub HTTP API that reports version 0.5.7rc3.dev0."""
+tests/fakes/fake_router.py plus a stub HTTP API that reports version 0.5.7rc3.dev0."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from lmcache_async import _wire as wire
 from lmcache_async._payload.tensor_envelope import decode_tensor_envelope, encode_tensor_envelope
 from lmcache_async._wire import Op
 from tests.conftest import SMALL_GEOMETRY
-from tests.fake_router import FakeRouter, json_http_server
-from tests.test_hostile_server import POOL, scripted, shm_segment, slot
+from tests.fakes.fake_router import FakeRouter, json_http_server
+from tests.faults.test_hostile_server import POOL, scripted, shm_segment, slot
 
 __all__ = ["shm_segment"]  # a fixture, used by name
 

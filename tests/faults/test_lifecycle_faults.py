@@ -3,7 +3,7 @@ still closes everything, a forked child never touches the parent's socket, every
 refuses another event loop, a stopped reader fails pending calls at once, the number of
 requests in flight is bounded, and bad arguments are refused before anything is sent.
 
-Scripted with tests/fake_router.py and a stub HTTP API (faults the real server does not
+Scripted with tests/fakes/fake_router.py and a stub HTTP API (faults the real server does not
 produce on demand: silence, a stubborn task); the real server is in test_recovery.py and
 test_store_faults.py.
 """
@@ -24,9 +24,9 @@ import torch
 
 import lmcache_async as lmc
 from lmcache_async._wire import Op
-from tests import server_wire
 from tests.conftest import SMALL_GEOMETRY
-from tests.fake_router import FakeRouter, json_http_server
+from tests.fakes import server_wire
+from tests.fakes.fake_router import FakeRouter, json_http_server
 
 pytestmark = pytest.mark.anyio
 

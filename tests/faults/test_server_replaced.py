@@ -1,5 +1,5 @@
 """A server replaced behind a connection that stays up (issue 12): the client talks
-through forwarders (tests/support/forwarders.py) that keep its ZMQ and HTTP connections
+through forwarders (tests/faults/forwarders.py) that keep its ZMQ and HTTP connections
 up while the real server behind them is killed and restarted on the same ports, so the
 client never sees a disconnect. The first store and retrieve after the restart must
 succeed (the client sees the new server's identity and registers again first); an
@@ -25,7 +25,7 @@ import torch
 
 import lmcache_async as lmc
 from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
-from tests.support.forwarders import HttpForwarder, ZmqForwarder
+from tests.faults.forwarders import HttpForwarder, ZmqForwarder
 
 pytestmark = pytest.mark.anyio
 

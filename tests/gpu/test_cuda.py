@@ -4,7 +4,7 @@ pool, validation, cancellation mid-copy.
 GPU tests are marked ``gpu`` and skipped without CUDA. On a GPU machine, from the repo
 root (the command the H200 runs use, see docs/benchmarks.md):
 
-    python -m pytest tests/test_cuda.py -m gpu -q
+    python -m pytest tests/gpu/test_cuda.py -m gpu -q
 
 They run against the embedded server in SHM mode and in inline mode as 0.5.6 (pickle
 payload) and 0.5.7 (msgpack tensor envelope), chunk 256, a 2 GiB pool.
@@ -34,7 +34,7 @@ gpu = [
     pytest.mark.gpu,
     pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU"),
 ]
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def geometry(dtype: torch.dtype = torch.bfloat16) -> KVGeometry:

@@ -1075,11 +1075,11 @@ def test_progress_line_fits_the_terminal_width(monkeypatch: pytest.MonkeyPatch) 
 
 # --------------------------------------------------------------------------- the docs, as written
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "bulk-and-cli.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "guides" / "bulk-and-cli.md"
 
 
 def _doc_examples(*commands: str) -> list[tuple[list[str], str]]:
-    """The ``$ lmcache-async COMMAND ...`` examples of docs/bulk-and-cli.md, in page order:
+    """The ``$ lmcache-async COMMAND ...`` examples of docs/guides/bulk-and-cli.md, in page order:
     (argv after the program name, the output shown under it)."""
     examples: list[tuple[list[str], str]] = []
     for block in re.findall(r"^```\n(\$ lmcache-async .*?)^```$", DOCS.read_text(), flags=re.S | re.M):
@@ -1096,7 +1096,7 @@ def _doc_examples(*commands: str) -> list[tuple[list[str], str]]:
 def test_the_package_and_remap_examples_of_the_docs_run_as_written(
     real_server_shm: RealLMCacheServer, tmp_path: Path
 ) -> None:
-    """make-package, store, lookup, remap as docs/bulk-and-cli.md shows them (only the
+    """make-package, store, lookup, remap as docs/guides/bulk-and-cli.md shows them (only the
     model name is made unique and the server's address added): the same output, and the
     remap finds the source under the package's salt."""
     srv = real_server_shm

@@ -18,7 +18,7 @@ from lmcache_async._wire import Op, packb
 from lmcache_async.cli import main
 from lmcache_async.testing import EmbeddedServer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: A small geometry so each run takes about a second beyond the interpreter start.
 SMALL = ["--chunk-size", "16", "--chunks", "3", "--layers", "2", "--kv-heads", "2", "--head-dim", "8"]
 STEPS = [

@@ -1,6 +1,6 @@
 """The KV-edit experiment (issue 9): ``examples/kv_edit_experiment.py`` on the embedded and
 the real server, and ``docs/examples/kv_edit_experiment.ipynb`` executed in a real
-Jupyter kernel against the real SHM server (as ``tests/test_notebook.py`` does for the
+Jupyter kernel against the real SHM server (as ``tests/system/test_notebook.py`` does for the
 remap notebook)."""
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 
 from harness.real_server import REPO_ROOT, RealLMCacheServer
-from tests.test_notebook import KERNEL_NAME, _kernel_specs
+from tests.system.test_notebook import KERNEL_NAME, _kernel_specs
 
 SCRIPT = REPO_ROOT / "examples" / "kv_edit_experiment.py"
 NOTEBOOK = REPO_ROOT / "docs" / "examples" / "kv_edit_experiment.ipynb"
 
-#: With tests/test_hf.py: one worker pays the first use of transformers (`make check`).
+#: With tests/system/test_hf.py: one worker pays the first use of transformers (`make check`).
 pytestmark = pytest.mark.xdist_group("transformers")
 
 

@@ -26,7 +26,7 @@ own model and prompts, each from the baseline it measures.
 
 CI (``make test``) runs both: the short versions (1,000 operations on 0.5.6 SHM, 300 on the
 others) and the long ones (10,000 on 0.5.6 SHM, 2,000 on 0.5.6 inline and 0.5.7 SHM, 1,000 on
-0.5.7 inline). ``pytest -m slow tests/test_soak.py`` runs only the long ones;
+0.5.7 inline). ``pytest -m slow tests/system/test_soak.py`` runs only the long ones;
 ``-m "not slow"`` leaves them out.
 """
 

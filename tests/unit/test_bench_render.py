@@ -150,7 +150,7 @@ def test_every_import_in_benchmarks_resolves_from_the_repo_root() -> None:
     import importlib.util
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     missing = []
     # The SDK workers run as scripts in the lmcache venv, with harness/ on their path.
     lmcache_venv_scripts = {"sdk_bench_worker.py", "sdk_remap_worker.py"}
@@ -172,7 +172,8 @@ def test_every_import_in_benchmarks_resolves_from_the_repo_root() -> None:
                 # (benchmarks/harness.py's name is also the repository root's harness/)
                 bare_sibling = top in siblings and not (root / top / "__init__.py").is_file()
                 unresolved = (
-                    top in ("benchmarks", "harness", "tests", "lmcache_async") and importlib.util.find_spec(name) is None
+                    top in ("benchmarks", "harness", "tests", "lmcache_async")
+                    and importlib.util.find_spec(name) is None
                 )
                 if bare_sibling or unresolved:
                     missing.append(f"{path.name}:{line} {name}")

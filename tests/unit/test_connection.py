@@ -12,8 +12,8 @@ from lmcache_async import _wire as wire
 from lmcache_async._connection import Connection, PendingTable
 from lmcache_async._wire import Op, Reply
 from lmcache_async.errors import ClientClosedError, LMCacheConnectionError, LMCacheTimeoutError
-from tests import server_wire
-from tests.fake_router import FakeRouter
+from tests.fakes import server_wire
+from tests.fakes.fake_router import FakeRouter
 from tests.hypothesis_budget import examples
 
 pytestmark = pytest.mark.anyio

@@ -37,7 +37,7 @@ SHAPE = (2, 2, CS, 8)
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 IID = 4242
 MODES = ["shm", "pickle"]
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MISS = {"success": False, "data": b"", "context": {}}
 
 
@@ -621,9 +621,9 @@ async def test_async_client_against_the_embedded_server(mode: Literal["shm", "pi
 
 
 def test_the_documented_user_fixture_example_runs(tmp_path: Path) -> None:
-    doc = (REPO / "docs" / "embedded-server.md").read_text()
+    doc = (REPO / "docs" / "guides" / "testing-your-code.md").read_text()
     match = re.search(r"<!-- example: user-test -->\s*```python\n(.*?)```", doc, re.S)
-    assert match is not None, "docs/embedded-server.md lost its user-test example"
+    assert match is not None, "docs/guides/testing-your-code.md lost its user-test example"
     test_file = tmp_path / "test_user_example.py"
     test_file.write_text(match.group(1))
     proc = subprocess.run(

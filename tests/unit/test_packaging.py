@@ -16,7 +16,7 @@ from typing import Any
 
 from packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # sha256 of https://www.apache.org/licenses/LICENSE-2.0.txt, unmodified.
 APACHE_2_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
 
@@ -51,8 +51,8 @@ def test_build_backend_understands_spdx_licenses() -> None:
 
 
 def test_sdist_ships_the_docs_and_the_whole_test_tree() -> None:
-    # setuptools alone ships tests/test*.py (not conftest.py, tests/support/ or harness/)
-    # and no docs/; MANIFEST.in adds the three trees whole.
+    # setuptools alone ships only tests/test*.py (none: the tests live in tests/<kind>/),
+    # no docs/ and no harness/; MANIFEST.in adds the three trees whole.
     commands = [
         line.split()
         for line in (ROOT / "MANIFEST.in").read_text().splitlines()
@@ -63,7 +63,7 @@ def test_sdist_ships_the_docs_and_the_whole_test_tree() -> None:
     assert ["graft", "harness"] in commands
     removing = [c for c in commands if c[0] in {"prune", "exclude", "recursive-exclude", "global-exclude"}]
     assert removing == [["global-exclude", "*.py[cod]"]]
-    assert (ROOT / "docs" / "compatibility.md").is_file()
+    assert (ROOT / "docs" / "internals" / "compatibility.md").is_file()
     assert (ROOT / "harness" / "real_server.py").is_file()
 
 

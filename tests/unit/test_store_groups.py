@@ -13,8 +13,8 @@ import torch
 
 from lmcache_async import _operations as operations
 from lmcache_async._operations import Operations, OpState, store_groups
-from tests import test_operations_cancellation as cancellation
-from tests.test_operations_cancellation import CS, END, Harness
+from tests.unit import test_operations_cancellation as cancellation
+from tests.unit.test_operations_cancellation import CS, END, Harness
 
 harness = cancellation.harness  # the in-process engine fixture (both generations, SHM and inline)
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from lmcache_async import _wire as wire
 from lmcache_async._wire import CacheKey, Op, RegisterPayload, SlotDescriptor
 from lmcache_async.errors import ProtocolError
-from tests import server_wire
+from tests.fakes import server_wire
 from tests.hypothesis_budget import examples
 
 salts = st.text(max_size=128).filter(lambda s: not any(c in s for c in "@/\\\x00"))
