@@ -43,7 +43,7 @@ test: venv lmcache-venv lint typecheck pytest
 ## Everything that needs no LMCache server (lint, types, the tests not marked
 ## real_server), in under a minute: run it before every commit. Two pytest workers
 ## (pytest-xdist) and hypothesis' "check" profile: a quarter of each property test's
-## examples (tests/hypothesis_budget.py); `make test` runs them all. Bytecode is cached
+## examples (tests/plugins/hypothesis_budget.py); `make test` runs them all. Bytecode is cached
 ## even where PYTHONDONTWRITEBYTECODE is set: pytest's assertion rewriting of the test
 ## modules alone is ~3.5 s of CPU per worker on every run otherwise. --dist loadgroup: the
 ## tests marked xdist_group("transformers") share one worker (one first use of transformers).

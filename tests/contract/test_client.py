@@ -23,7 +23,7 @@ import torch
 import lmcache_async as lmc
 from lmcache_async import AsyncClient, KVGeometry
 from lmcache_async._wire import Op
-from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio
 

@@ -15,7 +15,7 @@ from aiohttp import web
 import lmcache_async as lmc
 from harness.real_server import RealLMCacheServer
 from lmcache_async.errors import UnknownServerVersionWarning
-from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio
 

@@ -23,7 +23,7 @@ import torch
 from harness.real_server import RealLMCacheServer, pid_alive
 from harness.workers import EngineWorker, SDKWorker, WorkerError, WorkerTimeout
 
-CS = 16  # chunk size of the session servers (conftest.SESSION_CHUNK_SIZE)
+CS = 16  # chunk size of the session servers (tests.helpers.SESSION_CHUNK_SIZE)
 # A small vLLM-style geometry: 2 layers, 2 KV heads, head dim 8, block 4.
 L, NH, HS, BS, NB = 2, 2, 8, 4, 64
 D = NH * HS
@@ -180,7 +180,7 @@ def test_stop_and_restart_leave_nothing_behind(
     fresh_real_server: Callable[..., RealLMCacheServer],
 ) -> None:
     # SHM mode: the case with a /dev/shm segment to clean up. (The session
-    # pickle server's stop is checked by conftest at session end.)
+    # pickle server's stop is checked by the real_servers plugin at session end.)
     srv = fresh_real_server("shm")
     pid = srv.pid
     assert pid is not None and pid_alive(pid)

@@ -1,4 +1,4 @@
-"""The 0.5.7 generation in the real-server test infrastructure (harness/, conftest).
+"""The 0.5.7 generation in the real-server test infrastructure (harness/, tests/plugins/).
 
 The real LMCache 0.5.7rc3 server, run from ``.lmcache-venv-057``, starts in both
 transports with the same flags as 0.5.6, says what it is on ``/lmc_version``, and
@@ -25,7 +25,7 @@ from harness.real_server import (
 )
 from harness.workers import EngineWorker, SDKWorker
 
-CS = 16  # chunk size of the session servers (conftest.SESSION_CHUNK_SIZE)
+CS = 16  # chunk size of the session servers (tests.helpers.SESSION_CHUNK_SIZE)
 
 
 def test_lmc_version_names_each_generation(

@@ -12,7 +12,7 @@ import torch
 import lmcache_async as lmc
 import lmcache_async.kvcache as lmc_sdk
 from harness.real_server import RealLMCacheServer
-from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 
 SKIP = {"lmcache.skip_load": True}
 

@@ -17,7 +17,7 @@ import torch
 
 import lmcache_async.kvcache as lmc_sdk
 from lmcache_async import AsyncClient, Client
-from tests.conftest import SESSION_CHUNK_SIZE, SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.helpers import SESSION_CHUNK_SIZE, SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 
 CS = SESSION_CHUNK_SIZE
 

@@ -106,7 +106,7 @@ def test_ctrl_c_exits_within_the_bound_and_quietly(module_real_server: Any, styl
 def test_children_of_the_test_run_handle_sigint_whatever_the_run_inherited() -> None:
     """The premise of the tests above: a child started by this run turns SIGINT into
     KeyboardInterrupt, also when the run itself was started with SIGINT ignored (in the
-    background of a non-interactive shell; conftest's ``pytest_configure`` undoes that)."""
+    background of a non-interactive shell; tests/conftest.py's ``pytest_configure`` undoes that)."""
     out = subprocess.run(
         [
             sys.executable,

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import pytest
 import torch
+from lmcache_async._operations import Operations, Registration, _l1_memory, run_detached
 
 from lmcache_async import (
     AsyncClient,
@@ -30,7 +31,6 @@ from lmcache_async import (
     _operations as operations,
 )
 from lmcache_async._metadata import Metadata
-from lmcache_async._operations import Operations, Registration, _l1_memory, run_detached
 from lmcache_async._shm import ShmPool
 from lmcache_async._wire import (
     GEN_0_5_6,
@@ -42,7 +42,7 @@ from lmcache_async._wire import (
 )
 from lmcache_async.errors import LayoutMismatchError
 from lmcache_async.testing import EmbeddedServer, NoReply
-from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio
 

@@ -17,9 +17,9 @@ import torch
 import lmcache_async as lmc
 from lmcache_async import _wire as wire
 from lmcache_async._wire import Op
-from tests.conftest import SMALL_GEOMETRY
 from tests.fakes import server_wire
 from tests.fakes.fake_router import FakeRouter, json_http_server
+from tests.helpers import SMALL_GEOMETRY
 
 pytestmark = pytest.mark.anyio
 

@@ -17,9 +17,9 @@ import lmcache_async as lmc
 from lmcache_async import _wire as wire
 from lmcache_async._payload.tensor_envelope import decode_tensor_envelope, encode_tensor_envelope
 from lmcache_async._wire import Op
-from tests.conftest import SMALL_GEOMETRY
 from tests.fakes.fake_router import FakeRouter, json_http_server
 from tests.faults.test_hostile_server import POOL, scripted, shm_segment, slot
+from tests.helpers import SMALL_GEOMETRY
 
 __all__ = ["shm_segment"]  # a fixture, used by name
 

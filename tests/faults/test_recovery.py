@@ -19,7 +19,7 @@ import torch
 
 import lmcache_async as lmc
 from harness.real_server import free_loopback_port
-from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio
 

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import lmcache_async as lmc
-from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 from tests.faults.forwarders import HttpForwarder, ZmqForwarder
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio
 

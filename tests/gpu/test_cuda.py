@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from lmcache_async import AsyncClient, Client, KVGeometry
-from tests.conftest import fresh_tokens, unique_model
+from tests.helpers import fresh_tokens, unique_model
 
 CS = 256
 HAVE_CUDA = torch.cuda.is_available()

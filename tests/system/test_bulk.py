@@ -2,7 +2,7 @@
 
 The budget and buffer-pool primitives are tested on their own (no server); everything
 else runs against the real LMCache 0.5.6 server over SHM and pickle (the ``client``
-fixture of tests/conftest.py: chunk size 16, the small explicit geometry, a model of
+fixture of tests/plugins/clients.py: chunk size 16, the small explicit geometry, a model of
 its own per test). No assertion depends on wall-clock speed; every wait has a deadline.
 """
 
@@ -21,7 +21,7 @@ import torch
 
 from lmcache_async import AsyncClient, LMCacheTimeoutError, bulk
 from lmcache_async.bulk import BatchProgress, RemapPair, RetrieveItem, StoreItem
-from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv
 
 pytestmark = pytest.mark.anyio
 

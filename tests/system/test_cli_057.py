@@ -13,7 +13,7 @@ import torch
 
 from harness.real_server import RealLMCacheServer
 from lmcache_async import AsyncClient
-from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 from tests.system.test_cli_commands import GEOMETRY_FLAGS, cli, ok, server_args
 
 pytestmark = pytest.mark.real_server

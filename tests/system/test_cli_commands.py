@@ -38,7 +38,7 @@ from harness.real_server import RealLMCacheServer, child_env
 from harness.workers import EngineWorker
 from lmcache_async import AsyncClient
 from lmcache_async.cli import build_parser, main
-from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 
 CS = 16
 GEOMETRY_FLAGS = ["--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8"]  # SMALL_GEOMETRY

@@ -18,7 +18,7 @@ import torch
 
 from lmcache_async import AsyncClient, Client, KVGeometry, hf
 from lmcache_async.testing.tiny_llama import tiny_llama
-from tests.conftest import SESSION_CHUNK_SIZE, unique_model
+from tests.helpers import SESSION_CHUNK_SIZE, unique_model
 
 # One xdist group with the experiment's tests: `make check` (--dist loadgroup) runs them on
 # one worker, so only one pays the first use of transformers (~3-5 s).

@@ -47,7 +47,7 @@ from harness.real_server import REPO_ROOT, RealLMCacheServer
 from harness.redis_server import RedisServer
 from lmcache_async import AsyncClient, KVGeometry, RemapResult, TransferError
 from lmcache_async._shm import ShmPool
-from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio
 

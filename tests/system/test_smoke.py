@@ -12,7 +12,7 @@ from lmcache_async import KVGeometry
 from lmcache_async._connection import Connection
 from lmcache_async._metadata import Metadata
 from lmcache_async._wire import Op
-from tests.conftest import SESSION_CHUNK_SIZE, unique_model
+from tests.helpers import SESSION_CHUNK_SIZE, unique_model
 
 pytestmark = pytest.mark.anyio
 

@@ -45,7 +45,7 @@ import torch
 import lmcache_async as lmc
 from lmcache_async import AsyncClient
 from lmcache_async._wire import Op
-from tests.conftest import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio
 

@@ -14,7 +14,7 @@ from lmcache_async._wire import Op, Reply
 from lmcache_async.errors import ClientClosedError, LMCacheConnectionError, LMCacheTimeoutError
 from tests.fakes import server_wire
 from tests.fakes.fake_router import FakeRouter
-from tests.hypothesis_budget import examples
+from tests.plugins.hypothesis_budget import examples
 
 pytestmark = pytest.mark.anyio
 

@@ -18,7 +18,7 @@ import torch
 from lmcache_async import AsyncClient
 from lmcache_async._payload.inline import decode_inline, encode_inline
 from lmcache_async._wire import GEN_0_5_6, GEN_0_5_7, WireGeneration
-from tests.conftest import SMALL_GEOMETRY, fresh_tokens, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, unique_model
 
 
 @pytest.mark.parametrize("wire", [GEN_0_5_6, GEN_0_5_7], ids=lambda w: w.name)

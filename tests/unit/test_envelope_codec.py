@@ -22,7 +22,7 @@ from lmcache_async._payload.tensor_envelope import (
     encode_tensor_envelope,
 )
 from lmcache_async.errors import ProtocolError
-from tests.hypothesis_budget import examples
+from tests.plugins.hypothesis_budget import examples
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.uint8, torch.float8_e4m3fn]
 SHAPE = (2, 2, 4, 3)

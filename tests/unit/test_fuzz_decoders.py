@@ -33,9 +33,9 @@ import msgpack
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
+from lmcache_async._operations import Operations, OpState, Registration, RemapResult
 
 from lmcache_async import _wire as wire
-from lmcache_async._operations import Operations, OpState, Registration, RemapResult
 from lmcache_async._payload import pickle_tensors as pickle_codec
 from lmcache_async._payload.inline import decode_inline
 from lmcache_async._payload.pickle_tensors import decode_tensor_list, encode_tensor_list
@@ -45,8 +45,8 @@ from lmcache_async.errors import LMCacheError, LMCacheTimeoutError, ProtocolErro
 from lmcache_async.geometry import dtype_name
 from lmcache_async.testing import InProcessServer, NoReply
 from lmcache_async.testing.dialect import Protocol
-from tests.conftest import SMALL_GEOMETRY
-from tests.hypothesis_budget import examples
+from tests.helpers import SMALL_GEOMETRY
+from tests.plugins.hypothesis_budget import examples
 
 T = TypeVar("T")
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from lmcache_async import _host_copy as host_copy
 from lmcache_async._host_copy import copy_into
-from tests.hypothesis_budget import examples
+from tests.plugins.hypothesis_budget import examples
 
 DTYPES = [
     torch.bfloat16,

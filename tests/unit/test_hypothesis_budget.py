@@ -1,4 +1,4 @@
-"""tests/hypothesis_budget.py: the check profile runs a quarter of every test's examples."""
+"""tests/plugins/hypothesis_budget.py: the check profile runs a quarter of every test's examples."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import settings
 
-from tests.hypothesis_budget import examples
+from tests.plugins.hypothesis_budget import examples
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from lmcache_async._operations import Operations, OpState, Registration, RemapResult, run_detached
+
 from lmcache_async._shm import ShmPool
 from lmcache_async._wire import (
     GEN_0_5_6,
@@ -34,7 +34,7 @@ from lmcache_async._wire import (
 from lmcache_async.errors import LMCacheTimeoutError
 from lmcache_async.geometry import dtype_name
 from lmcache_async.testing import InProcessServer, NoReply
-from tests.conftest import SMALL_GEOMETRY
+from tests.helpers import SMALL_GEOMETRY
 
 pytestmark = pytest.mark.anyio
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 from lmcache_async._payload.pickle_tensors import decode_tensor_list, encode_tensor_list
 from lmcache_async.errors import ProtocolError, UnsafePayloadError
-from tests.hypothesis_budget import examples
+from tests.plugins.hypothesis_budget import examples
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.uint8]
 

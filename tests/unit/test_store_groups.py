@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from lmcache_async._operations import Operations, OpState, store_groups
 
 from lmcache_async import _operations as operations
-from lmcache_async._operations import Operations, OpState, store_groups
 from tests.unit import test_operations_cancellation as cancellation
 from tests.unit.test_operations_cancellation import CS, END, Harness
 

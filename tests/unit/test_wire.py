@@ -14,7 +14,7 @@ from lmcache_async import _wire as wire
 from lmcache_async._wire import CacheKey, Op, RegisterPayload, SlotDescriptor
 from lmcache_async.errors import ProtocolError
 from tests.fakes import server_wire
-from tests.hypothesis_budget import examples
+from tests.plugins.hypothesis_budget import examples
 
 salts = st.text(max_size=128).filter(lambda s: not any(c in s for c in "@/\\\x00"))
 names = st.text(min_size=1, max_size=40).filter(lambda s: "@" not in s)

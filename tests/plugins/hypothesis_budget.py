@@ -8,12 +8,15 @@ that scales a test's own ``max_examples`` with the loaded profile.
   under a minute): 25 examples per test, ``examples(400)`` gives 100, never fewer than 1.
 
 Pick a profile with pytest's ``--hypothesis-profile=check`` (hypothesis' own option) or
-the environment variable :data:`PROFILE_ENV` (read by ``tests/conftest.py`` at import;
-the option wins when both are given). The profile is loaded before the test modules
-are imported, so :func:`examples` in a ``@settings(...)`` decorator sees it.
+the environment variable :data:`PROFILE_ENV` (read when this plugin is imported, which
+tests/conftest.py does through ``pytest_plugins``; the option wins when both are given).
+The profile is loaded before the test modules are imported, so :func:`examples` in a
+``@settings(...)`` decorator sees it.
 """
 
 from __future__ import annotations
+
+import os
 
 from hypothesis import settings
 
@@ -25,6 +28,9 @@ CHECK_DIVISOR = 4
 PROFILE_ENV = "LMCACHE_ASYNC_HYPOTHESIS_PROFILE"
 
 settings.register_profile("check", max_examples=FULL_EXAMPLES // CHECK_DIVISOR)
+# pytest's --hypothesis-profile, applied after this import, wins over the environment.
+if os.environ.get(PROFILE_ENV):
+    settings.load_profile(os.environ[PROFILE_ENV])
 
 
 def examples(full: int) -> int:
