@@ -23,7 +23,7 @@ import torch
 import lmcache_async as lmc
 from lmcache_async import AsyncClient, KVGeometry
 from lmcache_async._wire import Op
-from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, peek, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio
 
@@ -36,7 +36,7 @@ async def wait_for_baseline(
     """Wait until the client's abandoned operations finished their cleanup, then poll
     /status until the session and prefetch-job counts are back to a baseline."""
     end = time.monotonic() + deadline
-    while client._ops and time.monotonic() < end:
+    while peek(client).in_flight_ops and time.monotonic() < end:
         await asyncio.sleep(0.05)
     while True:
         st = await client.status(max_age=0)
@@ -150,7 +150,7 @@ async def test_remap(client: AsyncClient) -> None:
 async def test_bad_input_is_refused_before_anything_is_sent(client: AsyncClient) -> None:
     tokens = fresh_tokens(CS)
     kv = random_kv(SMALL_GEOMETRY, CS)
-    sent_before = next(client._conn._table._uids)
+    sent_before = peek(client).next_request_uid()
     cases: list[tuple[Any, type[Exception], str]] = [
         (client.store(kv, tokens, cache_salt="a/b"), ValueError, "cache_salt must not contain '/'"),
         (  # tokens may be longer than the KV (issue 9), never shorter
@@ -174,7 +174,7 @@ async def test_bad_input_is_refused_before_anything_is_sent(client: AsyncClient)
     for coro, exc_type, message in cases:
         with pytest.raises(exc_type, match=message):
             await coro
-    assert next(client._conn._table._uids) == sent_before + 1  # nothing was sent meanwhile
+    assert peek(client).next_request_uid() == sent_before + 1  # nothing was sent meanwhile
 
 
 async def test_constructor_validation() -> None:
@@ -227,8 +227,8 @@ async def test_256_concurrent_mixed_operations(client: AsyncClient) -> None:
         assert torch.equal(first, kvs[i][:, :, :CS])
     # status() first waits for the end_session messages sent in the background.
     assert await counts(client) == baseline
-    assert client._conn.in_flight == 0
-    assert client._conn.dropped == (0, 0)
+    assert peek(client).conn.in_flight == 0
+    assert peek(client).conn.dropped == (0, 0)
 
 
 async def test_timeouts_and_cancellations_leave_no_sessions_or_locks(own_server: Any) -> None:
@@ -264,13 +264,13 @@ async def test_timeouts_and_cancellations_leave_no_sessions_or_locks(own_server:
             await asyncio.gather(*tasks, return_exceptions=True)
         st = await wait_for_baseline(c, *baseline)
         assert (st["active_sessions"], st["active_prefetch_jobs"]) == baseline
-        assert c._conn.in_flight == 0
+        assert peek(c).conn.in_flight == 0
         # Stores that were reserved completed in full: each prompt is all there or absent.
         for t in tokens:
             got = await c.retrieve(t)
             assert got is None or torch.equal(got, kv)
         # No read lock is left: a non-forced clear evicts everything.
-        await c._conn.call(Op.CLEAR, (False,), timeout=10)
+        await peek(c).conn.call(Op.CLEAR, (False,), timeout=10)
         for t in tokens:
             assert await c.lookup(t) == 0
 
@@ -387,7 +387,7 @@ async def test_end_session_goes_in_the_background_and_drain_waits_for_it(
         expected = [Op.END_SESSION, Op.FREE_LOOKUP_LOCKS, Op.END_SESSION, Op.END_SESSION]
     assert [o for o in posted if o in (Op.END_SESSION, Op.FREE_LOOKUP_LOCKS)] == expected
     assert await client.drain(timeout=10) is True
-    assert client._conn.in_flight == 0
+    assert peek(client).conn.in_flight == 0
     assert await counts(client) == baseline
 
 
@@ -401,14 +401,14 @@ async def test_drain_and_aclose_wait_for_follow_ups_posted_while_they_wait(serve
     first: asyncio.Future[None] = loop.create_future()
     follow_up: asyncio.Future[None] = loop.create_future()
     retired: list[str] = []
-    c._retire_registration = lambda _id, reason="": retired.append(reason)  # type: ignore[method-assign,assignment]
+    peek(c).intercept_retire(lambda _id, reason="": retired.append(reason))
 
     def post_follow_up(_f: object) -> None:
-        c._track(follow_up)
+        peek(c).track(follow_up)
         loop.call_later(0.05, follow_up.set_result, None)
 
     first.add_done_callback(post_follow_up)
-    c._track(first)
+    peek(c).track(first)
     loop.call_later(0.02, first.set_result, None)
     if closer == "drain":
         assert await c.drain(timeout=5) is True

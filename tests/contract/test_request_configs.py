@@ -12,7 +12,7 @@ import torch
 import lmcache_async as lmc
 import lmcache_async.kvcache as lmc_sdk
 from harness.real_server import RealLMCacheServer
-from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, peek, random_kv, unique_model
 
 SKIP = {"lmcache.skip_load": True}
 
@@ -94,4 +94,4 @@ async def test_bad_request_configs_are_refused_before_anything_is_sent(
         await client.retrieve(toks, request_configs=configs)
     with pytest.raises(error, match=message):
         await client.store(random_kv(SMALL_GEOMETRY, 16), toks, request_configs=configs)
-    assert not client._ops
+    assert not peek(client).in_flight_ops

@@ -17,7 +17,7 @@ import torch
 
 import lmcache_async.kvcache as lmc_sdk
 from lmcache_async import AsyncClient, Client
-from tests.helpers import SESSION_CHUNK_SIZE, SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.helpers import SESSION_CHUNK_SIZE, SMALL_GEOMETRY, fresh_tokens, peek, random_kv, unique_model
 
 CS = SESSION_CHUNK_SIZE
 
@@ -31,7 +31,7 @@ def _no_sends(client: AsyncClient, monkeypatch: pytest.MonkeyPatch) -> list[Any]
         sent.append(op)
         raise AssertionError(f"{op} was sent")
 
-    monkeypatch.setattr(client._conn, "call", refuse)
+    monkeypatch.setattr(peek(client).conn, "call", refuse)
     return sent
 
 

@@ -43,6 +43,7 @@ from lmcache_async import (
 )
 from lmcache_async.errors import LoopThreadCallError
 from lmcache_async.sync_client import LOOP_THREAD_NAME, Client, SyncUsageError
+from tests.helpers import peek, shared_loop_thread
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_size=16)
 MODEL = f"test-sync-client-{os.getpid()}"
@@ -79,11 +80,11 @@ def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
 def _in_flight(client: Client) -> int:
     """Operations running (test-only peek at the async client): their tasks, not the
     cleanup replies (``end_session`` and the like) awaited in the background."""
-    return sum(isinstance(t, asyncio.Task) for t in list(client._async._ops))
+    return sum(isinstance(t, asyncio.Task) for t in list(peek(client).in_flight_ops))
 
 
 def _cleanups_pending(client: Client) -> int:
-    return len(client._async._ops)  # operations and background cleanup replies
+    return len(peek(client).in_flight_ops)  # operations and background cleanup replies
 
 
 @contextlib.contextmanager
@@ -294,11 +295,11 @@ def test_open_failure_raises_and_releases_the_loop_thread(real_server_shm: RealL
         Client("not a url", real_server_shm.http_url, MODEL, geometry=GEOM)
     with pytest.raises(TypeError):
         Client(real_server_shm.url, real_server_shm.http_url, MODEL, geometry="big")  # type: ignore[arg-type]
-    lt = sync_client._LoopThread._current
+    lt = shared_loop_thread()
     refs = lt.refs if lt is not None else 0
     with pytest.raises(ValueError, match="url"):
         Client("not a url", real_server_shm.http_url, MODEL, geometry=GEOM)
-    lt2 = sync_client._LoopThread._current
+    lt2 = shared_loop_thread()
     assert (lt2.refs if lt2 is not None else 0) == refs
 
 
@@ -408,7 +409,7 @@ def test_a_blocking_call_from_the_loop_thread_raises_at_once(real_server_shm: Re
                 except BaseException as exc:
                     seen.append(exc)
 
-        fut = asyncio.run_coroutine_threadsafe(on_the_loop(), client._lt.loop)
+        fut = asyncio.run_coroutine_threadsafe(on_the_loop(), peek(client).loop_thread.loop)
         fut.result(timeout=30)
         assert [type(e) for e in seen] == [LoopThreadCallError] * 4
         assert all(isinstance(e, SyncUsageError) and e.reason == "loop_thread" for e in seen)
@@ -418,7 +419,7 @@ def test_a_blocking_call_from_the_loop_thread_raises_at_once(real_server_shm: Re
 
 def test_the_wait_is_bounded_when_the_loop_is_stuck(real_server_shm: RealLMCacheServer) -> None:
     with _client(real_server_shm, cleanup_grace=0.2) as client:
-        client._lt.loop.call_soon_threadsafe(time.sleep, 2.0)  # blocks the loop thread
+        peek(client).loop_thread.loop.call_soon_threadsafe(time.sleep, 2.0)  # blocks the loop thread
         with pytest.raises(LMCacheTimeoutError) as err:
             client.noop(timeout=0.1)
         assert err.value.operation == "noop"
@@ -467,14 +468,14 @@ def test_keyboard_interrupt_during_connect_closes_what_was_opened(
 ) -> None:
     srv = fresh_real_server("pickle")
     before = _loop_threads()
-    lt = sync_client._LoopThread._current
+    lt = shared_loop_thread()
     refs = lt.refs if lt is not None and lt.alive() else 0
     armed = threading.Event()
     timer = threading.Timer(0.3, armed.set)  # by then the constructor waits on /config
     with _paused(srv), _interrupt_main_when(armed.is_set), pytest.raises(KeyboardInterrupt):
         _start_then_open(timer, srv)
     timer.join(5)
-    lt = sync_client._LoopThread._current
+    lt = shared_loop_thread()
     assert (lt.refs if lt is not None and lt.alive() else 0) == refs
     assert len(_loop_threads()) <= max(1, len(before))
     _wait_for(lambda: srv.status()["registered_non_cuda_instance_ids"] == [], 20, "no registration")
@@ -497,7 +498,7 @@ def test_repeated_create_and_close_keeps_one_loop_thread(real_server: RealLMCach
             assert len(threads) == 1
             idents.add(threads[0].ident)
     with _client(real_server) as a, _client(real_server) as b:
-        assert a._lt is b._lt
+        assert peek(a).loop_thread is peek(b).loop_thread
         assert len(_loop_threads()) == 1
     assert len(idents) == 1  # reused, not restarted
     assert len(_loop_threads()) <= 1
@@ -506,16 +507,16 @@ def test_repeated_create_and_close_keeps_one_loop_thread(real_server: RealLMCach
 def test_the_idle_loop_thread_exits_and_a_new_one_starts(
     real_server_shm: RealLMCacheServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    current = sync_client._LoopThread._current
+    current = shared_loop_thread()
     if current is not None and current.alive() and current.refs:
         pytest.skip("another test of this process holds an open Client")
     monkeypatch.setattr(sync_client, "_IDLE_LINGER", 0.0)
     with _client(real_server_shm) as client:
-        first = client._lt
+        first = peek(client).loop_thread
     _wait_for(lambda: not first.thread.is_alive(), 20, "the idle loop thread to exit")
     assert _loop_threads() == []
     with _client(real_server_shm) as client:
-        assert client._lt is not first
+        assert peek(client).loop_thread is not first
         assert client.lookup(_tokens(CS)) == 0
         assert len(_loop_threads()) == 1
 

@@ -26,7 +26,7 @@ import lmcache_async as lmc
 from lmcache_async._wire import Op
 from tests.fakes import server_wire
 from tests.fakes.fake_router import FakeRouter, json_http_server
-from tests.helpers import SMALL_GEOMETRY
+from tests.helpers import SMALL_GEOMETRY, peek
 
 pytestmark = pytest.mark.anyio
 
@@ -64,9 +64,10 @@ class Switch:
 
 def _assert_closed(c: lmc.AsyncClient) -> None:
     assert c.closed
-    assert c._conn.closed and c._conn._sock is None and c._conn._ctx is None
-    assert c._meta._session is None
-    assert c._keepalive is None or c._keepalive.done()
+    assert peek(c).conn.closed and peek(c).zmq_socket is None and peek(c).zmq_context is None
+    assert peek(c).http_session is None
+    keepalive = peek(c).keepalive_task
+    assert keepalive is None or keepalive.done()
 
 
 # ------------------------------------------------------------------ closing, cancelled
@@ -109,9 +110,10 @@ async def test_cancelling_aclose_mid_keepalive_propagates_and_closes(http_stub: 
             except asyncio.CancelledError:
                 await release.wait()
 
-        assert c._keepalive is not None
-        c._keepalive.cancel()
-        c._keepalive = asyncio.create_task(stubborn())
+        keepalive = peek(c).keepalive_task
+        assert keepalive is not None
+        keepalive.cancel()
+        peek(c).replace_keepalive(asyncio.create_task(stubborn()))
         await asyncio.sleep(0)
         closer = asyncio.create_task(c.aclose())
         await asyncio.sleep(0.2)
@@ -120,7 +122,7 @@ async def test_cancelling_aclose_mid_keepalive_propagates_and_closes(http_stub: 
         with pytest.raises(asyncio.CancelledError):
             await closer
         assert c.closed
-        assert c._conn._sock is None and c._meta._session is None
+        assert peek(c).zmq_socket is None and peek(c).http_session is None
         release.set()
 
 
@@ -208,16 +210,16 @@ async def test_a_stopped_reader_fails_pending_calls_at_once(http_stub: str) -> N
     async with FakeRouter(switch) as router:
         c = await lmc.connect(router.url, http_stub, "m", geometry=SMALL_GEOMETRY, timeout=5)
         switch.silent = True
-        pending = asyncio.create_task(c._conn.call(Op.NOOP, (), timeout=None))
+        pending = asyncio.create_task(peek(c).conn.call(Op.NOOP, (), timeout=None))
         await asyncio.sleep(0.1)
-        reader = c._conn._tasks[0]
+        reader = peek(c).reader_task
         assert reader.get_name().startswith("lmcache-reader")
         reader.cancel()  # what the end of asyncio.run() does to it
         with pytest.raises(lmc.LMCacheConnectionError, match="noop: the connection's reader stopped"):
             await pending
         with pytest.raises(lmc.LMCacheConnectionError, match="reader stopped"):
             await c.noop(timeout=None)
-        assert c._conn.in_flight == 0
+        assert peek(c).conn.in_flight == 0
         await c.aclose()
         _assert_closed(c)
 
@@ -239,7 +241,7 @@ async def test_requests_in_flight_are_bounded_and_memory_stays_flat(http_stub: s
         async def watch() -> None:
             nonlocal peak
             while True:
-                peak = max(peak, c._conn.in_flight)
+                peak = max(peak, peek(c).conn.in_flight)
                 await asyncio.sleep(0.001)
 
         async def round_of(n: int) -> int:
@@ -260,7 +262,7 @@ async def test_requests_in_flight_are_bounded_and_memory_stays_flat(http_stub: s
             after_second = tracemalloc.get_traced_memory()[0]
             assert (first, second) == (2000, 2000)
             assert peak == 16
-            assert c._conn.in_flight == 0
+            assert peek(c).conn.in_flight == 0
             growth = after_second - after_first
             print(f"\n[backpressure] peak in flight {peak}; memory growth over the second round {growth} B")
             # tracemalloc sees the whole process (other threads too); a pending entry kept
@@ -290,7 +292,7 @@ async def test_defect_11_inputs_are_refused_before_anything_is_sent(http_stub: s
         with pytest.raises(ValueError, match="max_in_flight must be an int >= 1, got 0"):
             lmc.AsyncClient(router.url, http_stub, "m", max_in_flight=0)
         c = await lmc.connect(router.url, http_stub, "m", geometry=SMALL_GEOMETRY, timeout=5)
-        sent_before = next(c._conn._table._uids)
+        sent_before = peek(c).next_request_uid()
         kv_shape = SMALL_GEOMETRY.kv_shape(CS)
         toks = list(range(CS))
         cases: list[tuple[Any, type[Exception], str]] = [
@@ -321,5 +323,5 @@ async def test_defect_11_inputs_are_refused_before_anything_is_sent(http_stub: s
         for coro, exc_type, message in cases:
             with pytest.raises(exc_type, match=message):
                 await coro
-        assert next(c._conn._table._uids) == sent_before + 1  # nothing was sent meanwhile
+        assert peek(c).next_request_uid() == sent_before + 1  # nothing was sent meanwhile
         await c.aclose()

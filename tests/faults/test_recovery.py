@@ -19,7 +19,7 @@ import torch
 
 import lmcache_async as lmc
 from harness.real_server import free_loopback_port
-from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, peek, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio
 
@@ -44,7 +44,7 @@ async def test_first_operation_after_a_restart_succeeds(fresh_real_server: Any, 
             tokens = fresh_tokens(2 * CS)
             kv = random_kv(SMALL_GEOMETRY, len(tokens))
             assert await c.store(kv, tokens) is True
-            first_id = c._registered_id
+            first_id = peek(c).registered_id
             await asyncio.to_thread(srv.stop)
             # Down: a call fails with a connection error, not after its 30 s deadline.
             with pytest.raises(lmc.LMCacheConnectionError, match="not connected to|connection to .* lost"):
@@ -60,7 +60,7 @@ async def test_first_operation_after_a_restart_succeeds(fresh_real_server: Any, 
             got = await c.retrieve(tokens)
             assert got is not None and torch.equal(got, kv)
             assert c.transfer == mode
-            assert c._registered_id == first_id  # registered again under the same id
+            assert peek(c).registered_id == first_id  # registered again under the same id
             print(
                 f"\n[recovery {generation}/{mode}] healthy again -> first success: "
                 f"{first_success - healthy:.3f}s"

@@ -25,7 +25,7 @@ import torch
 
 import lmcache_async as lmc
 from tests.faults.forwarders import HttpForwarder, ZmqForwarder
-from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, peek, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio
 
@@ -110,7 +110,7 @@ async def test_first_store_and_retrieve_after_a_hidden_restart_succeed(
             await up.wait()  # both healthy again
             healthy = time.monotonic()
             assert srv.config()["mp"]["instance_id"] != old_server
-            assert c._conn.generation == 0  # the client saw no disconnect
+            assert peek(c).conn.generation == 0  # the client saw no disconnect
 
             tokens2 = fresh_tokens(2 * CS)
             kv2 = random_kv(SMALL_GEOMETRY, len(tokens2))
@@ -208,17 +208,17 @@ async def test_an_operation_replaced_twice_fails_with_the_typed_error(
         first_id = c.instance_id
         task = asyncio.create_task(c.store(kv, tokens))
         await asyncio.sleep(0.3)
-        assert c._conn.in_flight == 1  # its prepare_store, held
+        assert peek(c).conn.in_flight == 1  # its prepare_store, held
         await asyncio.to_thread(_kill, srv)
         await asyncio.to_thread(srv.start)
-        lock = c._reg_lock
+        lock = peek(c).registration_lock
         assert lock is not None
         end = time.monotonic() + 10
-        while not (c.instance_id != first_id and lock.locked() and c._conn.in_flight == 1):
+        while not (c.instance_id != first_id and lock.locked() and peek(c).conn.in_flight == 1):
             assert time.monotonic() < end, "the store was not run again"  # registering, held
             await asyncio.sleep(0.01)
-        assert c._watch.replacements == 1
-        c._replaced("another-server")
+        assert peek(c).watch.replacements == 1
+        peek(c).report_replaced("another-server")
         with pytest.raises(
             lmc.ServerReplacedError, match=r"^store: .* was replaced .*\(again, after running it once more\)$"
         ):
@@ -241,14 +241,14 @@ async def test_a_busy_client_never_checks_the_server_identity(real_server_shm: A
         assert await c.store(kv, tokens) is True
         # A quiet period longer than any one operation can take on a loaded machine: the
         # burst must make no check at all; then a shorter one, for the check after silence.
-        c._watch.quiet = 5.0
-        checks = c._watch.checks
+        peek(c).watch.quiet = 5.0
+        checks = peek(c).watch.checks
         for _ in range(100):
             assert await c.lookup(tokens) == 2 * CS
             got = await c.retrieve(tokens)
             assert got is not None and torch.equal(got, kv)
-        assert c._watch.checks == checks
-        c._watch.quiet = 0.5
+        assert peek(c).watch.checks == checks
+        peek(c).watch.quiet = 0.5
         await asyncio.sleep(0.7)
         assert await c.lookup(tokens) == 2 * CS
-        assert c._watch.checks == checks + 1
+        assert peek(c).watch.checks == checks + 1

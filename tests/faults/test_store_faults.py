@@ -23,7 +23,7 @@ import torch
 import lmcache_async as lmc
 from lmcache_async import AsyncClient, _operations as operations
 from lmcache_async.errors import UnfilledReservationError
-from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, peek, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio
 
@@ -49,7 +49,7 @@ def _open(srv: Any, model: str, **kw: Any) -> AsyncClient:
 
 def _sent(client: AsyncClient) -> int:
     """The next request uid of the client's connection (taking it skips one)."""
-    return next(client._conn._table._uids)
+    return peek(client).next_request_uid()
 
 
 async def test_uncopyable_kv_is_refused_before_anything_is_sent(shm_server: Any) -> None:

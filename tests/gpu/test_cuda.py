@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from lmcache_async import AsyncClient, Client, KVGeometry
-from tests.helpers import fresh_tokens, unique_model
+from tests.helpers import fresh_tokens, peek, unique_model
 
 CS = 256
 HAVE_CUDA = torch.cuda.is_available()
@@ -277,7 +277,7 @@ async def test_bad_cuda_arguments_are_refused_before_anything_is_sent(gpu_server
     async with aclient(gpu_server, geom) as c:
         tokens = fresh_tokens(2 * CS)
         kv = rand_kv(geom, len(tokens))
-        sent_before = next(c._conn._table._uids)
+        sent_before = peek(c).next_request_uid()
         shape = geom.kv_shape(2 * CS)
         n = torch.cuda.device_count()
         # Factories, not coroutines: a case that fails must not leave the others unawaited.
@@ -346,7 +346,7 @@ async def test_bad_cuda_arguments_are_refused_before_anything_is_sent(gpu_server
         for make, exc_type, message in cases:
             with pytest.raises(exc_type, match=message):
                 await make()
-        assert next(c._conn._table._uids) == sent_before + 1  # nothing was sent meanwhile
+        assert peek(c).next_request_uid() == sent_before + 1  # nothing was sent meanwhile
 
 
 @pytest.mark.anyio
@@ -409,7 +409,7 @@ async def test_shm_pool_is_pinned_once_and_unregistered_before_unmap(
         return real_reg(address, nbytes)
 
     def unreg(address: int) -> int:
-        assert c._pool is not None and c._pool._base is not None  # still mapped
+        assert peek(c).pool is not None and peek(c).pool_buffer is not None  # still mapped
         calls.append(("unregister", address))
         return real_unreg(address)
 
@@ -418,16 +418,18 @@ async def test_shm_pool_is_pinned_once_and_unregistered_before_unmap(
     geom = geometry()
     c = aclient(gpu_server, geom)
     async with c:
-        assert c._pool is not None and c._pool.cuda_pinned is None  # nothing before a CUDA copy
+        pool = peek(c).pool
+        assert pool is not None and pool.cuda_pinned is None  # nothing before a CUDA copy
         for _ in range(2):
             tokens = fresh_tokens(2 * CS)
             kv = rand_kv(geom, len(tokens))
             assert await c.store(kv, tokens) is True
             got = await c.retrieve(tokens, device="cuda")
             assert got is not None and torch.equal(got, kv)
-        assert c._pool.cuda_pinned is True
-        address, _ = c._pool.address_range()
-        assert c._pool._base is not None and c._pool._base[:16].is_pinned()
+        assert pool.cuda_pinned is True
+        address, _ = pool.address_range()
+        buffer = peek(c).pool_buffer
+        assert buffer is not None and buffer[:16].is_pinned()
     assert calls == [("register", address), ("unregister", address)]
 
 
@@ -457,7 +459,8 @@ async def test_unpinnable_pool_falls_back_with_a_warning(
         assert await c.store(kv, tokens) is True
         got = await c.retrieve(tokens, device="cuda")
         assert got is not None and torch.equal(got, kv)
-        assert c._pool is not None and c._pool.cuda_pinned is False
+        pool = peek(c).pool
+        assert pool is not None and pool.cuda_pinned is False
     warnings = [r.getMessage() for r in caplog.records if r.name == "lmcache_async._cuda.copies"]
     assert len(warnings) == 1
     assert "cannot pin the SHM pool" in warnings[0] and "cudaHostRegister error 1" in warnings[0]

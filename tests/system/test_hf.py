@@ -18,7 +18,7 @@ import torch
 
 from lmcache_async import AsyncClient, Client, KVGeometry, hf
 from lmcache_async.testing.tiny_llama import tiny_llama
-from tests.helpers import SESSION_CHUNK_SIZE, unique_model
+from tests.helpers import SESSION_CHUNK_SIZE, peek, unique_model
 
 # One xdist group with the experiment's tests: `make check` (--dist loadgroup) runs them on
 # one worker, so only one pays the first use of transformers (~3-5 s).
@@ -77,7 +77,7 @@ def _no_sends(client: AsyncClient, monkeypatch: pytest.MonkeyPatch) -> list[Any]
         sent.append(op)
         raise AssertionError(f"{op} was sent")
 
-    monkeypatch.setattr(client._conn, "call", refuse)
+    monkeypatch.setattr(peek(client).conn, "call", refuse)
     return sent
 
 

@@ -119,12 +119,16 @@ print("calling", flush=True)
 client.lookup(toks, timeout=60)
 """
 
-_AFTER = """
-import time
+# The kernel's working directory is a temporary one: tests.helpers (peek) is found through
+# the repository root put first on its path.
+_AFTER = f"""
+import sys, time
+sys.path.insert(0, {str(REPO_ROOT)!r})
+from tests.helpers import peek
 deadline = time.monotonic() + 30
-while client._async._ops and time.monotonic() < deadline:
+while peek(client).in_flight_ops and time.monotonic() < deadline:
     time.sleep(0.02)
-assert not client._async._ops, "the interrupted call did not finish its cleanup"
+assert not peek(client).in_flight_ops, "the interrupted call did not finish its cleanup"
 assert client.lookup(toks) == 64
 client.close()
 print("closed", flush=True)

@@ -45,7 +45,7 @@ import torch
 import lmcache_async as lmc
 from lmcache_async import AsyncClient
 from lmcache_async._wire import Op
-from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, peek, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio
 
@@ -235,7 +235,7 @@ async def wait_for_baseline(
     """Wait until the client's abandoned operations finished their cleanup, then until
     ``/status`` shows the baseline sessions and prefetch jobs (or the deadline)."""
     end = time.monotonic() + deadline
-    while c._ops and time.monotonic() < end:
+    while peek(c).in_flight_ops and time.monotonic() < end:
         await asyncio.sleep(0.05)
     while True:
         st = await c.status(max_age=0)
@@ -258,8 +258,8 @@ async def run_soak(srv: Any, n_ops: int, seed: int) -> None:
 
         # Nothing pending, no operation still cleaning up, server sessions and jobs at baseline.
         assert await wait_for_baseline(c, baseline) == baseline
-        assert len(c._ops) == 0
-        assert c._conn.in_flight == 0
+        assert len(peek(c).in_flight_ops) == 0
+        assert peek(c).conn.in_flight == 0
         assert end_rss - warm_rss < RSS_BOUND, f"client RSS grew by {(end_rss - warm_rss) >> 20} MiB"
 
         # Every list the model says is complete reads back in full, bitwise.
@@ -267,7 +267,7 @@ async def run_soak(srv: Any, n_ops: int, seed: int) -> None:
             model.check_read(list(key), await c.retrieve(list(key)), True)
 
         # No read lock left: a non-forced clear evicts every object.
-        await c._conn.call(Op.CLEAR, (False,), timeout=30)
+        await peek(c).conn.call(Op.CLEAR, (False,), timeout=30)
         for key in model.kv:
             assert await c.lookup(list(key)) == 0
         # Everything is storable again (no reservation left behind) and reads back bitwise.
@@ -277,7 +277,7 @@ async def run_soak(srv: Any, n_ops: int, seed: int) -> None:
             model.complete.add(key)
             model.check_read(list(key), await c.retrieve(list(key)), True)
         assert await wait_for_baseline(c, baseline) == baseline
-        assert c._conn.in_flight == 0
+        assert peek(c).conn.in_flight == 0
 
 
 #: The module's servers (``module_real_server``'s arguments): the short and the long soak

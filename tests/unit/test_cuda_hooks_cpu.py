@@ -18,7 +18,7 @@ import torch
 from lmcache_async import AsyncClient
 from lmcache_async._payload.inline import decode_inline, encode_inline
 from lmcache_async._wire import GEN_0_5_6, GEN_0_5_7, WireGeneration
-from tests.helpers import SMALL_GEOMETRY, fresh_tokens, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, peek, unique_model
 
 
 @pytest.mark.parametrize("wire", [GEN_0_5_6, GEN_0_5_7], ids=lambda w: w.name)
@@ -77,7 +77,7 @@ async def test_retrieve_device_argument_without_cuda(mode: Literal["shm", "pickl
         assert got is not None and got.device.type == "cpu" and torch.equal(got, kv)
         got = await c.retrieve(tokens, out=torch.empty_like(kv), device=torch.device("cpu"))
         assert got is not None and torch.equal(got, kv)
-        sent_before = next(c._conn._table._uids)
+        sent_before = peek(c).next_request_uid()
         cases: list[tuple[Any, str]] = [
             (c.retrieve(tokens, device="cuda"), "device cuda requested but CUDA is not available"),
             (c.retrieve(tokens, device="cuda:1"), "device cuda:1 requested but CUDA is not available"),
@@ -94,4 +94,4 @@ async def test_retrieve_device_argument_without_cuda(mode: Literal["shm", "pickl
         for coro, message in cases:
             with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)") + "$"):
                 await coro
-        assert next(c._conn._table._uids) == sent_before + 1  # nothing was sent meanwhile
+        assert peek(c).next_request_uid() == sent_before + 1  # nothing was sent meanwhile

@@ -15,6 +15,7 @@ from lmcache_async import _shm as shm
 from lmcache_async._shm import GRANULE, ShmPool
 from lmcache_async._wire import SlotDescriptor
 from lmcache_async.testing import EmbeddedServer
+from tests.helpers import peek
 
 POOL = 64 << 20  # 32 granules
 
@@ -124,7 +125,7 @@ async def test_a_client_maps_what_it_copies_not_the_pool(
     geometry = lmc.KVGeometry(num_layers=2, num_kv_heads=1, head_dim=128, dtype=torch.bfloat16, block_size=16)
     async with EmbeddedServer(chunk_size=256, mode="shm", size_bytes=1 << 30) as srv:
         async with lmc.AsyncClient(srv.url, srv.http_url, "m", geometry=geometry, prefault_shm=prefault) as c:
-            pool: Any = c._pool
+            pool: Any = peek(c).pool
             assert pool is not None and pool.populate_on_use is prefault
             tokens = list(range(4 * 256))
             kv = torch.randn(geometry.kv_shape(len(tokens))).to(geometry.dtype)
@@ -159,7 +160,7 @@ async def test_slots_only_read_are_left_to_fault_and_a_remap_maps_its_targets(
         stored_by_writer = len(calls)
         assert stored_by_writer >= 1
         async with lmc.AsyncClient(srv.url, srv.http_url, "m", geometry=geometry) as reader:
-            pool: Any = reader._pool
+            pool: Any = peek(reader).pool
             got = await reader.retrieve(tokens)
             assert got is not None and torch.equal(got, kv)
             assert len(calls) == stored_by_writer and pool.mapped_bytes == 0
