@@ -17,7 +17,10 @@ Real-server fixtures (the REAL LMCache MP server, run from its own venv built by
   distinct model names / token ids per test, and never stop or restart them
   (use ``fresh_real_server`` for that).
 * ``real_server`` (function, parametrized ``["shm", "pickle"]``, ids
-  ``shm``/``pickle``): the matching session server.
+  ``shm``/``pickle``): the matching session server of the generation given by the
+  ``generation`` fixture: 0.5.6, unless the test parametrizes ``generation``
+  (``@pytest.mark.parametrize("generation", ["0.5.7"])``; the venv of 0.5.7 is then
+  built before the first test too).
 * ``fresh_real_server`` (function): a factory ``make(mode="shm",
   generation="0.5.6", **kw)`` returning a NEW started server of its own (kw go
   to :class:`RealLMCacheServer`; ``chunk_size`` defaults to 16 here too); all
@@ -35,10 +38,9 @@ Real-server fixtures (the REAL LMCache MP server, run from its own venv built by
   python), ``real_server_057_shm`` / ``real_server_057_pickle`` (session,
   chunk size 16, like the 0.5.6 ones) and ``real_server_057`` (function,
   parametrized ``shm``/``pickle``). The 0.5.7 venv is built before the first
-  test when a selected test uses one of these fixtures (or
-  ``fresh_real_server(generation="0.5.7")`` in a test that also names
-  ``lmcache057_python``; otherwise the first such call builds it, inside that
-  test's timeout).
+  test when a selected test uses one of these fixtures, or a real-server fixture with
+  ``generation`` parametrized to 0.5.7 (a ``fresh_real_server(generation="0.5.7")`` call
+  in any other test builds it, inside that test's timeout).
 
 Every test that uses any of these fixtures (directly or through another
 fixture) is marked ``real_server`` automatically, so developers without the
@@ -151,6 +153,15 @@ def _venv_python(config: pytest.Config, generation: Generation) -> Path:
     return python
 
 
+def _needs_057(item: pytest.Item) -> bool:
+    """The test uses a 0.5.7 fixture, or a real-server fixture with ``generation`` 0.5.7."""
+    names = set(getattr(item, "fixturenames", ()))
+    if names & REAL_SERVER_057_FIXTURES:
+        return True
+    callspec = getattr(item, "callspec", None)
+    return bool(names & REAL_SERVER_FIXTURES) and callspec is not None and callspec.params.get("generation") == "0.5.7"
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Build the lmcache venvs before any test runs (outside the per-test
     timeout), each only if a selected test needs it."""
@@ -159,7 +170,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     wanted: list[Generation] = []
     if any(item.get_closest_marker("real_server") for item in session.items):
         wanted.append("0.5.6")
-    if any(set(getattr(item, "fixturenames", ())) & REAL_SERVER_057_FIXTURES for item in session.items):
+    if any(_needs_057(item) for item in session.items):
         wanted.append("0.5.7")
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     for generation in wanted:
@@ -288,12 +299,21 @@ def real_server_pickle(_real_server_registry: _Registry, lmcache_python: Path) -
     yield from _session_server(_real_server_registry, lmcache_python, "pickle")
 
 
+@pytest.fixture
+def generation() -> Generation:
+    """The server generation of ``real_server``: 0.5.6, unless the test parametrizes it
+    (``@pytest.mark.parametrize("generation", ["0.5.7"])``, or both generations)."""
+    return "0.5.6"
+
+
 @pytest.fixture(params=["shm", "pickle"])
-def real_server(request: pytest.FixtureRequest) -> RealLMCacheServer:
-    """The session server of each transport, in turn."""
-    srv: RealLMCacheServer = request.getfixturevalue(f"real_server_{request.param}")
+def real_server(request: pytest.FixtureRequest, generation: Generation) -> RealLMCacheServer:
+    """The session server of ``generation`` (0.5.6 unless parametrized) of each transport,
+    in turn."""
+    label = "" if generation == "0.5.6" else "057_"
+    srv: RealLMCacheServer = request.getfixturevalue(f"real_server_{label}{request.param}")
     if not srv.is_running():
-        _fail(f"the shared {request.param} server is not running", srv.log_tail(40))
+        _fail(f"the shared {generation} {request.param} server is not running", srv.log_tail(40))
     return srv
 
 
