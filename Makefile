@@ -65,7 +65,7 @@ pytest: venv lmcache-venv redis
 	LMCACHE_ASYNC_REQUIRE_REAL_SERVER=1 $(BIN)/python -m pytest \
 	  --cov=lmcache_async --cov-branch --cov-report=term
 
-## The issue-2 smoke run: real LMCache server, our client, chunk size + noop RTT.
+## The smoke run: real LMCache server, our client, chunk size + noop RTT.
 smoke: venv lmcache-venv
 	$(BIN)/python -m benchmarks.smoke_real_server
 
@@ -74,10 +74,11 @@ smoke: venv lmcache-venv
 experiment: venv
 	$(BIN)/python examples/kv_edit_experiment.py $(ARGS)
 
-## The whole benchmark suite against the official SDK: starts the real servers, writes
-## benchmarks/results/*.json, renders docs/benchmarks.md + docs/img/*.png (see there).
-## `make bench-quick` (or BENCH_QUICK=1) is a few-minute subset; BENCH_ARGS passes options,
-## e.g. BENCH_ARGS='--generation 0.5.7' or BENCH_ARGS='--sections concurrent fresh'.
+## The benchmark suite against the official SDK (benchmarks/README.md): starts the real
+## servers, writes benchmarks/results/<version>/*.json, renders docs/benchmarks.md +
+## docs/img/*.png from them and benchmarks/suite/notes/. `make bench-quick` (or BENCH_QUICK=1)
+## is a few-minute subset; BENCH_ARGS passes options, e.g. BENCH_ARGS='--generation 0.5.7'
+## or BENCH_ARGS='--sections concurrent fresh'.
 $(BENCH_STAMP): $(STAMP)
 	$(PIP) -c $(TOOLS) $(TORCH) -e '.[test,bench]'
 	touch $(BENCH_STAMP)
@@ -88,9 +89,10 @@ bench: venv lmcache-venv $(BENCH_STAMP)
 bench-quick:
 	BENCH_QUICK=1 $(MAKE) bench
 
-## Re-render docs/benchmarks.md from the JSON already in benchmarks/results/.
+## Re-render docs/benchmarks.md from the JSON already in benchmarks/results/<version>/ and
+## the notes in benchmarks/suite/notes/ (the page is generated whole: edit the notes).
 bench-render: $(BENCH_STAMP)
-	$(BIN)/python -m benchmarks.render
+	$(BIN)/python -m benchmarks.suite.render
 
 ## The documentation site, in site/: mkdocs (mkdocs.yml), the API pages generated from the
 ## docstrings of the public modules (mkdocstrings). --strict: every warning fails it, a

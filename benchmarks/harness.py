@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmark suite (``make bench``, ``benchmarks/suite.py``).
+"""Shared pieces of both tiers, the SDK-comparison suite (``benchmarks/suite/``) and the
+probes (``benchmarks/probes/``).
 
 * :func:`server_python`: the lmcache venv of a server generation (0.5.6: ``.lmcache-venv``,
   built by ``make lmcache-venv``; 0.5.7: ``.lmcache-venv-057``);
@@ -6,11 +7,14 @@
   run in that venv and timed inside its own process;
 * :func:`stamp`: what the figures were measured on (machine, versions, commit, load);
 * :func:`spread`: median and range of a list of round figures;
-* :func:`require_generation`: a clear error when lmcache_async cannot speak a generation yet.
+* :func:`require_generation`: a clear error when the server is not the generation asked for;
+* :func:`bare_dealer_rtt`: the floor of a round trip, a blocking pyzmq DEALER;
+* :func:`raw_call` and :func:`facade_loop`: the two handles on the client's internals that
+  the suite needs and the API does not give (a request that has no method of its own, and
+  the blocking facade's loop thread), taken here so that a refactor changes this file only.
 
-Nothing here times anything; every section module (``bench_client.py``,
-``bench_concurrent.py``, ``bench_fresh.py``, ``bench_remap_batch.py``, ``bench_facade.py``,
-``bench_rtt.py``) does its own timing and returns a JSON-able dict.
+Nothing here times anything but :func:`bare_dealer_rtt`; every section module does its own
+timing and returns a JSON-able dict.
 """
 
 from __future__ import annotations
@@ -22,18 +26,22 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import zmq
+
 from harness.real_server import LMCacheServerError, RealLMCacheServer, lmcache_venv_python
 from harness.workers import HARNESS_DIR, _JsonLinesWorker
+from lmcache_async import _wire as wire
+from lmcache_async._wire import Op
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / "benchmarks"
 
 GENERATIONS = ("0.5.6", "0.5.7")
-RESULTS_DIR = BENCH_DIR / "results"
 
 
 class SDKBench(_JsonLinesWorker):
@@ -63,44 +71,20 @@ def server_python(generation: str = "0.5.6") -> Path:
     raise SystemExit(f"unknown server generation {generation!r}; choose one of {', '.join(GENERATIONS)}")
 
 
-def check_client_supports(generation: str) -> None:
-    """Refuse at once, before any server starts, when this lmcache_async predates ``generation``.
-
-    Support for 0.5.7 shows as ``AsyncClient.server_version`` (the version the client found
-    at connect); without it every operation against a 0.5.7 server would wait out its
-    timeout (the server drops 0.5.6-style requests silently).
-
-    Raises:
-        SystemExit: naming the missing support.
-    """
-    import lmcache_async
-
-    if generation != "0.5.6" and not hasattr(lmcache_async.AsyncClient, "server_version"):
-        raise SystemExit(
-            f"lmcache_async ({git_commit()}) cannot speak the {generation} wire yet: AsyncClient has "
-            "no server_version (the 0.5.7 support of issue 10 is not in this tree); nothing was run"
-        )
-
-
 async def require_generation(client: Any, generation: str, timeout: float = 10.0) -> None:
-    """Fail clearly when ``client`` (an open AsyncClient) cannot speak ``generation``.
+    """Fail clearly when ``client`` (an open AsyncClient) is not talking to ``generation``.
 
-    On 0.5.6 this does nothing. On 0.5.7 the client must say which server it found
-    (``client.server_version``, added with 0.5.7 support) and a 1-chunk store + retrieve
-    must round-trip within ``timeout`` (a 0.5.6-only client is answered with silence).
+    On 0.5.6 this does nothing. On 0.5.7 the server the client found
+    (``client.server_version``) must be a 0.5.7 one and a 1-chunk store + retrieve must
+    round-trip within ``timeout``.
 
     Raises:
-        SystemExit: naming what is missing.
+        SystemExit: naming what is wrong.
     """
     if generation == "0.5.6":
         return
-    version = getattr(client, "server_version", None)
-    if version is None:
-        raise SystemExit(
-            f"lmcache_async ({git_commit()}) cannot speak the {generation} wire yet: AsyncClient has "
-            "no server_version (the 0.5.7 support of issue 10 is not merged into this tree)"
-        )
-    if not str(version).startswith(generation):
+    version = client.server_version
+    if not version.startswith(generation):
         raise SystemExit(f"asked for generation {generation}, but the server says {version!r}")
     import torch
 
@@ -118,6 +102,38 @@ async def require_generation(client: Any, generation: str, timeout: float = 10.0
         ) from exc
     if got is None or not torch.equal(got, kv):
         raise SystemExit(f"lmcache_async read back different KV from the {generation} server")
+
+
+def bare_dealer_rtt(url: str, op: Op, args: Sequence[Any], n: int) -> float:
+    """The median round trip (seconds) of the last 80 % of ``n`` requests ``op(*args)`` sent
+    one by one from a blocking pyzmq DEALER: the server's own cost per request plus the
+    least a client can add."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(url)
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        sock.send_multipart(wire.encode_request(i, op, args))
+        sock.recv_multipart()
+        times.append(time.perf_counter() - t0)
+    sock.close(0)
+    ctx.term()
+    return statistics.median(times[n // 5 :])
+
+
+async def raw_call(client: Any, op: Op, args: Sequence[Any], timeout: float) -> Any:
+    """Send ``op(*args)`` on an open AsyncClient's connection and wait for the reply: a
+    request that has no method of its own (``end_session``), or one timed without the
+    method around it."""
+    return await client._session.conn.call(op, args, timeout=timeout)
+
+
+def facade_loop(client: Any) -> Any:
+    """The loop thread of a blocking :class:`~lmcache_async.sync_client.Client`, whose
+    ``submit(factory).wait(name, bound, grace)`` hands a coroutine over and waits for it:
+    the facade's hand-over without a server."""
+    return client._lt
 
 
 def start_servers(servers: Sequence[RealLMCacheServer]) -> None:

@@ -1,4 +1,4 @@
-"""The official SDK's side of benchmarks/bench_client.py (run with the lmcache venv's python).
+"""The official SDK's side of benchmarks/suite/bench_client.py (run with the lmcache venv's python).
 
 JSON lines over stdin/stdout (framing: harness/_worker_loop.py):
 

@@ -1,4 +1,4 @@
-"""The official SDK's side of benchmarks/bench_remap_batch.py (run with the lmcache venv's python).
+"""The official SDK's side of benchmarks/suite/bench_remap_batch.py (run with the lmcache venv's python).
 
 JSON lines over stdin/stdout (framing: harness/_worker_loop.py):
 

@@ -1,4 +1,4 @@
-"""benchmarks/render.py: the benchmark page generator (no server; synthetic results)."""
+"""benchmarks/suite/render.py: the benchmark page generator (no server; synthetic results)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 @pytest.fixture(scope="module")
 def render() -> Any:
     # Imported by name, not followed by mypy (benchmarks/ is outside its files).
-    return importlib.import_module("benchmarks.render")
+    return importlib.import_module("benchmarks.suite.render")
 
 
 def _spread(x: float) -> dict[str, float]:
@@ -78,50 +78,51 @@ def _write_results(tmp: Path) -> Path:
 
 def test_ratios_read_the_same_way_and_behind_is_said(render: Any, tmp_path: Path) -> None:
     results = _write_results(tmp_path)
-    text = render.render(results, tmp_path / "absent.md", tmp_path / "img")
+    text = render.render(results, tmp_path / "notes", tmp_path / "img")
     assert "| store, 1 chunk (32 MiB) | 15.00 ms | 10.00 ms | **1.50x** |" in text
     assert (
         "| retrieve, fresh tensor, 4 chunks (128 MiB) | 80.00 ms | 100.00 ms | 0.80x **(behind)** |" in text
     )
     assert "* single_shm: retrieve, fresh tensor, 4 chunks (128 MiB) at 0.80x\n" in text
-    assert render.WHY_PLACEHOLDER in text
+    assert render.WHY_PLACEHOLDER.format(key="single_shm") in text
     # a full-profile run on an idle machine is not flagged as a sample
     assert "Sample figures" not in text
-    assert "Not measured in this run (`.venv/bin/python -m benchmarks.bench_concurrent`)." in text
+    assert "Not measured in this run (`.venv/bin/python -m benchmarks.suite.bench_concurrent`)." in text
     assert (
         "| every single-operation case ≥ 1.0x the SDK (shm, server 0.5.6) | worst: retrieve 4 chunk(s) 0.80x | **not met** |"
         in text
     )
 
 
-def test_human_text_in_keep_blocks_survives_a_render(render: Any, tmp_path: Path) -> None:
+def test_notes_are_placed_in_their_section_and_replace_the_placeholder(render: Any, tmp_path: Path) -> None:
     results = _write_results(tmp_path)
-    doc = tmp_path / "benchmarks.md"
-    doc.write_text(
-        "old page\n<!-- keep:why-single_shm -->\nBecause the 4-chunk retrieve allocates twice.\n"
-        "<!-- /keep:why-single_shm -->\n<!-- keep:notes-rtt -->\nRTT notes.\n<!-- /keep:notes-rtt -->\n"
-    )
-    text = render.render(results, doc, tmp_path / "img")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "single_shm.md").write_text("Because the 4-chunk retrieve allocates twice.\n")
+    (notes / "rtt.md").write_text("RTT notes.\n")
+    text = render.render(results, notes, tmp_path / "img")
     assert (
-        "<!-- keep:why-single_shm -->\nBecause the 4-chunk retrieve allocates twice.\n<!-- /keep:why-single_shm -->"
-        in text
+        "at 0.80x.\n\nBecause the 4-chunk retrieve allocates twice.\n\n## Single operations, pickle" in text
     )
-    assert render.WHY_PLACEHOLDER not in text
+    assert render.WHY_PLACEHOLDER.format(key="single_shm") not in text
     # the rtt section is not measured: its notes stay, under its "not measured" line
-    assert "<!-- keep:notes-rtt -->\nRTT notes.\n<!-- /keep:notes-rtt -->" in text
-    assert "old page" not in text
+    assert (
+        "Not measured in this run (`.venv/bin/python -m benchmarks.suite.bench_rtt`).\n\nRTT notes.\n" in text
+    )
+    assert text.count("<!--") == 1  # the "generated" header, nothing kept from an earlier page
 
 
-def test_a_keep_block_whose_place_is_gone_is_kept_at_the_end(render: Any, tmp_path: Path) -> None:
+def test_the_same_results_and_notes_render_the_same_page_and_unused_notes_are_named(
+    render: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     results = _write_results(tmp_path)
-    doc = tmp_path / "benchmarks.md"
-    doc.write_text("<!-- keep:why-remap -->\nRemap was behind because X.\n<!-- /keep:why-remap -->\n")
-    text = render.render(results, doc, tmp_path / "img")
-    tail = text[text.index("## Notes kept from an earlier render") :]
-    assert "<!-- keep:why-remap -->\nRemap was behind because X.\n<!-- /keep:why-remap -->" in tail
-    # rendering the result again keeps it again, once
-    doc.write_text(text)
-    assert render.render(results, doc, tmp_path / "img").count("Remap was behind because X.") == 1
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "single_shm-0.5.7.md").write_text("No 0.5.7 results in this run.\n")
+    text = render.render(results, notes, tmp_path / "img")
+    assert render.render(results, notes, tmp_path / "img") == text
+    assert "No 0.5.7 results" not in text
+    assert "notes not on the page (no such section): single_shm-0.5.7\n" in capsys.readouterr().err
 
 
 def test_quick_profile_is_marked_as_a_sample(render: Any, tmp_path: Path) -> None:
@@ -129,13 +130,13 @@ def test_quick_profile_is_marked_as_a_sample(render: Any, tmp_path: Path) -> Non
     doc = json.loads((results / "single_shm.json").read_text())
     doc["stamp"]["profile"] = "quick"
     (results / "single_shm.json").write_text(json.dumps(doc))
-    text = render.render(results, tmp_path / "absent.md", tmp_path / "img")
+    text = render.render(results, tmp_path / "notes", tmp_path / "img")
     assert "> **Sample figures, not for publication.** 1 of the sections below" in text
 
 
 def test_gpu_json_is_rendered_as_tables(render: Any, tmp_path: Path) -> None:
     results = _write_results(tmp_path)
-    text = render.render(results, tmp_path / "absent.md", tmp_path / "img")
+    text = render.render(results, tmp_path / "notes", tmp_path / "img")
     gpu = text[text.index("## GPU") :]
     assert "### `cuda_h200.json`" in gpu
     assert "| device | GPU X |" in gpu
@@ -154,9 +155,9 @@ def test_every_import_in_benchmarks_resolves_from_the_repo_root() -> None:
     missing = []
     # The SDK workers run as scripts in the lmcache venv, with harness/ on their path.
     lmcache_venv_scripts = {"sdk_bench_worker.py", "sdk_remap_worker.py"}
-    siblings = {p.stem for p in (root / "benchmarks").glob("*.py")}
+    siblings = {p.stem for p in (root / "benchmarks").rglob("*.py")}
     # (third-party imports are not checked: matplotlib is only in the bench extra)
-    for path in sorted((root / "benchmarks").glob("*.py")):
+    for path in sorted((root / "benchmarks").rglob("*.py")):
         if path.name in lmcache_venv_scripts:
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -198,7 +199,7 @@ def test_bench_cuda_json_is_summarised_against_the_link_and_the_sdk(render: Any,
         "pickle_store": fig(0.3, 1600.0),
     }
     (results / "cuda_h200.json").write_text(json.dumps({"device": "GPU X", "chunks16": size}))
-    text = render.render(results, tmp_path / "absent.md", tmp_path / "img")
+    text = render.render(results, tmp_path / "notes", tmp_path / "img")
     gpu = text[text.index("## GPU") :]
     assert "| device | GPU X |" in gpu
     assert "| 16 chunks (512 MiB) | store from CUDA | retrieve into CUDA `out=` |" in gpu

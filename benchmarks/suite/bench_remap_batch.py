@@ -1,6 +1,6 @@
 """remap_many vs the official SDK doing the same remaps in a loop, on one real server.
 
-    .venv/bin/python -m benchmarks.bench_remap_batch [--rounds 5] [--pairs 64] [--l1-gb 10] [--json]
+    .venv/bin/python -m benchmarks.suite.bench_remap_batch [--rounds 5] [--pairs 64] [--l1-gb 10] [--json]
 
 (``make bench`` runs this as the ``remap`` section.)
 

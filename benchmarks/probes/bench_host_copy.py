@@ -1,6 +1,6 @@
 """Host copies: ``Tensor.copy_`` (torch's intra-op pool) vs ``lmcache_async._host_copy.copy_into``.
 
-    .venv/bin/python -m benchmarks.bench_host_copy [--json]
+    .venv/bin/python -m benchmarks.probes.bench_host_copy [--json]
 
 One chunk of a ``[2, L, 256, D]`` bf16 KV copied into the chunk-sized slice of a
 ``[2, L, 1024, D]`` tensor (what a retrieve does per chunk), warm buffers, alternating the

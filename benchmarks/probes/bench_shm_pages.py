@@ -1,6 +1,6 @@
 """The first copy through a fresh mapping of a tmpfs segment: map first, or fault?
 
-    .venv/bin/python -m benchmarks.bench_shm_pages [--mib 512] [--rounds 5] [--json]
+    .venv/bin/python -m benchmarks.probes.bench_shm_pages [--mib 512] [--rounds 5] [--json]
 
 A client maps the server's SHM pool; the first time its process touches a page of it,
 the kernel maps that page (a fault). ``lmcache_async._shm.ShmPool.populate`` can map the

@@ -1,7 +1,7 @@
-"""CUDA tensors in and out (issue 11): our client vs the link, the SDK's path, a pinned vs
-an unpinned pool. Needs a CUDA GPU.
+"""CUDA tensors in and out: our client vs the link, the SDK's path, a pinned vs an unpinned
+pool. Needs a CUDA GPU.
 
-    python -m benchmarks.bench_cuda [--reps 7] [--json out.json]
+    python -m benchmarks.probes.bench_cuda [--reps 7] [--json out.json]
 
 Starts the embedded server in its own process (``lmcache-async serve``, SHM, chunk 256,
 4 GB pool, prefaulted; and a pickle one), geometry 32 layers x 8 KV heads x 128 (1024
@@ -22,6 +22,10 @@ hidden), bf16: one chunk is 2 x 32 x 256 x 1024 x 2 B = 32 MiB; 1 and 16 chunks
 
 Each timed call ends with its data in place (our calls synchronise before returning; the
 raw copies and the SDK path are synchronised). GB/s = bytes / median time (1 GB = 1e9 B).
+
+Internals it reaches: the client's SHM pool (``client._session.pool``: pinned by hand,
+marked unpinned, read raw), and the copy functions and stream count of
+``lmcache_async._cuda.copies`` (wrapped by timers, called alone).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import lmcache_async as lmc
 from lmcache_async._payload.pickle_tensors import encode_tensor_list
 from lmcache_async._wire import GEN_0_5_6
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 CS = 256
 GEOM = lmc.KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
@@ -169,17 +173,18 @@ async def run(reps: int) -> dict[str, Any]:
             client(pk_ep, "pickle") as pickled,
         ):
             time_copies()
-            assert pinned._pool is not None and unpinned._pool is not None
-            unpinned._pool.cuda_pinned = False  # as if cudaHostRegister had failed
+            pinned_pool, unpinned_pool = pinned._session.pool, unpinned._session.pool
+            assert pinned_pool is not None and unpinned_pool is not None
+            unpinned_pool.cuda_pinned = False  # as if cudaHostRegister had failed
             toks = Tokens(1000)
             # Warm up: CUDA context, streams, pool registration (timed), allocator.
             warm = torch.randn(GEOM.kv_shape(CS), device="cuda").to(GEOM.dtype)
             from lmcache_async._cuda import copies as cuda
 
             t0 = time.perf_counter()
-            await asyncio.to_thread(cuda.pin_pool, pinned._pool)
+            await asyncio.to_thread(cuda.pin_pool, pinned_pool)
             results["pin_pool_s"] = time.perf_counter() - t0
-            results["pool_bytes"] = pinned._pool.pool_size
+            results["pool_bytes"] = pinned_pool.pool_size
             for c in (pinned, unpinned, pickled):
                 t = toks.fresh(CS)
                 await c.store(warm, t)
@@ -212,8 +217,9 @@ async def bench_chunks(
     host_pinned = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
     host_page = torch.empty(kv.shape, dtype=kv.dtype)
     host_page.fill_(1)  # touch the pages
-    assert pinned._pool is not None and pinned._pool._base is not None
-    pool_bytes = pinned._pool._base[:nbytes]
+    pool = pinned._session.pool
+    assert pool is not None and pool._base is not None
+    pool_bytes = pool._base[:nbytes]
     dev_bytes = dev.view(-1).view(torch.uint8)
     times: dict[str, list[float]] = {}
     clients = {"pinned": pinned, "unpinned": unpinned, "pickle": pickled}
@@ -267,7 +273,7 @@ async def bench_chunks(
 
     mark0 = cuda.caller_mark(kv.device)
 
-    def encode_direct() -> None:  # before issue 11: pageable D2H straight into the frame
+    def encode_direct() -> None:  # without staging: pageable D2H straight into the frame
         encode_tensor_list(kv_chunks)
 
     def encode_staged() -> None:  # now: through the reused pinned staging buffers

@@ -1,8 +1,8 @@
 """The sync facade's added latency per call: ``Client.x()`` vs ``await AsyncClient.x()``.
 
-    .venv/bin/python -m benchmarks.bench_facade [--iters 2000] [--rounds 5] [--json]
-    .venv/bin/python -m benchmarks.bench_facade --url tcp://h:p --http-url http://h:p
-    .venv/bin/python -m benchmarks.bench_facade --trace 3000   # the phases of one noop
+    .venv/bin/python -m benchmarks.suite.bench_facade [--iters 2000] [--rounds 5] [--json]
+    .venv/bin/python -m benchmarks.suite.bench_facade --url tcp://h:p --http-url http://h:p
+    .venv/bin/python -m benchmarks.suite.bench_facade --trace 3000   # the phases of one noop
 
 (``make bench`` runs this as the ``facade`` section, on the suite's SHM server: chunk 256.)
 
@@ -29,7 +29,8 @@ Cases:
   ``AsyncClient.noop()``, ``--iters`` calls each; reported in calls per second.
 
 ``--trace CALLS`` times instead where one ``Client.noop()`` spends its time (the phases
-of :data:`TRACE_PHASES`), through wrappers around the facade's hand-over points.
+of :data:`TRACE_PHASES`), through the library's trace hook
+(:func:`lmcache_async.sync_client.set_trace_hook`).
 
 The async calls run in the main thread's own event loop (``asyncio.run``); the blocking
 calls are made from that same thread (so the facade's loop thread does their work while
@@ -51,8 +52,8 @@ from typing import Any
 import torch
 
 import lmcache_async as lmc
-from benchmarks.harness import settle
-from lmcache_async.sync_client import Client
+from benchmarks.harness import facade_loop, settle
+from lmcache_async.sync_client import Client, set_trace_hook
 
 GEOM = lmc.KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_size=16)
 MODEL = "bench-facade"
@@ -146,7 +147,7 @@ async def run(args: argparse.Namespace, url: str, http_url: str) -> dict[str, An
             tokens = list(range(10_000, 10_000 + cs))
             await aclient.store(torch.randn(GEOM.kv_shape(cs)).to(GEOM.dtype), tokens)
             await settle()  # both clients' background SHM warm-up, if any, is over
-            lt = sync._lt
+            lt = facade_loop(sync)
 
             sync_cases: dict[str, Callable[[], object]] = {
                 "noop": sync.noop,
@@ -211,12 +212,14 @@ async def run(args: argparse.Namespace, url: str, http_url: str) -> dict[str, An
     }
 
 
-#: The phases of one ``Client.noop()`` that :func:`trace_noop` times (name, from, to).
+#: The phases of one ``Client.noop()`` that :func:`trace_noop` times (name, from, to): the
+#: points of the trace hook, the first of each in a call ("call" and "back": the caller's
+#: own clock around the call).
 TRACE_PHASES = (
     ("caller -> loop thread running the call", "submit", "start"),
-    ("loop: task started -> request handed to libzmq", "start", "send0"),
-    ("libzmq send (queued; its I/O thread signalled)", "send0", "send1"),
-    ("request queued -> call finished on the loop (the round trip)", "send1", "finish"),
+    ("loop: task started -> request handed to libzmq", "start", "send"),
+    ("libzmq send (queued; its I/O thread signalled)", "send", "sent"),
+    ("request queued -> call finished on the loop (the round trip)", "sent", "finish"),
     ("call finished -> caller's flag set (before the loop blocks)", "finish", "wake"),
     ("flag set -> caller running again", "wake", "back"),
     ("whole Client.noop()", "call", "back"),
@@ -224,41 +227,23 @@ TRACE_PHASES = (
 
 
 def trace_noop(url: str, http_url: str, calls: int) -> dict[str, dict[str, float]]:
-    """Where one ``Client.noop()`` spends its time: timestamps taken by wrappers around
-    the facade's hand-over points and the connection's send (restored afterwards);
-    medians, 10th and 90th percentiles over ``calls`` calls, in µs. Nothing in the
-    library is changed; the wrappers add ~1 µs per point."""
-    from unittest import mock
+    """Where one ``Client.noop()`` spends its time: the time of the first pass of each point
+    of the library's trace hook in each call; medians, 10th and 90th percentiles over
+    ``calls`` calls, in µs. The hook is turned off again afterwards; it adds ~1 µs per
+    point.
 
-    from lmcache_async import _connection as conn_mod, sync_client as sc
-
+    Raises:
+        RuntimeError: a call passed none of a phase's points (the hook's points changed).
+    """
     ns = time.perf_counter_ns
     marks: dict[str, int] = {}
 
-    def stamp(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            marks.setdefault(name, ns())
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    orig_send = conn_mod.Connection._send
-
-    def send(self: Any, frames: list[Any], op: Any) -> bool:
-        marks.setdefault("send0", ns())
-        try:
-            return orig_send(self, frames, op)
-        finally:
-            marks.setdefault("send1", ns())
+    def hook(point: str) -> None:
+        marks.setdefault(point, ns())
 
     rows: list[dict[str, int]] = []
-    with (
-        mock.patch.object(sc._LoopThread, "submit", stamp("submit", sc._LoopThread.submit)),
-        mock.patch.object(sc._LoopCall, "_start", stamp("start", sc._LoopCall._start)),
-        mock.patch.object(sc._LoopCall, "_finish", stamp("finish", sc._LoopCall._finish)),
-        mock.patch.object(sc._WakingSelector, "wake_all", stamp("wake", sc._WakingSelector.wake_all)),
-        mock.patch.object(conn_mod.Connection, "_send", send),
-    ):
+    set_trace_hook(hook)
+    try:
         client = Client(url, http_url, MODEL, geometry=GEOM)
         try:
             for _ in range(max(calls // 10, 50)):  # warm up
@@ -271,6 +256,11 @@ def trace_noop(url: str, http_url: str, calls: int) -> dict[str, dict[str, float
                 rows.append(dict(marks))
         finally:
             client.close()
+    finally:
+        set_trace_hook(None)
+    missing = {p for _, a, b in TRACE_PHASES for p in (a, b) for r in rows if p not in r}
+    if missing:
+        raise RuntimeError(f"the trace hook never passed {sorted(missing)} in some calls")
     out: dict[str, dict[str, float]] = {}
     for label, a, b in TRACE_PHASES:
         values = sorted(r[b] - r[a] for r in rows)

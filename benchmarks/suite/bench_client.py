@@ -1,6 +1,6 @@
 """Single operations: AsyncClient vs the official SDK on the same real LMCache server, same run.
 
-    .venv/bin/python -m benchmarks.bench_client [--mode shm|pickle] [--chunks 1 4 16]
+    .venv/bin/python -m benchmarks.suite.bench_client [--mode shm|pickle] [--chunks 1 4 16]
         [--iters 8] [--rounds 3] [--generation 0.5.6|0.5.7] [--json]
 
 (``make bench`` runs this as the ``single_shm`` and ``single_pickle`` sections.)
@@ -44,7 +44,6 @@ import torch
 import lmcache_async as lmc
 from benchmarks.harness import (
     SDKBench,
-    check_client_supports,
     clear_l1,
     require_generation,
     sdk_call,
@@ -282,7 +281,6 @@ def main() -> None:
     parser.add_argument("--generation", choices=["0.5.6", "0.5.7"], default="0.5.6")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    check_client_supports(args.generation)
     python = server_python(args.generation)
     with RealLMCacheServer(args.mode, venv_python=python, chunk_size=CS, l1_size_gb=args.l1_gb) as srv:
         result = section(

@@ -2,15 +2,18 @@
 
     .venv/bin/python -m benchmarks.suite [--quick] [--generation 0.5.6|0.5.7]
         [--sections rtt facade concurrent single_shm fresh remap single_pickle] [--no-render]
+        [--out DIR]
 
 ``BENCH_QUICK=1`` in the environment is the same as ``--quick``. Starts the real LMCache
 server(s) itself (from ``.lmcache-venv``; ``--generation 0.5.7``: ``.lmcache-venv-057``),
 one SHM server shared by the SHM sections and one without SHM for ``single_pickle``, runs
 each section (each alternates the official SDK and lmcache_async within the run; see the
-section's module for its method), writes ``benchmarks/results/<section>.json`` (0.5.7:
-``<section>-0.5.7.json``) as soon as the section is done, stamped with the machine, the
-versions and the commit, and finally renders ``docs/benchmarks.md`` and ``docs/img/*.png``
-(``benchmarks/render.py``; needs the ``bench`` extra: matplotlib).
+section's module for its method), writes ``benchmarks/results/<version>/<section>.json``
+(``<version>``: lmcache_async's; 0.5.7: ``<section>-0.5.7.json``) as soon as the section is
+done, stamped with the machine, the versions and the commit, and finally renders
+``docs/benchmarks.md`` and ``docs/img/*.png`` from that directory and the notes in
+``benchmarks/suite/notes/`` (``benchmarks/suite/render.py``; needs the ``bench`` extra:
+matplotlib).
 
 Sections (module, what):
 
@@ -41,21 +44,15 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from benchmarks import (
+from benchmarks.harness import GENERATIONS, server_python, stamp, start_servers
+from benchmarks.suite import (
+    RESULTS_DIR,
     bench_client,
     bench_concurrent,
     bench_facade,
     bench_fresh,
     bench_remap_batch,
     bench_rtt,
-)
-from benchmarks.harness import (
-    GENERATIONS,
-    RESULTS_DIR,
-    check_client_supports,
-    server_python,
-    stamp,
-    start_servers,
 )
 from harness.real_server import RealLMCacheServer
 
@@ -128,14 +125,21 @@ def result_path(out: Path, name: str, generation: str) -> Path:
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.suite",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--quick", action="store_true", default=os.environ.get("BENCH_QUICK", "") not in ("", "0")
     )
     parser.add_argument("--generation", choices=GENERATIONS, default="0.5.6")
     parser.add_argument("--sections", nargs="+", choices=ALL_SECTIONS)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS_DIR,
+        help=f"where the JSON goes (default {RESULTS_DIR}; the page is rendered from the default)",
+    )
     parser.add_argument("--no-render", action="store_true", help="write the JSON only")
     args = parser.parse_args()
     gen = args.generation
@@ -144,7 +148,6 @@ def main() -> int:
         parser.error(f"--generation {gen} runs only {', '.join(GEN057_SECTIONS)}, not {', '.join(bad)}")
     profile = "quick" if args.quick else "full"
     prof = PROFILES[profile]
-    check_client_supports(gen)
     python = server_python(gen)
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -194,7 +197,7 @@ def main() -> int:
             print(f"[{name}] done in {head['seconds']} s -> {path}", file=sys.stderr)
     print(f"suite: {time.monotonic() - t_start:.0f} s; failed: {failed or 'none'}", file=sys.stderr)
     if not args.no_render:
-        from benchmarks import render
+        from benchmarks.suite import render
 
         render.main([])
     return 1 if failed else 0

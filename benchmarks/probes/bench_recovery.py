@@ -11,7 +11,7 @@ Each round, on one server (same ports throughout):
    ``store`` + ``retrieve`` (deadline ``--op-timeout`` each) until both succeed: time to
    the first success and the failures on the way.
 
-    .venv/bin/python -m benchmarks.bench_recovery [--generation 0.5.6|0.5.7]
+    .venv/bin/python -m benchmarks.probes.bench_recovery [--generation 0.5.6|0.5.7]
         [--mode shm|pickle] [--rounds 3] [--op-timeout 5] [--venv-python PATH]
 
 Prints one line per round and the medians. Wall-clock times on a shared machine: read

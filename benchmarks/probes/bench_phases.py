@@ -1,6 +1,6 @@
 """Where one operation's time goes against the real LMCache server: requests and copies.
 
-    .venv/bin/python -m benchmarks.bench_phases [--mode shm|pickle] [--op store|retrieve]
+    .venv/bin/python -m benchmarks.probes.bench_phases [--mode shm|pickle] [--op store|retrieve]
         [--chunks 1] [--n 30] [--generation 0.5.6|0.5.7] [--json]
 
 Starts a real LMCache server (``--mode shm``: SHM pool; ``pickle``: inline transport),
@@ -17,8 +17,9 @@ operation waits for (``Operations.call``, or ``Operations.pipeline`` for request
 back: from handing it to the connection to its reply)
 and of the copy steps (``_fill_reserved``: the store's copy including the hand-over to a
 worker thread; ``decode_inline``: the inline payload's decoder; ``_copy_chunks``: copying
-chunks into the result). The first 5 calls are a warm-up. Nothing in the library is
-changed: the functions are wrapped by timers for the run.
+chunks into the result). The first 5 calls are a warm-up. Nothing in the library's files is
+changed: those functions of ``lmcache_async._ops`` are wrapped by timers for the run, and
+a store's L1 is cleared through the client's connection (``client._session.conn``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 import lmcache_async as lmc
 from benchmarks.harness import server_python
 from harness.real_server import RealLMCacheServer
-from lmcache_async import _operations as operations
+from lmcache_async._ops import Operations, inline
 from lmcache_async._wire import Op
 
 CS = 256
@@ -46,7 +47,7 @@ WARMUP = 5
 
 def _instrument(phases: dict[str, list[float]]) -> Callable[[], None]:
     """Wrap the timed functions; returns the function that restores them."""
-    ops = operations.Operations
+    ops = Operations
     saved: list[tuple[Any, str, Any]] = []
 
     def wrap_async(owner: Any, attr: str, label: Callable[..., str]) -> None:
@@ -79,7 +80,7 @@ def _instrument(phases: dict[str, list[float]]) -> Callable[[], None]:
     wrap_async(ops, "pipeline", lambda _self, _op, *calls: " + ".join(Op(c[0]).name.lower() for c in calls))
     wrap_async(ops, "_fill_reserved", lambda *_a: "_fill_reserved")
     wrap_async(ops, "_copy_chunks", lambda *_a: "_copy_chunks")
-    wrap_sync(operations, "decode_inline")
+    wrap_sync(inline, "decode_inline")
 
     def restore() -> None:
         for owner, attr, orig in reversed(saved):
@@ -109,7 +110,7 @@ async def _measure(srv: RealLMCacheServer, op: str, chunks: int, n: int) -> dict
                     assert await c.store(kv, tokens)
                     elapsed = time.perf_counter() - t0
                     await c.drain(timeout=30)
-                    await c._conn.call(Op.CLEAR, (True,), timeout=30)  # the same slots next time
+                    await c._session.conn.call(Op.CLEAR, (True,), timeout=30)  # the same slots next time
                 else:
                     t0 = time.perf_counter()
                     got = await c.retrieve(tokens)

@@ -17,7 +17,7 @@ Prints medians (and p90) in ms, ``cross - local`` (what the L2 path adds) and
 ``l2_prefetch / cross`` (the Redis share). Figures depend on the machine and its load:
 compare ratios.
 
-    .venv/bin/python -m benchmarks.bench_multi_host [--chunks 4] [--iters 12]
+    .venv/bin/python -m benchmarks.probes.bench_multi_host [--chunks 4] [--iters 12]
         [--layers 8 --heads 8 --head-dim 128 --chunk-size 256]  [--json]
 """
 

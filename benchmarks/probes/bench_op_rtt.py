@@ -1,6 +1,6 @@
-"""Where a call's time goes: round trips and copies, one operation at a time (issue 11).
+"""Where a call's time goes: round trips and copies, one operation at a time.
 
-    python -m benchmarks.bench_op_rtt [--n 300] [--reps 7] [--json out.json]
+    python -m benchmarks.probes.bench_op_rtt [--n 300] [--reps 7] [--json out.json]
 
 Run from the repository root with ``lmcache_async`` importable (installed, or
 ``PYTHONPATH=.``). Starts the embedded server in its own process (``lmcache-async serve``,
@@ -19,8 +19,11 @@ SHM, chunk 256, 4 GB pool, prefaulted), geometry 32 layers x 1024 hidden bf16 (o
   on CUDA also with each of the grouped store, the background commit of a retrieve and
   the copies enqueued on the loop switched off in turn, and all three (``_before``).
 
-Nothing in the library is changed: the client's channel is wrapped by a tracing one and
-the copy functions of ``lmcache_async._cuda.copies`` / ``lmcache_async._operations`` by timers.
+Nothing in the library's files is changed; for the run, the client's channel
+(``client._session.channel``) is wrapped by a tracing one, the copy functions of
+``lmcache_async._cuda.copies`` / ``lmcache_async._copies`` by timers, and the variants
+replace ``lmcache_async._ops.shm.store_groups``, a retrieve's background commit and the
+pool's pinned flag.
 """
 
 from __future__ import annotations
@@ -40,11 +43,11 @@ from typing import Any
 import torch
 
 import lmcache_async as lmc
-from benchmarks.bench_cuda import Tokens
-from benchmarks.bench_rtt import blocking as bare_dealer
+from benchmarks.harness import bare_dealer_rtt, raw_call
+from benchmarks.probes.bench_cuda import Tokens
 from lmcache_async._wire import Op
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CS = 256
 GEOM = lmc.KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
 #: Copy functions timed when they exist (the CUDA module's and the CPU path's).
@@ -97,8 +100,10 @@ class TracingChannel:
 
 
 def trace_client(client: lmc.AsyncClient) -> None:
-    client._channel = TracingChannel(client._channel)  # type: ignore[assignment]
-    client._operations_cache = None
+    """Its later operations send through a :class:`TracingChannel` (a new channel: the
+    session builds its operations again)."""
+    session = client._session
+    session.channel = TracingChannel(session.channel)  # type: ignore[assignment]
 
 
 def timed_fn(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -124,10 +129,10 @@ def timed_fn(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def time_copies() -> None:
-    from lmcache_async import _operations as operations
+    from lmcache_async import _copies as copies
 
     for name in CPU_COPY_FUNCS:
-        setattr(operations, name, timed_fn(f"copy:{name}", getattr(operations, name)))
+        setattr(copies, name, timed_fn(f"copy:{name}", getattr(copies, name)))
     if torch.cuda.is_available():
         from lmcache_async._cuda import copies as cuda
 
@@ -183,7 +188,7 @@ async def ours_rtt(
             times.append(await client.noop())
         else:
             t0 = time.perf_counter()
-            await client._conn.call(op, args, timeout=5)
+            await raw_call(client, op, args, timeout=5)
             times.append(time.perf_counter() - t0)
     return statistics.median(times[n // 5 :])
 
@@ -195,7 +200,7 @@ async def round_trips(client: lmc.AsyncClient, url: str, n: int, rounds: int) ->
             for op, args in ((Op.NOOP, ()), (Op.END_SESSION, ("bench-op-rtt",))):
                 name = op.name.lower()
                 if side == "bare":
-                    t = await asyncio.to_thread(bare_dealer, url, op, args, n)
+                    t = await asyncio.to_thread(bare_dealer_rtt, url, op, args, n)
                     res.setdefault(f"{name}_bare_dealer_us", []).append(t * 1e6)
                 else:
                     t = await ours_rtt(client, op, args, n, via_noop=False)
@@ -257,26 +262,22 @@ def _patch(obj: Any, name: str, value: Any) -> Callable[[], None]:
 
 def _ungrouped(client: lmc.AsyncClient) -> Callable[[], None]:
     """A CUDA store in one group (one prepare_store, one commit_store)."""
-    from lmcache_async import _operations as operations
+    from lmcache_async._ops import shm
 
-    if not hasattr(operations, "store_groups"):
-        return lambda: None
-    return _patch(operations, "store_groups", lambda n: [(0, n)])
+    return _patch(shm, "store_groups", lambda n: [(0, n)])
 
 
 def _commit_awaited(client: lmc.AsyncClient) -> Callable[[], None]:
     """A CUDA retrieve waits for its commit_retrieve's answer."""
-    from lmcache_async import _operations as operations
+    from lmcache_async._ops import Operations
 
-    if not hasattr(operations.Operations, "_commit_retrieve_later"):
-        return lambda: None
-    return _patch(operations.Operations, "_commit_retrieve_later", lambda self, *a: False)
+    return _patch(Operations, "_commit_retrieve_later", lambda self, *a: False)
 
 
 def _thread_launch(client: lmc.AsyncClient) -> Callable[[], None]:
     """Copies enqueued in a worker thread (the pool is still registered: only the path
     that a pool left unpinned takes is chosen)."""
-    pool = client._pool
+    pool = client._session.pool
     if pool is None or not pool.cuda_pinned:
         return lambda: None
     return _patch(pool, "cuda_pinned", False)
@@ -296,17 +297,17 @@ def _plan(sizes: Sequence[int]) -> Callable[[lmc.AsyncClient], Callable[[], None
     """Another split of a CUDA store (group sizes in chunks; for 16 chunks)."""
 
     def switch(client: lmc.AsyncClient) -> Callable[[], None]:
-        from lmcache_async import _operations as operations
+        from lmcache_async._ops import shm
 
         bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
         plan = [(bounds[k], bounds[k + 1]) for k in range(len(sizes))]
-        return _patch(operations, "store_groups", lambda n: plan if n == bounds[-1] else [(0, n)])
+        return _patch(shm, "store_groups", lambda n: plan if n == bounds[-1] else [(0, n)])
 
     return switch
 
 
-#: 16-chunk CUDA variants: each switches one of issue 11's later changes off
-#: (``_before``: all of them), so their effect is measured in the same run; ``_plan_*``:
+#: 16-chunk CUDA variants: each switches one of the changes that overlap round trips with
+#: the copy off (``_before``: all three), so their effect is measured in the same run; ``_plan_*``:
 #: other splits of the grouped store (the default for 16 chunks: 2, 6, 6, 2).
 VARIANTS: dict[str, Callable[[lmc.AsyncClient], Callable[[], None]]] = {
     "": lambda client: lambda: None,

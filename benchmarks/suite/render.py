@@ -1,18 +1,25 @@
-"""Render ``docs/benchmarks.md`` and its plots (``docs/img/bench_*.png``) from the JSON results.
+"""Render ``docs/benchmarks.md`` and its plots (``docs/img/bench_*.png``) from the JSON results
+and the hand-written notes.
 
-    .venv/bin/python -m benchmarks.render [--results benchmarks/results] [--doc docs/benchmarks.md]
+    .venv/bin/python -m benchmarks.suite.render [--results benchmarks/results/<version>]
+        [--notes benchmarks/suite/notes] [--doc docs/benchmarks.md] [--img-dir docs/img]
 
-(``make bench`` runs it after ``benchmarks/suite.py``; run it alone to re-render.) Reads every
+(``make bench`` runs it after the suite; ``make bench-render`` runs it alone.) Reads every
 ``<results>/*.json`` written by the suite (``rtt``, ``facade``, ``concurrent``, ``single_shm``,
 ``single_pickle``, ``fresh``, ``remap``; ``*-0.5.7.json`` for the next server generation) and
-any ``cuda*.json`` (from ``benchmarks/bench_cuda.py``, rendered generically as tables). A
-section whose JSON is missing is listed as not measured.
+any ``cuda*.json`` (from ``benchmarks/probes/bench_cuda.py``, rendered generically as
+tables). A section whose JSON is missing is listed as not measured.
+
+The page is generated whole: nothing in it is edited by hand, and the same JSON and notes
+render it again byte for byte. The prose a human wrote lives in ``<notes>/<key>.md``, one
+file per section (``intro``, ``single_shm``, ``single_pickle``, ``single_shm-0.5.7``, ...,
+``concurrent``, ``fresh``, ``remap``, ``facade``, ``rtt``, ``cuda``), placed at the end of
+that section; a section where lmcache_async is behind and that has no notes says that its
+"why" is still to be written, and where. A notes file that no section on the page uses is
+named on stderr.
 
 Every ratio on the page reads the same way: above 1.0 lmcache_async is ahead of the official
-SDK, below 1.0 it is behind, and the page says so ("behind"). Text a human wrote between
-``<!-- keep:NAME -->`` and ``<!-- /keep:NAME -->`` in the existing page is carried over into
-the new page (matched by NAME); new blocks start with a placeholder. The "why" blocks appear
-for every section where lmcache_async is behind somewhere. Plots need matplotlib (the
+SDK, below 1.0 it is behind, and the page says so ("behind"). Plots need matplotlib (the
 ``bench`` extra); without it the page is rendered with tables only and says so.
 """
 
@@ -20,30 +27,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+from benchmarks.suite import NOTES_DIR, RESULTS_DIR
+
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "benchmarks.md"
 
-KEEP_RE = re.compile(r"<!-- keep:(?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /keep:(?P=name) -->", re.S)
+#: Where a section is behind and has no notes (``{key}``: the section's notes key).
 WHY_PLACEHOLDER = (
-    "_Why lmcache_async is not ahead here: to be written by a human after a quiet-machine run._\n"
+    "_Why lmcache_async is not ahead here: to be written by a human after a quiet-machine run, "
+    "in `benchmarks/suite/notes/{key}.md`._\n"
 )
-NOTES_PLACEHOLDER = ""
 
 COMMANDS = {
-    "rtt": ".venv/bin/python -m benchmarks.bench_rtt",
-    "facade": ".venv/bin/python -m benchmarks.bench_facade",
-    "concurrent": ".venv/bin/python -m benchmarks.bench_concurrent",
-    "single_shm": ".venv/bin/python -m benchmarks.bench_client --mode shm",
-    "single_pickle": ".venv/bin/python -m benchmarks.bench_client --mode pickle",
-    "fresh": ".venv/bin/python -m benchmarks.bench_fresh",
-    "remap": ".venv/bin/python -m benchmarks.bench_remap_batch",
+    "rtt": ".venv/bin/python -m benchmarks.suite.bench_rtt",
+    "facade": ".venv/bin/python -m benchmarks.suite.bench_facade",
+    "concurrent": ".venv/bin/python -m benchmarks.suite.bench_concurrent",
+    "single_shm": ".venv/bin/python -m benchmarks.suite.bench_client --mode shm",
+    "single_pickle": ".venv/bin/python -m benchmarks.suite.bench_client --mode pickle",
+    "fresh": ".venv/bin/python -m benchmarks.suite.bench_fresh",
+    "remap": ".venv/bin/python -m benchmarks.suite.bench_remap_batch",
 }
 
 
@@ -216,8 +223,8 @@ class Plots:
 
 
 class Page:
-    def __init__(self, keep: dict[str, str], plots: Plots) -> None:
-        self.keep = keep
+    def __init__(self, notes: dict[str, str], plots: Plots) -> None:
+        self.notes_text = notes
         self.plots = plots
         self.parts: list[str] = []
         self.behind: list[str] = []  # "section: case" where a ratio < 1
@@ -227,19 +234,24 @@ class Page:
     def add(self, text: str) -> None:
         self.parts.append(text)
 
-    def keep_block(self, name: str, default: str) -> None:
-        self.placed.add(name)
-        body = self.keep.get(name, default)
-        if body and not body.endswith("\n"):
-            body += "\n"
-        self.add(f"<!-- keep:{name} -->\n{body}<!-- /keep:{name} -->\n")
+    def notes(self, key: str) -> None:
+        """The hand-written notes of section ``key`` (``<notes>/<key>.md``), if any, as a
+        paragraph of their own."""
+        self.placed.add(key)
+        body = self.notes_text.get(key, "").strip("\n")
+        if body:
+            if "".join(self.parts)[-2:] != "\n\n":
+                self.add("\n")
+            self.add(body + "\n")
 
     def why(self, section: str, behind: list[str]) -> None:
-        """The human's "why" paragraph where lmcache_async is behind (placeholder when new)."""
+        """Where lmcache_async is behind: says so, and that the "why" is still to be
+        written when the section has no notes."""
         if behind:
             self.behind += [f"{section}: {b}" for b in behind]
             self.add(f"lmcache_async is **behind** the official SDK here: {'; '.join(behind)}.\n\n")
-            self.keep_block(f"why-{section}", WHY_PLACEHOLDER)
+            if not self.notes_text.get(section, "").strip():
+                self.add(WHY_PLACEHOLDER.format(key=section))
 
     def target(self, what: str, measured: str, met: bool | None) -> None:
         self.targets.append((what, measured, {True: "met", False: "**not met**", None: "not measured"}[met]))
@@ -249,7 +261,7 @@ class Page:
         self.add(f"\n## {title}\n\n")
         if doc is None:
             self.add(f"Not measured in this run (`{COMMANDS.get(section, 'make bench')}`).\n")
-            self.keep_block(f"notes-{section}", NOTES_PLACEHOLDER)
+            self.notes(section)
             return
         res = doc["result"]
         self.add(stamp_line(doc) + "\n")
@@ -293,7 +305,7 @@ class Page:
         )
         self.add("\n" + self.plots.single(doc, img))
         self.why(section, behind)
-        self.keep_block(f"notes-{section}", NOTES_PLACEHOLDER)
+        self.notes(section)
         if section.startswith("single_"):
             worst = min(res["rows"], key=lambda r: r["ratio"]["median"])
             self.target(
@@ -316,7 +328,7 @@ class Page:
         self.add("\n## Many small operations at once (throughput and client CPU vs concurrency)\n\n")
         if doc is None:
             self.add(f"Not measured in this run (`{COMMANDS['concurrent']}`).\n")
-            self.keep_block("notes-concurrent", NOTES_PLACEHOLDER)
+            self.notes("concurrent")
             self.target("concurrent small retrieves: CPU/op ≤ 0.5x the SDK, throughput ≥ 1.2x", "", None)
             return
         res = doc["result"]
@@ -356,7 +368,7 @@ class Page:
         self.add(table(["op", "N", "throughput, ours / SDK best", "CPU per op, SDK / ours"], rrows))
         self.add("\n" + self.plots.concurrent(doc, "bench_concurrent.png"))
         self.why("concurrent", behind)
-        self.keep_block("notes-concurrent", NOTES_PLACEHOLDER)
+        self.notes("concurrent")
         top = [r for r in res["rows"] if r["who"] == "ratio" and r["op"] == "retrieve"]
         if top:
             best = max(top, key=lambda r: r["tput_vs_sdk_best"]["median"])
@@ -377,7 +389,7 @@ class Page:
         self.add("\n## A fresh client (the first call after connect)\n\n")
         if doc is None:
             self.add(f"Not measured in this run (`{COMMANDS['fresh']}`).\n")
-            self.keep_block("notes-fresh", NOTES_PLACEHOLDER)
+            self.notes("fresh")
             self.target("16-chunk retrieve into out= from the first call: ≥ 2x SDK, ≤ 1.3x copy_", "", None)
             return
         res = doc["result"]
@@ -407,7 +419,7 @@ class Page:
             "fresh",
             [f"first call {res['first_vs_sdk']['median']:.2f}x"] if res["first_vs_sdk"]["median"] < 1 else [],
         )
-        self.keep_block("notes-fresh", NOTES_PLACEHOLDER)
+        self.notes("fresh")
         f_sdk, f_copy = res["first_vs_sdk"]["median"], res["first_vs_copy"]["median"]
         self.target(
             "16-chunk retrieve into out=, first call after connect: ≥ 2x the SDK and ≤ 1.3x copy_",
@@ -420,7 +432,7 @@ class Page:
         self.add("\n## Bulk remapping (`remap_many`)\n\n")
         if doc is None:
             self.add(f"Not measured in this run (`{COMMANDS['remap']}`).\n")
-            self.keep_block("notes-remap", NOTES_PLACEHOLDER)
+            self.notes("remap")
             return
         res = doc["result"]
         self.add(stamp_line(doc) + "\n")
@@ -455,14 +467,14 @@ class Page:
         self.add(table(["who", "run", "pairs/s", "GB/s (retrieved + stored)", "vs SDK"], rows))
         self.add("\n" + self.plots.remap(doc, "bench_remap.png"))
         self.why("remap", behind)
-        self.keep_block("notes-remap", NOTES_PLACEHOLDER)
+        self.notes("remap")
 
     # ------------------------------------------------------------ facade
     def facade(self, doc: dict[str, Any] | None) -> None:
         self.add("\n## The blocking facade (`Client` vs `AsyncClient`)\n\n")
         if doc is None:
             self.add(f"Not measured in this run (`{COMMANDS['facade']}`).\n")
-            self.keep_block("notes-facade", NOTES_PLACEHOLDER)
+            self.notes("facade")
             self.target("facade hand-over (noop) < 100 µs", "", None)
             return
         res = doc["result"]
@@ -488,7 +500,7 @@ class Page:
                 f"\n8 tasks on one `AsyncClient`: {cell(a)} `noop`/s; 8 threads on one `Client`: {cell(s)} "
                 f"`noop`/s ({s['median'] / a['median']:.0%}).\n\n"
             )
-        self.keep_block("notes-facade", NOTES_PLACEHOLDER)
+        self.notes("facade")
         over = res["cases"]["noop"]["overhead_us"]["median"]
         self.target(
             "facade hand-over (`noop` through `Client` minus `AsyncClient`) < 100 µs",
@@ -501,7 +513,7 @@ class Page:
         self.add("\n## Round trips: the floor (a bare blocking DEALER)\n\n")
         if doc is None:
             self.add(f"Not measured in this run (`{COMMANDS['rtt']}`).\n")
-            self.keep_block("notes-rtt", NOTES_PLACEHOLDER)
+            self.notes("rtt")
             return
         res = doc["result"]
         self.add(stamp_line(doc) + "\n")
@@ -520,22 +532,21 @@ class Page:
             for r in res["rows"]
         ]
         self.add(table(["request", "blocking pyzmq µs", "lmcache_async µs", "bare / ours"], rows))
-        self.add("\n")
-        self.keep_block("notes-rtt", NOTES_PLACEHOLDER)
+        self.notes("rtt")
 
     # ------------------------------------------------------------ GPU
     def cuda(self, docs: list[tuple[str, Any]]) -> None:
         self.add("\n## GPU (CUDA tensors in and out)\n\n")
         if not docs:
             self.add(
-                "No `benchmarks/results/cuda*.json` in this tree: the GPU figures are measured on a GPU "
-                "machine with `benchmarks/bench_cuda.py` and their JSON dropped into `benchmarks/results/`.\n\n"
+                "No `cuda*.json` in the results: the GPU figures are measured on a GPU machine with "
+                "`benchmarks/probes/bench_cuda.py` and their JSON dropped into `benchmarks/results/<version>/`.\n\n"
             )
         for name, data in docs:
             self.add(f"### `{name}`\n\n")
             summary = cuda_summary(data)
             self.add(generic(data) if summary is None else summary)
-        self.keep_block("notes-cuda", NOTES_PLACEHOLDER)
+        self.notes("cuda")
 
 
 #: The rows of a ``bench_cuda.py`` result, in the order shown: (label, store key, retrieve key).
@@ -649,11 +660,17 @@ def load(results: Path) -> tuple[dict[str, dict[str, Any]], list[tuple[str, Any]
     return docs, cuda
 
 
-def render(results: Path, doc_path: Path, img_dir: Path) -> str:
-    old = doc_path.read_text() if doc_path.exists() else ""
-    keep = {m["name"]: m["body"] for m in KEEP_RE.finditer(old)}
+def load_notes(notes: Path) -> dict[str, str]:
+    """``{key: text}`` of every ``<notes>/<key>.md`` (none when the directory is absent)."""
+    return {path.stem: path.read_text() for path in sorted(notes.glob("*.md"))}
+
+
+def render(results: Path, notes: Path, img_dir: Path) -> str:
+    """The page from the JSON in ``results`` and the notes in ``notes``; writes the plots
+    into ``img_dir``. Names on stderr the notes that no section on the page uses."""
     docs, cuda = load(results)
-    page = Page(keep, Plots(img_dir))
+    notes_text = load_notes(notes)
+    page = Page(notes_text, Plots(img_dir))
     stamps = [d["stamp"] for d in docs.values()]
     if stamps:
         s = stamps[0]
@@ -667,8 +684,8 @@ def render(results: Path, doc_path: Path, img_dir: Path) -> str:
         dates = sorted(st["date_utc"] for st in stamps)
     page.add(
         "# Benchmarks\n\n"
-        "<!-- Generated by benchmarks/render.py from benchmarks/results/*.json (`make bench`). Edit only\n"
-        "     between keep markers: everything else is rewritten on the next render. -->\n\n"
+        "<!-- Generated by benchmarks/suite/render.py from benchmarks/results/<version>/*.json and\n"
+        "     benchmarks/suite/notes/*.md (`make bench-render`). Do not edit: edit the notes. -->\n\n"
     )
     quick = [d for d in docs.values() if d["stamp"].get("profile") != "full"]
     loaded = [
@@ -695,7 +712,9 @@ def render(results: Path, doc_path: Path, img_dir: Path) -> str:
         "`make bench` regenerates this page: it starts real LMCache servers itself (SHM, and one without "
         "SHM for the inline/pickle transport), runs the official SDK (`lmcache.sdk.kvcache`, in the lmcache "
         "venv, timed inside its own process) and lmcache_async side by side in the same run, alternating "
-        "the order, writes `benchmarks/results/*.json` and renders this page with `benchmarks/render.py`. "
+        "the order, writes `benchmarks/results/<version>/*.json` and renders this page with "
+        "`benchmarks/suite/render.py` from them and the notes in `benchmarks/suite/notes/` "
+        "(`make bench-render` renders it again alone). "
         "`make bench-quick` (or `BENCH_QUICK=1 make bench`) runs a few-minute subset; "
         "`make bench BENCH_ARGS='--generation 0.5.7'` adds the single-operation sections (SHM and pickle) "
         "against LMCache 0.5.7rc3 (venv `.lmcache-venv-057`, results in `*-0.5.7.json`); the other "
@@ -715,8 +734,7 @@ def render(results: Path, doc_path: Path, img_dir: Path) -> str:
                 ],
             )
         )
-    page.add("\n")
-    page.keep_block("notes-intro", NOTES_PLACEHOLDER)
+    page.notes("intro")
     body_start = len(page.parts)
     page.single(docs.get("single_shm"), "single_shm", "Single operations, SHM", "bench_single_shm.png")
     page.single(
@@ -739,15 +757,13 @@ def render(results: Path, doc_path: Path, img_dir: Path) -> str:
     page.facade(docs.get("facade"))
     page.rtt(docs.get("rtt"))
     page.cuda(cuda)
-    summary = ["\n## Where lmcache_async stands (targets of issue 13)\n\n"]
+    summary = ["\n## Where lmcache_async stands against its targets\n\n"]
     summary.append(table(["target", "measured", ""], page.targets) if page.targets else "No results.\n")
     if page.behind:
         summary.append("\nBehind the official SDK:\n\n" + "".join(f"* {b}\n" for b in page.behind))
-    orphans = {n: b for n, b in keep.items() if n not in page.placed and b.strip() and b != WHY_PLACEHOLDER}
-    if orphans:  # never drop what a human wrote: e.g. a "why" whose case is now ahead
-        page.add("\n## Notes kept from an earlier render (their section no longer shows them)\n\n")
-        for n, b in orphans.items():
-            page.keep_block(n, b)
+    unused = sorted(set(notes_text) - page.placed)
+    if unused:  # e.g. the notes of a 0.5.7 section whose JSON is not in this results directory
+        print(f"notes not on the page (no such section): {', '.join(unused)}", file=sys.stderr)
     if page.plots.error:
         summary.append(f"\n_Plots not rendered: {page.plots.error}._\n")
     page.parts[body_start:body_start] = summary
@@ -758,12 +774,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--notes", type=Path, default=NOTES_DIR)
     parser.add_argument("--doc", type=Path, default=DOC)
     parser.add_argument("--img-dir", type=Path, help="default: img/ next to --doc")
     args = parser.parse_args(argv)
     img_dir = args.img_dir or args.doc.parent / "img"
-    text = render(args.results, args.doc, img_dir)
+    text = render(args.results, args.notes, img_dir)
     args.doc.write_text(text)
     print(f"rendered {args.doc} ({len(text)} chars), plots in {img_dir}", file=sys.stderr)
     return 0

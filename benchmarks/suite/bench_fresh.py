@@ -1,6 +1,6 @@
 """A fresh client: the 16-chunk retrieve into ``out=`` right after connect.
 
-    .venv/bin/python -m benchmarks.bench_fresh [--reps 5] [--settle 6] [--l1-gb 8] [--json]
+    .venv/bin/python -m benchmarks.suite.bench_fresh [--reps 5] [--settle 6] [--l1-gb 8] [--json]
 
 (``make bench`` runs this as the ``fresh`` section.)
 

@@ -3,11 +3,13 @@ DEALER, against the same real LMCache 0.5.6 server, for a SYNC handler (``noop``
 worker-pool handler (``end_session`` of an unknown id). The blocking DEALER is the floor:
 the server's own cost per request plus the least a client can add.
 
-    .venv/bin/python -m benchmarks.bench_rtt [--n 300] [--rounds 3] [--json]
+    .venv/bin/python -m benchmarks.suite.bench_rtt [--n 300] [--rounds 3] [--json]
 
 (``make bench`` runs this as the ``rtt`` section.) Each round times ``--n`` requests one
 after another on each side (the order alternates between rounds) and keeps the median of
-the last 80 %; the figure is the median over rounds, with its range.
+the last 80 %; the figure is the median over rounds, with its range. Our side sends the
+same requests on the client's connection (``harness.raw_call``: ``end_session`` has no
+method of its own), so that the two sides send the same thing.
 """
 
 from __future__ import annotations
@@ -19,30 +21,11 @@ import statistics
 import time
 from typing import Any
 
-import zmq
-
 import lmcache_async as lmc
-from benchmarks.harness import settle, spread
+from benchmarks.harness import Op, bare_dealer_rtt, raw_call, settle, spread
 from harness.real_server import RealLMCacheServer, lmcache_venv_python
-from lmcache_async import _wire as wire
-from lmcache_async._wire import Op
 
 CASES: tuple[tuple[Op, tuple[Any, ...]], ...] = ((Op.NOOP, ()), (Op.END_SESSION, ("bench-rtt",)))
-
-
-def blocking(url: str, op: Op, args: tuple[Any, ...], n: int) -> float:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(url)
-    times = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        sock.send_multipart(wire.encode_request(i, op, args))
-        sock.recv_multipart()
-        times.append(time.perf_counter() - t0)
-    sock.close(0)
-    ctx.term()
-    return statistics.median(times[n // 5 :])
 
 
 async def ours(url: str, http_url: str, op: Op, args: tuple[Any, ...], n: int) -> float:
@@ -52,7 +35,7 @@ async def ours(url: str, http_url: str, op: Op, args: tuple[Any, ...], n: int) -
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
-            await client._conn.call(op, args, timeout=5)
+            await raw_call(client, op, args, timeout=5)
             times.append(time.perf_counter() - t0)
     return statistics.median(times[n // 5 :])
 
@@ -66,7 +49,7 @@ def section(url: str, http_url: str, *, n: int, rounds: int) -> dict[str, Any]:
         for r in range(rounds):
             for side in ("bare", "ours") if r % 2 == 0 else ("ours", "bare"):
                 if side == "bare":
-                    bare.append(blocking(url, op, op_args, n))
+                    bare.append(bare_dealer_rtt(url, op, op_args, n))
                 else:
                     mine.append(asyncio.run(ours(url, http_url, op, op_args, n)))
         rows.append(

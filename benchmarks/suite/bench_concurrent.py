@@ -1,6 +1,6 @@
 """Many small operations at once: throughput and client CPU per operation vs concurrency.
 
-    .venv/bin/python -m benchmarks.bench_concurrent [--prompts 256] [--rounds 3]
+    .venv/bin/python -m benchmarks.suite.bench_concurrent [--prompts 256] [--rounds 3]
         [--concurrency 1 8 64] [--threads 1 8] [--ops retrieve store] [--json]
 
 (``make bench`` runs this as the ``concurrent`` section.)
