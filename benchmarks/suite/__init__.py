@@ -1,9 +1,10 @@
 """The SDK-comparison suite: each section times lmcache_async and the official SDK side by
 side in the same run, against real LMCache servers (``make bench``; ``run.py``), and the
 page generator (``render.py``: ``docs/benchmarks.md`` from the JSON in :data:`RESULTS_DIR`
-and the hand-written notes in :data:`NOTES_DIR`). The sections use the public API, the
-library's trace hook and the two handles of ``benchmarks/harness.py``, nothing else of
-the library.
+and the hand-written notes in :data:`NOTES_DIR`). The sections use the public API and the
+library's trace hook; what they need of the internals (the bare DEALER's request encoding,
+a raw request, the facade's loop thread) ``benchmarks/harness.py`` alone takes
+(``benchmarks/README.md``).
 """
 
 from __future__ import annotations
