@@ -5,7 +5,7 @@ torch's intra-op threads (OpenMP). For the copies a KV client makes (one chunk i
 slot, a slot into a chunk of the caller's tensor) that costs more than it gives: the
 pool's threads are woken for a few microseconds of work and then spin, so on a 2-core
 machine a 256 KiB copy measured 6.6 µs with one thread and 1.7 ms (1.0 ms of CPU) with the
-default pool while the server loaded the other core (``python -m benchmarks.bench_host_copy``).
+default pool while the server loaded the other core (``python -m benchmarks.probes.bench_host_copy``).
 Every microsecond of client CPU is taken from a server on the same machine.
 
 :func:`copy_into` copies host tensors on one thread instead: two contiguous tensors with
@@ -17,7 +17,7 @@ contiguous) go through ``Tensor.copy_`` as before.
 :func:`empty_host` allocates the tensor a retrieve fills with transparent huge pages
 where the kernel offers them: the first touch of fresh memory is what a retrieve into a
 new tensor mostly pays for. On the project's 2-vCPU VM (``python -m
-benchmarks.bench_host_copy``, load ~2): a new 32 MiB tensor filled in 8.5-8.8 ms with huge
+benchmarks.probes.bench_host_copy``, load ~2): a new 32 MiB tensor filled in 8.5-8.8 ms with huge
 pages, 22-23 ms with 4 KiB ones (medians); 128 MiB 15-19 vs 46-49 ms; 512 MiB 129-273 vs
 182-185 ms. The tail is the other way round on such a VM: a huge page the hypervisor has
 to back afresh (free memory handed back to it) cost the worst call 1.2 s against 0.3 s

@@ -134,7 +134,7 @@ class WakingSelector(selectors.DefaultSelector):
 
     A caller woken at once (from inside a callback) finds the GIL still held by the loop
     thread for the rest of the iteration and sleeps a second time until the loop thread
-    drops it: two thread wake-ups instead of one (``python -m benchmarks.bench_facade``
+    drops it: two thread wake-ups instead of one (``python -m benchmarks.suite.bench_facade``
     times one hand-over and the two-thread floor).
     """
 

@@ -81,7 +81,7 @@ class ShmPool:
         ``madvise(MADV_POPULATE_READ)`` over the range. Reading them is the other way
         round: a read fault maps the neighbouring pages too (the kernel's fault-around),
         so a copy out of a fresh mapping took 1.4x a warm one, and 2.1x after populating
-        (``python -m benchmarks.bench_shm_pages``). So only slots about to be written
+        (``python -m benchmarks.probes.bench_shm_pages``). So only slots about to be written
         (a store's, a remap's targets) come here; slots only read are left to fault.
         It works in :data:`GRANULE` (2 MiB) steps and remembers what it mapped, so the
         cost follows what this client uses, once per page, never the pool's size; it

@@ -94,7 +94,7 @@ T = TypeVar("T")
 
 def set_trace_hook(hook: Callable[[str], None] | None) -> None:
     """Have ``hook(point)`` called at each hand-over point a blocking call passes, for
-    profiling (``benchmarks/bench_facade.py --trace`` times the phases of a call with it);
+    profiling (``benchmarks/suite/bench_facade.py --trace`` times the phases of a call with it);
     ``None`` turns it off. The points, in a call's order:
 
     * ``"submit"``: in the caller's thread, as the call is handed to the loop thread;

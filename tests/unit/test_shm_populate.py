@@ -148,7 +148,7 @@ async def test_slots_only_read_are_left_to_fault_and_a_remap_maps_its_targets(
     calls: list[tuple[int, int]],
 ) -> None:
     """A fresh client retrieving what another stored maps nothing first (read faults
-    map neighbouring pages too: cheaper than populating, benchmarks/bench_shm_pages.py);
+    map neighbouring pages too: cheaper than populating, benchmarks/probes/bench_shm_pages.py);
     a remap maps the granules under its target slots only, not under its sources."""
     geometry = lmc.KVGeometry(num_layers=2, num_kv_heads=1, head_dim=128, dtype=torch.bfloat16, block_size=16)
     tokens = list(range(4 * 256))
