@@ -56,7 +56,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=(
             "Run the embedded LMCache-compatible MP server (ZMQ + HTTP) until SIGINT/SIGTERM. "
             "It serves the engine-driven protocol of the LMCache 0.5.6 MP server, or of the "
-            "0.5.7 generation with --protocol 0.5.7; see docs/guides/testing-your-code.md for the differences."
+            "0.5.7 generation with --protocol 0.5.7; see docs/guides/testing-your-code.md for the "
+            "differences."
         ),
     )
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
