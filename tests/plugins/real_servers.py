@@ -159,7 +159,11 @@ def _needs_057(item: pytest.Item) -> bool:
     if names & REAL_SERVER_057_FIXTURES:
         return True
     callspec = getattr(item, "callspec", None)
-    return bool(names & REAL_SERVER_FIXTURES) and callspec is not None and callspec.params.get("generation") == "0.5.7"
+    return (
+        bool(names & REAL_SERVER_FIXTURES)
+        and callspec is not None
+        and callspec.params.get("generation") == "0.5.7"
+    )
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
