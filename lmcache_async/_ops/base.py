@@ -537,14 +537,14 @@ class OperationsBase:
                 raise TimeoutError
             async with asyncio.timeout(wait):
                 status = await fetch(wait)
-            return f" (server L1 memory: {_l1_memory(status)})"
+            return f" (server L1 memory: {l1_memory(status)})"
         except TimeoutError:
             return " (server memory usage unavailable: /status did not answer in time)"
         except Exception as exc:  # the store's error is what the caller must get
             return f" (server memory usage unavailable: {exc})"
 
 
-def _l1_memory(status: Mapping[str, Any]) -> str:
+def l1_memory(status: Mapping[str, Any]) -> str:
     """``"U of T bytes used (P%); N write reservations pending, S bytes staged"`` from a
     ``/status`` document (``storage_manager.l1_usage`` and, summed over every L1,
     ``l1_managers.*.write_locked_count`` and ``staging_bytes``: the same on 0.5.6 and

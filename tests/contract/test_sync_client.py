@@ -29,7 +29,6 @@ from typing import Any
 import pytest
 import torch
 
-import lmcache_async.sync_client as sync_client
 from harness.real_server import REPO_ROOT, RealLMCacheServer
 from lmcache_async import (
     AsyncClient,
@@ -39,8 +38,10 @@ from lmcache_async import (
     LMCacheError,
     LMCacheTimeoutError,
     RemapResult,
+    _loop_thread,
     connect,
 )
+from lmcache_async.client import ClientOptions
 from lmcache_async.errors import LoopThreadCallError
 from lmcache_async.sync_client import LOOP_THREAD_NAME, Client, SyncUsageError
 from tests.helpers import peek, shared_loop_thread
@@ -198,10 +199,21 @@ def test_the_parity_check_catches_a_new_unwrapped_method() -> None:
 
 
 def test_constructor_and_connect_take_the_async_clients_arguments() -> None:
-    want = _params(AsyncClient.__init__)[0]
-    assert _params(Client.__init__)[0] == want
-    assert _params(Client.connect)[0] == want[1:]  # classmethod: no self
-    assert _params(Client.connect)[0] == _params(connect)[0]
+    """The keywords are written once: ``ClientOptions`` names exactly the async client's
+    keyword arguments, with their annotations, and the other three signatures take the
+    same positional arguments and ``**options: Unpack[ClientOptions]``."""
+    params = _params(AsyncClient.__init__)[0]
+    positional = [p for p in params if p[1] is not inspect.Parameter.KEYWORD_ONLY]
+    keywords = {
+        name: annotation for name, kind, _, annotation in params if kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    written = {name: getattr(t, "__forward_arg__", t) for name, t in ClientOptions.__annotations__.items()}
+    assert written == keywords
+    assert ClientOptions.__total__ is False
+    options = ("options", inspect.Parameter.VAR_KEYWORD, inspect.Parameter.empty, "Unpack[ClientOptions]")
+    assert _params(Client.__init__)[0] == [*positional, options]
+    assert _params(Client.connect)[0] == [*positional[1:], options]  # classmethod: no self
+    assert _params(connect)[0] == [*positional[1:], options]
 
 
 def test_instance_attributes_are_mirrored() -> None:
@@ -510,7 +522,7 @@ def test_the_idle_loop_thread_exits_and_a_new_one_starts(
     current = shared_loop_thread()
     if current is not None and current.alive() and current.refs:
         pytest.skip("another test of this process holds an open Client")
-    monkeypatch.setattr(sync_client, "_IDLE_LINGER", 0.0)
+    monkeypatch.setattr(_loop_thread, "IDLE_LINGER", 0.0)
     with _client(real_server_shm) as client:
         first = peek(client).loop_thread
     _wait_for(lambda: not first.thread.is_alive(), 20, "the idle loop thread to exit")
@@ -631,7 +643,7 @@ def test_a_caller_is_woken_when_the_loop_thread_blocks_not_inside_the_iteration(
     # The caller of a finished call is woken right before the loop thread blocks in
     # select (and drops the GIL), not from inside the callback that finished it: woken
     # there, it would find the GIL held for the rest of the iteration and sleep again.
-    lt = sync_client._LoopThread.acquire()
+    lt = _loop_thread.LoopThread.acquire()
     try:
         seen: list[tuple[bool, bool]] = []
         gate = threading.Event()
@@ -642,12 +654,12 @@ def test_a_caller_is_woken_when_the_loop_thread_blocks_not_inside_the_iteration(
                 await asyncio.sleep(0.001)
             return 7
 
-        def observe(call: sync_client._LoopCall[int]) -> None:  # on the loop thread
+        def observe(call: _loop_thread.LoopCall[int]) -> None:  # on the loop thread
             # Same iteration as the finish: finished, caller not yet woken.
             seen.append((call._finished, call.done.is_set()))
             gate.set()
 
-        holder: list[sync_client._LoopCall[int]] = []
+        holder: list[_loop_thread.LoopCall[int]] = []
         call = lt.submit(body, on_done=lambda: observe(holder[0]))
         holder.append(call)
         submitted.set()
@@ -659,7 +671,7 @@ def test_a_caller_is_woken_when_the_loop_thread_blocks_not_inside_the_iteration(
 
 
 def test_a_call_finished_in_the_loops_last_iteration_still_wakes_its_caller() -> None:
-    lt = sync_client._LoopThread()
+    lt = _loop_thread.LoopThread()
     lt.refs = 1
 
     async def body() -> str:
@@ -674,7 +686,7 @@ def test_a_call_finished_in_the_loops_last_iteration_still_wakes_its_caller() ->
 
 
 def test_the_done_flag_wakes_every_waiter_and_times_out_unset() -> None:
-    done = sync_client._Done()
+    done = _loop_thread.Done()
     assert not done.is_set()
     t0 = time.monotonic()
     assert done.wait(0.05) is False

@@ -19,7 +19,6 @@ from typing import Any, Literal
 
 import pytest
 import torch
-from lmcache_async._operations import Operations, Registration, _l1_memory, run_detached
 
 from lmcache_async import (
     AsyncClient,
@@ -28,9 +27,12 @@ from lmcache_async import (
     LMCacheTimeoutError,
     ProtocolError,
     TransferError,
-    _operations as operations,
+    _copies as copies,
 )
 from lmcache_async._metadata import Metadata
+from lmcache_async._ops import Operations, Registration
+from lmcache_async._ops.base import l1_memory
+from lmcache_async._runner import run_detached
 from lmcache_async._shm import ShmPool
 from lmcache_async._wire import (
     GEN_0_5_6,
@@ -391,7 +393,7 @@ async def test_the_real_servers_status_gives_the_l1_memory_usage(
         used, total = status["storage_manager"]["l1_usage"]
         assert (used, total) == (l1["memory_used_bytes"], l1["memory_total_bytes"])
         assert total == 1 << 30  # the fixtures' --l1-size-gb 1
-        assert _l1_memory(status) == (
+        assert l1_memory(status) == (
             f"{used} of {total} bytes used ({used / total:.0%}); {l1['write_locked_count']} write "
             f"reservations pending, {l1['staging_bytes']} bytes staged"
         )
@@ -408,15 +410,15 @@ async def test_a_store_held_by_another_writer_on_the_real_server(
     tokens = fresh_tokens(2 * CS)
     kv = random_kv(SMALL_GEOMETRY, len(tokens))
     copying, release = threading.Event(), threading.Event()
-    fill = operations.fill_slots
+    fill = copies.fill_slots
 
     def held_fill(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pool: Any = None) -> None:
         copying.set()
         release.wait(30)
         fill(pairs, pool)
 
-    monkeypatch.setattr(operations, "THREAD_COPY_BYTES", 0)  # the copy runs in a thread
-    monkeypatch.setattr(operations, "fill_slots", held_fill)
+    monkeypatch.setattr(copies, "THREAD_COPY_BYTES", 0)  # the copy runs in a thread
+    monkeypatch.setattr(copies, "fill_slots", held_fill)
     async with (
         AsyncClient(srv.url, srv.http_url, model, geometry=SMALL_GEOMETRY, timeout=30) as a,
         AsyncClient(srv.url, srv.http_url, model, geometry=SMALL_GEOMETRY, timeout=30) as b,

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import lmcache_async as lmc
-from lmcache_async import AsyncClient, _operations as operations
+from lmcache_async import AsyncClient, _copies as copies
 from lmcache_async.errors import UnfilledReservationError
 from tests.helpers import SMALL_GEOMETRY, fresh_tokens, peek, random_kv, unique_model
 
@@ -87,7 +87,7 @@ async def test_a_copy_failing_midway_is_repaired_from_a_cpu_copy(
         target.fill_(7)  # half-written garbage, then the failure
         raise RuntimeError("simulated device error mid-copy")
 
-    monkeypatch.setattr(operations, "fill_slots", failing_fill)
+    monkeypatch.setattr(copies, "fill_slots", failing_fill)
     async with _open(shm_server, model) as c:
         assert await c.store(kv, tokens) is True
         assert calls == [3]
@@ -112,8 +112,8 @@ async def test_an_unfillable_reservation_is_never_admitted(
             target.fill_(3)
         raise RuntimeError("simulated device lost")
 
-    monkeypatch.setattr(operations, "fill_slots", garbage_then_fail)
-    monkeypatch.setattr(operations, "refill_slots", garbage_then_fail)
+    monkeypatch.setattr(copies, "fill_slots", garbage_then_fail)
+    monkeypatch.setattr(copies, "refill_slots", garbage_then_fail)
     c = await lmc.connect(srv.url, srv.http_url, model, geometry=SMALL_GEOMETRY, timeout=30)
     first_id = c.instance_id
     with pytest.raises(UnfilledReservationError, match="could not write 2 reserved chunks") as info:
@@ -153,7 +153,7 @@ async def test_a_second_writer_of_the_same_prompt_waits_for_the_first(
     model = unique_model("twins")
     tokens = fresh_tokens(4 * CS)
     kv = random_kv(SMALL_GEOMETRY, len(tokens))
-    real_fill = operations.fill_slots
+    real_fill = copies.fill_slots
     slow = [True]
 
     def slow_first_fill(pairs: Pairs, pool: Any = None) -> None:
@@ -161,8 +161,8 @@ async def test_a_second_writer_of_the_same_prompt_waits_for_the_first(
             time.sleep(1.0)  # in a worker thread: the first writer is still copying
         real_fill(pairs, pool)
 
-    monkeypatch.setattr(operations, "THREAD_COPY_BYTES", 0)
-    monkeypatch.setattr(operations, "fill_slots", slow_first_fill)
+    monkeypatch.setattr(copies, "THREAD_COPY_BYTES", 0)
+    monkeypatch.setattr(copies, "fill_slots", slow_first_fill)
     async with _open(shm_server, model) as a, _open(shm_server, model) as b:
         first = asyncio.create_task(a.store(kv, tokens))
         await asyncio.sleep(0.3)

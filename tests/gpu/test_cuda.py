@@ -360,16 +360,16 @@ async def test_grouped_gpu_store_and_background_commits_are_bitwise_and_clean(
     server side); bitwise, and no session or pending read is left."""
     if gpu_server.mode != "shm":
         pytest.skip("SHM only")
-    from lmcache_async import _operations as operations
+    from lmcache_async._ops import shm as ops_shm
 
-    real = operations.store_groups
+    real = ops_shm.store_groups
     plans: list[list[tuple[int, int]]] = []
 
     def spy(n: int) -> list[tuple[int, int]]:
         plans.append(real(n))
         return plans[-1]
 
-    monkeypatch.setattr(operations, "store_groups", spy)
+    monkeypatch.setattr(ops_shm, "store_groups", spy)
     geom = geometry()
     async with aclient(gpu_server, geom) as c:
         base = await sessions(c)

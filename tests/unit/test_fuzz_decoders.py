@@ -33,13 +33,14 @@ import msgpack
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
-from lmcache_async._operations import Operations, OpState, Registration, RemapResult
 
 from lmcache_async import _wire as wire
+from lmcache_async._ops import Operations, Registration, RemapResult
 from lmcache_async._payload import pickle_tensors as pickle_codec
 from lmcache_async._payload.inline import decode_inline
 from lmcache_async._payload.pickle_tensors import decode_tensor_list, encode_tensor_list
 from lmcache_async._payload.tensor_envelope import encode_tensor_envelope
+from lmcache_async._runner import OpState
 from lmcache_async._shm import ShmPool
 from lmcache_async.errors import LMCacheError, LMCacheTimeoutError, ProtocolError, UnsafePayloadError
 from lmcache_async.geometry import dtype_name

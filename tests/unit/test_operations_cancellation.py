@@ -2,7 +2,7 @@
 generations, and check the engine is left clean: no session, prefetch job, read lock,
 pending SHM transfer or write reservation.
 
-The operations (:mod:`lmcache_async._operations`) run over a channel that hands each
+The operations (:mod:`lmcache_async._ops`) run over a channel that hands each
 request straight to the embedded server's in-process engine
 (:class:`lmcache_async.testing.InProcessServer`): no sockets, milliseconds per case. The
 caller is cancelled as its k-th request is sent (k = 1 .. the number of requests of an
@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 import torch
-from lmcache_async._operations import Operations, OpState, Registration, RemapResult, run_detached
 
+from lmcache_async._ops import Operations, Registration, RemapResult
+from lmcache_async._runner import OpState, run_detached
 from lmcache_async._shm import ShmPool
 from lmcache_async._wire import (
     GEN_0_5_6,
@@ -44,7 +45,7 @@ GENERATIONS = {"0.5.6": GEN_0_5_6, "0.5.7": GEN_0_5_7}
 
 
 class InProcessChannel:
-    """The operations' :class:`~lmcache_async._operations.Channel` over an in-process
+    """The operations' :class:`~lmcache_async._ops.Channel` over an in-process
     engine; cancels ``victim`` when request number ``cancel_at`` is sent."""
 
     def __init__(self, srv: InProcessServer, wire: WireGeneration) -> None:

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 import torch
-from lmcache_async._operations import Operations, OpState, store_groups
 
-from lmcache_async import _operations as operations
+from lmcache_async import _copies as copies
+from lmcache_async._ops import Operations, store_groups
+from lmcache_async._runner import OpState
 from tests.unit import test_operations_cancellation as cancellation
 from tests.unit.test_operations_cancellation import CS, END, Harness
 
@@ -96,7 +97,7 @@ async def test_grouped_store_repairs_a_failing_group_copy(
     h = harness
     if h.pool is None:
         pytest.skip("SHM only")
-    real = operations.fill_slots
+    real = copies.fill_slots
     calls = []
 
     def flaky(pairs: Any, pool: Any = None) -> None:
@@ -106,7 +107,7 @@ async def test_grouped_store_repairs_a_failing_group_copy(
             raise RuntimeError("injected copy failure")
         real(pairs, pool)
 
-    monkeypatch.setattr(operations, "fill_slots", flaky)
+    monkeypatch.setattr(copies, "fill_slots", flaky)
     toks, kv = h.tokens(), h.kv()
     assert await h.run(grouped(kv, toks), None) is True
     assert len(calls) == 3  # one copy per group; the failed one was filled again by refill_slots
