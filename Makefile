@@ -61,8 +61,11 @@ typecheck: venv
 	$(BIN)/mypy
 
 # pytest exits 5 when it collected no tests: make treats any non-zero exit as failure.
+# Two pytest-xdist workers, the real-server tests included: each worker starts the real
+# servers its tests need (session fixtures are per worker), and most of a real-server
+# test's time is spent waiting on a server, so two workers share the two cores well.
 pytest: venv lmcache-venv redis
-	LMCACHE_ASYNC_REQUIRE_REAL_SERVER=1 $(BIN)/python -m pytest \
+	LMCACHE_ASYNC_REQUIRE_REAL_SERVER=1 $(BIN)/python -m pytest -n 2 --dist loadgroup \
 	  --cov=lmcache_async --cov-branch --cov-report=term
 
 ## The smoke run: real LMCache server, our client, chunk size + noop RTT.
