@@ -10,9 +10,9 @@ See docs/guides/testing-your-code.md for how it differs from the real server.
 """
 
 from lmcache_async.testing.dialect import LMC_VERSIONS, PROTOCOLS, Protocol
-from lmcache_async.testing.engine import Leftovers
 from lmcache_async.testing.inprocess import InProcessServer, NoReply
 from lmcache_async.testing.server import EmbeddedServer, EmbeddedServerThread, ModelSpec, parse_size
+from lmcache_async.testing.vocabulary import Leftovers
 
 __all__ = [
     "LMC_VERSIONS",

@@ -50,10 +50,10 @@ from lmcache_async.testing.dialect import (
     encode_pickled_chunks,
     operation_name,
 )
-from lmcache_async.testing.engine import (
+from lmcache_async.testing.engine import CacheEngine
+from lmcache_async.testing.vocabulary import (
     SEMANTICS_056,
     SEMANTICS_057,
-    CacheEngine,
     InlineChunk,
     InlineDecoder,
     InlineEncoder,

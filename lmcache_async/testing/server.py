@@ -54,9 +54,10 @@ from aiohttp import web
 from lmcache_async._version import __version__
 from lmcache_async.geometry import KVGeometry, dtype_from_name
 from lmcache_async.testing.dialect import LMC_VERSIONS, BadRequest, Protocol, check_protocol, decode_operation
-from lmcache_async.testing.engine import CacheEngine, LayoutSpec, Leftovers, Mode
+from lmcache_async.testing.engine import CacheEngine
 from lmcache_async.testing.inprocess import InProcessServer, NoReply, PreparedCall
 from lmcache_async.testing.pool import SHM_DIR, segment_name
+from lmcache_async.testing.vocabulary import LayoutSpec, Leftovers, Mode
 
 __all__ = ["EmbeddedServer", "EmbeddedServerThread", "ModelSpec", "parse_size"]
 
