@@ -57,7 +57,7 @@ IDLE_LINGER = 30.0
 CLOSE_EXTRA: Final = 10.0
 #: Longest wait for a retiring loop thread to finish.
 JOIN_TIMEOUT: Final = 10.0
-#: Longest wait at interpreter exit for clients left open to close (issue 12, defect 10).
+#: Longest wait at interpreter exit for clients left open to close.
 EXIT_WAIT: Final = 3.0
 #: Longest wait for the close of a client whose ``with`` block is left by a
 #: KeyboardInterrupt (Ctrl-C) or SystemExit: the close is then cancelled, which still

@@ -153,7 +153,7 @@ async def test_bad_input_is_refused_before_anything_is_sent(client: AsyncClient)
     sent_before = peek(client).next_request_uid()
     cases: list[tuple[Any, type[Exception], str]] = [
         (client.store(kv, tokens, cache_salt="a/b"), ValueError, "cache_salt must not contain '/'"),
-        (  # tokens may be longer than the KV (issue 9), never shorter
+        (  # tokens may be longer than the KV, never shorter
             client.store(kv, tokens[:-1]),
             ValueError,
             r"kv covers 16 tokens but tokens has 15",

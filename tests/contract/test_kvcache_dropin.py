@@ -94,7 +94,7 @@ def test_the_issue_snippet_runs_unchanged_but_for_the_import(registered: Registe
     source_kv = _kv(3 * CS)
     assert registered.engine.store(source_tokens, source_kv)  # written the vLLM way
 
-    # ---- the snippet of issue 5 (only the import and the endpoints differ) ----
+    # ---- the official example's snippet (only the import and the endpoints differ) ----
     ctx = lmc_sdk.connect(url=srv.url, http_url=srv.http_url, model_name=MODEL)
     kv = lmc_sdk.retrieve(ctx, tokens=source_tokens)
     if kv is not None:
@@ -153,7 +153,7 @@ def test_return_values_are_the_official_sdks(registered: Registered) -> None:
         prefix = lmc_sdk.retrieve(ctx, tokens=odd)
         assert prefix is not None and torch.equal(prefix, kv_odd[:, :, :CS])
         # tokens may be longer than the KV (stored under tokens[:T]; the official SDK
-        # raises here), never shorter (issue 9)
+        # raises here), never shorter
         assert lmc_sdk.store(ctx, kv=prefix, tokens=odd) is False  # odd[:CS] is cached
         with pytest.raises(ValueError, match="kv covers 21 tokens but tokens has 16"):
             lmc_sdk.store(ctx, kv=kv_odd, tokens=odd[:CS])

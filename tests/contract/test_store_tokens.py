@@ -1,4 +1,4 @@
-"""``store`` takes ``tokens`` longer than the KV (issue 9): the seed's own snippet
+"""``store`` takes ``tokens`` longer than the KV: the seed's own snippet
 ``store(retrieve(source), target)`` for prompts that are not a whole number of chunks.
 
 A retrieve returns whole chunks only, so for a prompt of ``n`` tokens the retrieved KV

@@ -1,5 +1,5 @@
-"""Ctrl-C in a script that uses the blocking ``Client`` in a ``with`` block (issue 12,
-defect 10): SIGINT to the script's process while an operation waits on a server that
+"""Ctrl-C in a script that uses the blocking ``Client`` in a ``with`` block: SIGINT to the
+script's process while an operation waits on a server that
 stopped answering (SIGSTOP) makes the process exit within a bound, with no "Unclosed
 client session" noise; with a server that answers, at once.
 

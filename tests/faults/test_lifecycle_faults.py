@@ -1,4 +1,4 @@
-"""The client's lifecycle under faults (issue 12): a closer's cancellation propagates and
+"""The client's lifecycle under faults: a closer's cancellation propagates and
 still closes everything, a forked child never touches the parent's socket, every method
 refuses another event loop, a stopped reader fails pending calls at once, the number of
 requests in flight is bounded, and bad arguments are refused before anything is sent.
@@ -74,7 +74,7 @@ def _assert_closed(c: lmc.AsyncClient) -> None:
 
 
 async def test_cancelling_aclose_mid_drain_propagates_and_closes(http_stub: str) -> None:
-    """Defect 3: aclose() cancelled while it waits for operations in flight."""
+    """aclose() cancelled while it waits for operations in flight."""
     switch = Switch()
     async with FakeRouter(switch) as router:
         c = await lmc.connect(
@@ -131,7 +131,7 @@ async def test_cancelling_aclose_mid_keepalive_propagates_and_closes(http_stub: 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 async def test_aclose_in_a_forked_child_leaves_the_parent_working(http_stub: str) -> None:
-    """Defect 4: the child's aclose() must not unregister the parent's descriptors."""
+    """The child's aclose() must not unregister the parent's descriptors."""
     async with FakeRouter(Switch()) as router:
         c = await lmc.connect(router.url, http_stub, "m", geometry=SMALL_GEOMETRY, timeout=5)
         await c.status(max_age=0)  # an HTTP connection in the session's pool
@@ -161,7 +161,8 @@ async def test_aclose_in_a_forked_child_leaves_the_parent_working(http_stub: str
 
 
 async def test_every_method_refuses_another_event_loop(http_stub: str) -> None:
-    """Defect 7."""
+    """Every method but aclose() refuses a call from another event loop; aclose() closes
+    the client on its own loop."""
     async with FakeRouter(Switch()) as router:
         c = await lmc.connect(router.url, http_stub, "m", geometry=SMALL_GEOMETRY, timeout=5)
         calls: dict[str, Callable[[], Coroutine[Any, Any, object]]] = {
@@ -205,7 +206,7 @@ async def test_every_method_refuses_another_event_loop(http_stub: str) -> None:
 
 
 async def test_a_stopped_reader_fails_pending_calls_at_once(http_stub: str) -> None:
-    """Defect 8: nothing waits for a reply that nobody reads."""
+    """Nothing waits for a reply that nobody reads."""
     switch = Switch()
     async with FakeRouter(switch) as router:
         c = await lmc.connect(router.url, http_stub, "m", geometry=SMALL_GEOMETRY, timeout=5)

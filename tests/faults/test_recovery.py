@@ -1,4 +1,4 @@
-"""Recovery after a server restart and fast failure while it is down (issue 12), against the
+"""Recovery after a server restart and fast failure while it is down, against the
 real LMCache servers (0.5.6 and 0.5.7rc3) and a refused endpoint.
 
 The restart tests print the time from "the server answers its healthcheck again" to the
@@ -71,7 +71,7 @@ async def test_first_operation_after_a_restart_succeeds(fresh_real_server: Any, 
 
 
 async def test_new_chunk_size_after_a_restart(fresh_real_server: Any) -> None:
-    """Defect 9: the first operation after a restart with another chunk size is aligned
+    """The first operation after a restart with another chunk size is aligned
     with the new size (it used to time out, aligned with the stale one)."""
     srv = fresh_real_server("shm", chunk_size=CS)
     async with lmc.AsyncClient(
@@ -91,7 +91,7 @@ async def test_new_chunk_size_after_a_restart(fresh_real_server: Any) -> None:
 
 
 async def test_a_refused_zmq_endpoint_says_so(real_server_shm: Any) -> None:
-    """Defect 5: the HTTP endpoint answers, nothing listens on the ZMQ port."""
+    """The HTTP endpoint answers, nothing listens on the ZMQ port."""
     port = free_loopback_port()
     start = time.monotonic()
     with pytest.raises(
@@ -110,7 +110,7 @@ async def test_a_refused_zmq_endpoint_says_so(real_server_shm: Any) -> None:
 async def test_http_and_zmq_endpoints_of_different_servers_are_refused(
     real_server_shm: Any, real_server_pickle: Any, fresh_real_server: Any
 ) -> None:
-    """Defect 2: the HTTP endpoint of one server and the ZMQ endpoint of another."""
+    """The HTTP endpoint of one server and the ZMQ endpoint of another."""
     other_chunk = fresh_real_server("pickle", chunk_size=2 * CS)
     cases = [
         (

@@ -1,4 +1,4 @@
-"""A server replaced behind a connection that stays up (issue 12): the client talks
+"""A server replaced behind a connection that stays up: the client talks
 through forwarders (tests/faults/forwarders.py) that keep its ZMQ and HTTP connections
 up while the real server behind them is killed and restarted on the same ports, so the
 client never sees a disconnect. The first store and retrieve after the restart must

@@ -1,5 +1,5 @@
 """A store that fails after ``prepare_store`` never lets an unwritten reservation become
-visible KV (issue 12, defects 1 and 6), against the real LMCache 0.5.6 and 0.5.7 servers
+visible KV, against the real LMCache 0.5.6 and 0.5.7 servers
 (and the embedded one where it needs no server-side expiry).
 
 The LMCache server has no operation that drops a write reservation: committing it,
@@ -147,7 +147,7 @@ async def test_an_unfillable_reservation_is_never_admitted(
 async def test_a_second_writer_of_the_same_prompt_waits_for_the_first(
     shm_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Defect 6: while one client copies into its reservation, another client storing the
+    """While one client copies into its reservation, another client storing the
     same prompt gets nothing reserved; it waits for the first writer (within its deadline)
     and answers False, instead of "L1 full"."""
     model = unique_model("twins")

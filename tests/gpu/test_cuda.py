@@ -1,4 +1,4 @@
-"""CUDA tensors in and out (issue 11): stream ordering, bitwise round trips, the pinned
+"""CUDA tensors in and out: stream ordering, bitwise round trips, the pinned
 pool, validation, cancellation mid-copy.
 
 GPU tests are marked ``gpu`` and skipped without CUDA. On a GPU machine, from the repo
@@ -332,7 +332,7 @@ async def test_bad_cuda_arguments_are_refused_before_anything_is_sent(gpu_server
                 "kv has dtype torch.float16, the geometry says torch.bfloat16",
             ),
             (
-                # (a kv covering fewer tokens than given is stored under tokens[:T]: issue 9)
+                # (a kv covering fewer tokens than given is stored under tokens[:T])
                 lambda: c.store(kv[:, :, :, : geom.hidden_dim // 2], tokens),
                 ValueError,
                 r"kv has shape \[2, 8, 512, 512\], expected \[2, 8, 512, 1024\]",

@@ -726,7 +726,7 @@ def test_zmq_endpoint_not_answering_is_one_line(real_server_shm: RealLMCacheServ
     proc = ok(cli("lookup", "--url", dead, "--http-url", real_server_shm.http_url, "--timeout", "2",
                   "--model-name", "m", "--num-tokens", "16", *GEOMETRY_FLAGS, cwd=tmp_path), 1)  # fmt: skip
     assert proc.stdout == ""
-    # Nothing listens there: refused within seconds (issue 12), not "no reply" after the timeout.
+    # Nothing listens there: refused within seconds, not "no reply" after the timeout.
     assert re.fullmatch(
         rf"{PROG} lookup: error: cannot connect to {re.escape(dead)}: connection refused"
         r" \(\d+ attempts in \d\.\ds; is the server's ZMQ port right\?\)\n",

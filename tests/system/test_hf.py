@@ -1,4 +1,4 @@
-"""lmcache_async.hf (issue 9): a real transformers model's KV in and out of LMCache.
+"""lmcache_async.hf: a real transformers model's KV in and out of LMCache.
 
 The model is :func:`lmcache_async.testing.tiny_llama.tiny_llama` (a ``LlamaForCausalLM``
 with 4 layers, 8 attention heads sharing 2 KV heads of 16, RoPE; fixed-seed random

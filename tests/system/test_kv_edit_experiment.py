@@ -1,4 +1,4 @@
-"""The KV-edit experiment (issue 9): ``examples/kv_edit_experiment.py`` on the embedded and
+"""The KV-edit experiment: ``examples/kv_edit_experiment.py`` on the embedded and
 the real server, and ``docs/examples/kv_edit_experiment.ipynb`` executed in a real
 Jupyter kernel against the real SHM server (as ``tests/system/test_notebook.py`` does for the
 remap notebook)."""

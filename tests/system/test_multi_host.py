@@ -1,4 +1,4 @@
-"""Beyond one machine: per-host LMCache servers sharing a REAL Redis L2 (issue 15).
+"""Beyond one machine: per-host LMCache servers sharing a REAL Redis L2.
 
 Real parts only: Debian's ``redis-server`` (``harness/redis_server.py``, installed
 by ``harness/ensure_redis.sh``) and real LMCache servers started with

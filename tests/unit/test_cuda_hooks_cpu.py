@@ -1,4 +1,4 @@
-"""The CPU side of the CUDA path (issue 11): what runs on every machine.
+"""The CPU side of the CUDA path: what runs on every machine.
 
 * Both inline codecs (0.5.6 pickle, 0.5.7 tensor envelope) take the copy hook the CUDA
   path stages through (``encode_inline(wire, tensors, copy=...)``): the hook is called
