@@ -21,7 +21,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -263,13 +263,6 @@ class Metadata:
     async def status(self, *, max_age: float | None = None, timeout: float | None = 10.0) -> dict[str, Any]:
         """The ``/status`` document."""
         return await self._get("status", max_age, timeout)
-
-    @staticmethod
-    def mp_section(config: Mapping[str, Any]) -> dict[str, Any]:
-        mp = config.get("mp")
-        if not isinstance(mp, dict):
-            raise ProtocolError("/config has no 'mp' section")
-        return mp
 
 
 #: How every ZMTP (ZMQ) peer starts its greeting: what an HTTP client reads, as its

@@ -16,7 +16,7 @@ from typing import Any, TypeGuard
 from lmcache_async._shm_segment import POOL_PREFIX
 from lmcache_async.errors import ProtocolError, ServerError
 
-__all__ = ["ServerConfig"]
+__all__ = ["ServerConfig", "mp_section", "server_instance"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +51,7 @@ class ServerConfig:
             ProtocolError: ``/config`` has no ``mp`` section, or no usable chunk size.
             ServerError: the server does not serve engine-driven transfers.
         """
-        mp = config.get("mp")
-        if not isinstance(mp, dict):
-            raise ProtocolError("/config has no 'mp' section")
+        mp = mp_section(config)
         if status is not None:
             chunk_size, where = status.get("chunk_size"), "/status chunk_size"
         else:
@@ -79,6 +77,27 @@ class ServerConfig:
     def with_instance(self, instance: object) -> ServerConfig:
         """The same configuration of a server now known by ``instance``."""
         return dataclasses.replace(self, instance=instance)
+
+
+def mp_section(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``/config``'s ``mp`` section (the MP server's own settings).
+
+    Raises:
+        ProtocolError: there is none.
+    """
+    mp = config.get("mp")
+    if not isinstance(mp, dict):
+        raise ProtocolError("/config has no 'mp' section")
+    return mp
+
+
+def server_instance(config: Mapping[str, Any]) -> object:
+    """The server's identity in ``/config``: ``mp.instance_id``, new for every server process.
+
+    Raises:
+        ProtocolError: ``/config`` has no ``mp`` section.
+    """
+    return mp_section(config).get("instance_id")
 
 
 def _is_number(value: object) -> TypeGuard[int | float]:

@@ -29,7 +29,7 @@ from lmcache_async._metadata import Metadata
 from lmcache_async._ops import Operations, Registration
 from lmcache_async._replacement import ServerWatch
 from lmcache_async._runner import cancel_and_wait
-from lmcache_async._server_config import ServerConfig
+from lmcache_async._server_config import ServerConfig, server_instance
 from lmcache_async._shm import ShmPool
 from lmcache_async._wire import (
     GEN_0_5_6,
@@ -394,7 +394,7 @@ class Session:
         """The keep-alive's step: notice a replaced server, and refresh the registration
         (or register again, when it is stale or the pool changed)."""
         config = await self.meta.config(max_age=0, timeout=10.0)
-        identity = Metadata.mp_section(config).get("instance_id")
+        identity = server_instance(config)
         if identity != self.config.instance:
             log.info("server restarted (instance id changed); re-registering")
             self.replaced(identity)
@@ -434,7 +434,7 @@ class Session:
         """The server's identity: ``/config`` ``mp.instance_id`` (new for every server
         process, on both generations; see :mod:`lmcache_async._replacement`)."""
         config = await self.meta.config(max_age=0, timeout=timeout)
-        return Metadata.mp_section(config).get("instance_id")
+        return server_instance(config)
 
     def replaced(self, identity: object) -> None:
         """The server now has another identity than the one registered with.

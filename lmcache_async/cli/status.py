@@ -20,6 +20,7 @@ import aiohttp
 
 from lmcache_async._connection import Connection
 from lmcache_async._metadata import Metadata
+from lmcache_async._server_config import mp_section
 from lmcache_async._shm_segment import map_segment
 from lmcache_async._wire import Op
 from lmcache_async.cli.arguments import server_parent
@@ -45,7 +46,7 @@ async def _status(args: argparse.Namespace) -> int:
         version = await server_version(args.http_url, args.timeout)
     finally:
         await meta.close()
-    mp = Metadata.mp_section(config)
+    mp = mp_section(config)
     chunk_size = mp.get("chunk_size")
     mode = str(mp.get("supported_transfer_mode", "?"))
     zmq_ok, rtt = await _noop(args.url, min(args.timeout or 5.0, 5.0))

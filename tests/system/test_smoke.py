@@ -11,6 +11,7 @@ import torch
 from lmcache_async import KVGeometry
 from lmcache_async._connection import Connection
 from lmcache_async._metadata import Metadata
+from lmcache_async._server_config import mp_section
 from lmcache_async._wire import Op
 from tests.helpers import SESSION_CHUNK_SIZE, unique_model
 
@@ -21,8 +22,8 @@ async def test_config_gives_the_chunk_size(real_server: Any) -> None:
     meta = Metadata(real_server.http_url)
     try:
         config = await meta.config()
-        assert Metadata.mp_section(config)["chunk_size"] == SESSION_CHUNK_SIZE
-        assert Metadata.mp_section(config)["supported_transfer_mode"] == "auto"
+        assert mp_section(config)["chunk_size"] == SESSION_CHUNK_SIZE
+        assert mp_section(config)["supported_transfer_mode"] == "auto"
         assert await meta.healthcheck() is True
     finally:
         await meta.close()
