@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import zmq
 
 import lmcache_async as lmc
 from harness.real_server import REPO_ROOT
@@ -96,10 +97,15 @@ async def test_an_unresolvable_host_is_reported_as_such() -> None:
 
 @pytest.mark.anyio
 async def test_bad_urls_leave_nothing_behind_and_the_next_client_works_at_once() -> None:
+    def open_contexts() -> int:
+        gc.collect()
+        return sum(issubclass(type(o), zmq.Context) and not o.closed for o in gc.get_objects())
+
+    before = open_contexts()
     for url, message in BAD_URLS:
         with pytest.raises(ValueError, match=re.escape(message)):
             lmc.AsyncClient(url, "http://127.0.0.1:9", "m")
-    gc.collect()
+    assert open_contexts() == before  # refused before any socket or context existed
     ticks = 0
 
     async def tick() -> None:
