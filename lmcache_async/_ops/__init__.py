@@ -115,17 +115,35 @@ class Operations(ShmSequences, InlineSequences):
         mark: Mark | None = None,
     ) -> bool:
         """Store ``kv`` (already validated) under ``toks[:end]``; False when all was cached.
-        ``mark``: ``kv`` is on a GPU and is read as seen after the mark."""
+        ``mark``: ``kv`` is on a GPU and is read as seen after the mark.
+
+        A CUDA store on SHM is split into groups (:meth:`_store_shm_grouped`: the copy
+        starts on the first group's slots while the others are reserved) only when no
+        other SHM store of this client is in flight. With others in flight their copies
+        keep the link busy anyway, and each group costs the server a ``prepare_store``, a
+        ``commit_store`` and a session of its own: measured on an H200, grouped
+        concurrent stores spent 2.7x the server CPU per call and stayed at 75-80 % of the
+        link, ungrouped ones reach 92 % (``docs/benchmarks.md``, "CUDA stores and
+        retrieves under concurrency")."""
         if end == 0:
             return False
         # One store per key at a time from this client: a concurrent twin would see
         # the chunks "being written" and could not tell that from out-of-memory.
         async with self._gate(("store", salt, tuple(toks[:end]))):
-            if self.reg.pool is not None:
-                if mark is not None and len(store_groups(end // self.reg.chunk_size)) > 1:
+            if self.reg.pool is None:
+                return await self._store_pickle(op, kv, toks, end, salt, configs, mark)
+            grouped = (
+                mark is not None
+                and self._shm_stores == 0
+                and len(store_groups(end // self.reg.chunk_size)) > 1
+            )
+            self._shm_stores += 1
+            try:
+                if grouped:
                     return await self._store_shm_grouped(op, kv, toks, end, salt, configs, mark)
                 return await self._store_shm(op, kv, toks, end, salt, configs, mark)
-            return await self._store_pickle(op, kv, toks, end, salt, configs, mark)
+            finally:
+                self._shm_stores -= 1
 
     async def remap(
         self, op: OpState, src: list[int], dst: list[int], n: int, salt: str, tsalt: str
