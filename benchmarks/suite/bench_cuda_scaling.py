@@ -244,8 +244,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await c.store(warm, t)
             await c.retrieve(t, out=warm)
             checked = [0]
-            res["single"] = await single(c, device, toks, args.reps, checked)
-            res["scaling"] = await scaling(c, device, toks, args.reps, checked, calls)
+            sections = args.sections.split(",")
+            if "single" in sections:
+                res["single"] = await single(c, device, toks, args.reps, checked)
+            if "scaling" in sections:
+                res["scaling"] = await scaling(c, device, toks, args.reps, checked, calls)
             res["scaling_bytes"] = scaling_bytes
             if args.phases:
                 res["phases"] = await phase_pass(c, device, toks, calls, phases, proc.pid)
@@ -450,14 +453,14 @@ async def phase_pass(
 
 def table(res: dict[str, Any]) -> str:
     lines = []
-    for key, row in res["single"].items():
+    for key, row in res.get("single", {}).items():
         lines.append(f"\nsingle call, {key} ({row['bytes'] / 2**20:.0f} MiB)      GB/s   % link   median ms")
         for name, v in row.items():
             if name == "bytes":
                 continue
             pct = f"{v['pct'] * 100:6.0f}%" if "pct" in v else "       "
             lines.append(f"  {name:<28}{v['gbps']:7.1f}  {pct}  {v['median_s'] * 1e3:9.2f}")
-    row = res["scaling"]
+    row = res.get("scaling") or {"bytes": 0}
     lines.append(f"\n{CALLS} calls of {CALL_CHUNKS} chunks ({row['bytes'] / 2**30:.2f} GiB)   GB/s   % link")
     for name, v in row.items():
         if name == "bytes":
@@ -507,6 +510,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -519,9 +523,7 @@ def main() -> None:
     ap.add_argument(
         "--from-json", type=Path, default=None, help="print (and plot) an earlier run's JSON; run nothing"
     )
-    ap.add_argument(
-        "--one-group", action="store_true", help=argparse.SUPPRESS
-    )  # diagnosis: no grouped stores
+    ap.add_argument("--sections", default="single,scaling", help="comma-separated: single, scaling")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: dry run of the script
     args = ap.parse_args()
     if args.from_json is not None:
@@ -529,10 +531,6 @@ def main() -> None:
     else:
         if args.device == "cuda" and not torch.cuda.is_available():
             sys.exit("bench_cuda_scaling needs a CUDA GPU")
-        if args.one_group:
-            import lmcache_async._ops as ops
-
-            ops.store_groups = lambda n: [(0, n)]  # type: ignore[attr-defined]
         res = asyncio.run(run(args))
         if torch.cuda.is_available():
             res["device"] = torch.cuda.get_device_name(0)

@@ -271,9 +271,6 @@ class OperationsBase:
         self._gates: dict[tuple[Any, ...], list[Any]] = {} if gates is None else gates
         self._on_unfilled = on_unfilled
         self._server_status = server_status
-        #: SHM stores of this registration between their gate and their end: a CUDA store
-        #: is split into groups only when it is alone (:meth:`Operations.store`).
-        self._shm_stores = 0
 
     # ------------------------------------------------------------------ the interface
 

@@ -1,6 +1,6 @@
 """CUDA stores and retrieves many at a time: each store reads its KV as its caller's
 stream saw it, one cancelled store of several leaves nothing half-stored and the others
-intact, concurrent stores are not split into groups, ``retrieve_many(device=...)``.
+intact, one reservation and one commit per store, ``retrieve_many(device=...)``.
 
 Marked ``gpu`` and skipped without CUDA; run on a GPU machine with the other GPU tests
 (``python -m pytest -m gpu tests/gpu -q``). The servers are those of ``test_cuda.py``
@@ -68,8 +68,9 @@ async def test_concurrent_stores_read_kv_as_the_callers_stream_saw_it(
 
 
 def test_concurrent_stores_through_the_blocking_client_from_threads(gpu_server: Any, busy: Busy) -> None:
-    """Four threads store through one ``Client`` at once, each its KV written on the side
-    stream just before: the facade captures each calling thread's stream."""
+    """Four threads store through one ``Client`` at once, the KV written on the side stream
+    (behind queued matmuls) that is each thread's current stream: the facade captures
+    each calling thread's stream before handing the call over."""
     geom = geometry()
     with Client(gpu_server.url, gpu_server.http_url, unique_model("cuda"), geometry=geom, timeout=60) as c:
         warm = fresh_tokens(4 * CS)
@@ -80,16 +81,18 @@ def test_concurrent_stores_through_the_blocking_client_from_threads(gpu_server: 
         torch.cuda.synchronize()
         results: list[object] = [None] * 4
         start = threading.Barrier(4)
+        with torch.cuda.stream(busy.stream):  # the writes, queued behind the matmuls
+            busy.queue()
+            for kv, ref in zip(kvs, refs, strict=True):
+                kv.copy_(ref)
 
         def worker(i: int) -> None:
-            start.wait(timeout=30)
-            with torch.cuda.stream(busy.stream):
-                busy.queue(100)
-                kvs[i].copy_(refs[i])
-                try:
+            try:
+                start.wait(timeout=30)
+                with torch.cuda.stream(busy.stream):  # each thread's current stream
                     results[i] = c.store(kvs[i], tokens[i])
-                except BaseException as exc:  # reported below, with its thread
-                    results[i] = exc
+            except BaseException as exc:  # reported below, with its thread
+                results[i] = exc
 
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
         for th in threads:
@@ -159,34 +162,34 @@ async def test_cancelling_one_of_several_in_flight_stores_leaves_nothing_half_st
 
 
 @pytest.mark.anyio
-async def test_concurrent_stores_are_not_split_into_groups(
+async def test_a_cuda_store_is_one_reservation_and_one_commit_whatever_its_size(
     gpu_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A 16-chunk store alone goes in pipelined groups; of four started together only the
-    first (alone when it started) does: each group costs the server a reservation, a
-    commit and a session, and concurrent stores keep the link busy without them."""
+    """A 16-chunk store alone and four at once: one ``prepare_store`` and one
+    ``commit_store`` each (a store split into groups cost the server a reservation, a
+    commit and a session per group, and was no faster)."""
     if gpu_server.mode != "shm":
         pytest.skip("SHM only")
-    from lmcache_async._ops import Operations
+    from lmcache_async._ops.base import OperationsBase
+    from lmcache_async._wire import Op
 
-    real = Operations._store_shm_grouped
-    grouped = 0
+    real = OperationsBase.call
+    sent: list[Op] = []
 
-    async def spy(self: Any, *args: Any, **kw: Any) -> bool:
-        nonlocal grouped
-        grouped += 1
-        return await real(self, *args, **kw)
+    async def spy(self: Any, op: Any, opcode: Op, *args: Any) -> Any:
+        sent.append(opcode)
+        return await real(self, op, opcode, *args)
 
-    monkeypatch.setattr(Operations, "_store_shm_grouped", spy)
+    monkeypatch.setattr(OperationsBase, "call", spy)
     geom = geometry()
     async with aclient(gpu_server, geom) as c:
         alone = fresh_tokens(16 * CS)
         kv = rand_kv(geom, len(alone))
         assert await c.store(kv, alone) is True
-        assert grouped == 1
+        assert (sent.count(Op.PREPARE_STORE), sent.count(Op.COMMIT_STORE)) == (1, 1)
         tokens = [fresh_tokens(16 * CS) for _ in range(4)]
         assert await asyncio.gather(*(c.store(kv, t) for t in tokens)) == [True] * 4
-        assert grouped == 2
+        assert (sent.count(Op.PREPARE_STORE), sent.count(Op.COMMIT_STORE)) == (5, 5)
         for t in [alone, *tokens]:
             got = await c.retrieve(t, device="cuda")
             assert got is not None and torch.equal(got, kv)
