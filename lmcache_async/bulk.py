@@ -911,6 +911,7 @@ async def retrieve_many(
     progress: ProgressHook | None = None,
     return_exceptions: bool = True,
     timeout: float | DefaultType | None = DEFAULT,
+    device: torch.device | str | None = None,
 ) -> BatchResult:
     """Retrieve the KV of many prompts, concurrently.
 
@@ -928,6 +929,10 @@ async def retrieve_many(
             :func:`remap_many`).
         progress: called after each item (as for :func:`remap_many`).
         return_exceptions: as for :func:`remap_many`.
+        device: where each item's tensor is allocated (default: the CPU); a CUDA device
+            allocates on the GPU and copies on side streams ordered after the streams
+            current when the batch was called (as :meth:`AsyncClient.retrieve`'s
+            ``device``). Checked before anything is sent.
 
     Cancellation/timeout: as :meth:`AsyncClient.retrieve`: read locks, SHM reads and the
     session are released in the background. ``CancelledError`` is re-raised.
@@ -950,7 +955,7 @@ async def retrieve_many(
         nbytes = n * geom.bytes_per_token
         await budget.acquire(nbytes)
         try:
-            kv = await client.retrieve(tokens, item.cache_salt, timeout=deadline)
+            kv = await client.retrieve(tokens, item.cache_salt, device=device, timeout=deadline)
         finally:
             budget.release(nbytes)
         hit = 0 if kv is None else kv.shape[axis]

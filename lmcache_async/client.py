@@ -914,9 +914,11 @@ class AsyncClient:
         progress: Callable[[BatchProgress], object] | None = None,
         return_exceptions: bool = True,
         timeout: float | DefaultType | None = DEFAULT,
+        device: torch.device | str | None = None,
     ) -> BatchResult:
         """Retrieve many prompts concurrently (token lists or ``(tokens, cache_salt)``): see
-        :func:`lmcache_async.bulk.retrieve_many`. Each result's ``kv`` holds the tensor.
+        :func:`lmcache_async.bulk.retrieve_many`. Each result's ``kv`` holds the tensor,
+        on ``device`` (default: the CPU).
 
         Cancellation/timeout: as for :meth:`retrieve`, per item; ``CancelledError`` is
         re-raised.
@@ -924,6 +926,7 @@ class AsyncClient:
         from lmcache_async import bulk
 
         _check_iterable(token_lists, "token_lists")
+        target_mark(None, device)  # a bad device= is refused before anything is sent
         self._require_open()
         self._check_loop()
         with caller_order():  # GPU tensors: ordered after the caller's streams, now
@@ -935,6 +938,7 @@ class AsyncClient:
                 progress=progress,
                 return_exceptions=return_exceptions,
                 timeout=self._timeout(timeout),
+                device=device,
             )
 
     # ---- end of bulk operations ----

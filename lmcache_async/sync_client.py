@@ -645,6 +645,7 @@ class Client:
         progress: Callable[[BatchProgress], object] | None = None,
         return_exceptions: bool = True,
         timeout: float | DefaultType | None = DEFAULT,
+        device: torch.device | str | None = None,
     ) -> BatchResult:
         """Retrieve many prompts concurrently: blocking :meth:`AsyncClient.retrieve_many`.
         KeyboardInterrupt: as for :meth:`remap_many`."""
@@ -660,8 +661,9 @@ class Client:
                     progress=progress,
                     return_exceptions=return_exceptions,
                     timeout=deadline,
+                    device=caller_device(device),
                 ),
-                None,
+                None if device is None else [caller_device(device)],
             ),
         )
 

@@ -131,6 +131,16 @@ class Plots:
         self.plt.close(fig)
         return f"![{name}](img/{name})\n\n"
 
+    def cuda_scaling(self, data: dict[str, Any]) -> str:
+        """GB/s against calls in flight (``bench_cuda_scaling.py``)."""
+        if self.plt is None:
+            return ""
+        from benchmarks.suite.bench_cuda_scaling import plot
+
+        name = "bench_cuda_scaling.png"
+        plot(data, self.img_dir / name)
+        return f"![{name}](img/{name})\n\n"
+
     def single(self, doc: dict[str, Any], name: str) -> str:
         if self.plt is None:
             return ""
@@ -542,11 +552,19 @@ class Page:
                 "No `cuda*.json` in the results: the GPU figures are measured on a GPU machine with "
                 "`benchmarks/probes/bench_cuda.py` and their JSON dropped into `benchmarks/results/<version>/`.\n\n"
             )
+        scaling = [(name, data) for name, data in docs if isinstance(data, dict) and "scaling" in data]
         for name, data in docs:
+            if (name, data) in scaling:
+                continue
             self.add(f"### `{name}`\n\n")
             summary = cuda_summary(data)
             self.add(generic(data) if summary is None else summary)
         self.notes("cuda")
+        for name, data in scaling:
+            self.add(f"\n### CUDA stores and retrieves under concurrency (`{name}`)\n\n")
+            self.add(cuda_scaling_summary(data))
+            self.add(self.plots.cuda_scaling(data))
+            self.notes("cuda_scaling")
 
 
 #: The rows of a ``bench_cuda.py`` result, in the order shown: (label, store key, retrieve key).
@@ -602,6 +620,44 @@ def cuda_summary(data: Any) -> str | None:
         if rows:
             head = f"{n} chunk{'s' if n != '1' else ''} ({mib:.0f} MiB)"
             out.append(table([head, "store from CUDA", "retrieve into CUDA `out=`"], rows) + "\n")
+    return "".join(out)
+
+
+def cuda_scaling_summary(data: dict[str, Any]) -> str:
+    """A ``bench_cuda_scaling.py`` result: its stamp, the single calls and the concurrency
+    table (GB/s and the share of the pinned copy of the same direction)."""
+    meta = [[k, _cell(v)] for k, v in data.items() if not isinstance(v, (dict, list))]
+    out = [table(["field", "value"], meta) + "\n"]
+    labels = {
+        "pinned_d2h": "pinned `copy_` D2H (the link)",
+        "pinned_h2d": "pinned `copy_` H2D (the link)",
+        "store": "**`store`**",
+        "retrieve_out": "**`retrieve(out=)`**",
+        "sdk_store": "the SDK's path, emulated: `store(kv.cpu())`",
+        "sdk_retrieve": "the SDK's path, emulated: `retrieve().cuda()`",
+    }
+    rows = []
+    for size, row in data["single"].items():
+        for key, label in labels.items():
+            v = row[key]
+            pct = f"{v['pct']:.0%}" if "pct" in v else ""
+            rows.append(
+                [size.removeprefix("chunks"), label, f"{v['gbps']:.1f}", pct, f"{v['median_s'] * 1e3:.2f}"]
+            )
+    out.append(table(["chunks", "one call", "GB/s", "of the link", "median ms"], rows) + "\n")
+    sc = data["scaling"]
+    concs = sorted({int(k.rsplit("_c", 1)[1]) for k in sc if "_c" in k and k.rsplit("_c", 1)[1].isdigit()})
+    rows = []
+    for op in ("store", "store_many", "retrieve_out", "retrieve_many"):
+        cells = [f"{sc[f'{op}_c{c}']['gbps']:.1f} ({sc[f'{op}_c{c}']['pct']:.0%})" for c in concs]
+        rows.append([f"`{op}`", *cells])
+    rows.append(
+        [
+            "pinned `copy_` D2H / H2D",
+            *[f"{sc['pinned_d2h']['gbps']:.1f} / {sc['pinned_h2d']['gbps']:.1f}"] * len(concs),
+        ]
+    )
+    out.append(table(["16 calls of 4 chunks", *[f"{c} in flight" for c in concs]], rows) + "\n")
     return "".join(out)
 
 

@@ -157,8 +157,13 @@ def _capture_all(devices: Sequence[torch.device] | None) -> dict[int, Mark]:
 def caller_order(devices: Sequence[torch.device] | None = None) -> Iterator[None]:
     """Capture the current streams of ``devices`` (the current GPU's when None) now, for
     every call made inside the block, including tasks created in it (they copy the
-    context)."""
-    token = _ORDER.set(_capture_all(devices))
+    context). Marks captured by an enclosing call (the blocking facade's, taken in the
+    calling thread) are kept: this thread's streams may not be the caller's."""
+    outer = _ORDER.get()
+    marks = _capture_all(devices)
+    if outer is not None:
+        marks.update(outer)
+    token = _ORDER.set(marks)
     try:
         yield
     finally:

@@ -38,7 +38,7 @@ import torch
 
 from lmcache_async._ops.base import Channel, Configs, Registration, RemapResult, RetrieveState, request_id
 from lmcache_async._ops.inline import InlineSequences
-from lmcache_async._ops.shm import ShmSequences, store_groups
+from lmcache_async._ops.shm import ShmSequences
 from lmcache_async._runner import OpState
 from lmcache_async._wire import Op
 from lmcache_async.errors import TransferError
@@ -46,7 +46,7 @@ from lmcache_async.errors import TransferError
 if TYPE_CHECKING:
     from lmcache_async._cuda.copies import Mark
 
-__all__ = ["Channel", "Operations", "Registration", "RemapResult", "request_id", "store_groups"]
+__all__ = ["Channel", "Operations", "Registration", "RemapResult", "request_id"]
 
 
 class Operations(ShmSequences, InlineSequences):
@@ -115,15 +115,21 @@ class Operations(ShmSequences, InlineSequences):
         mark: Mark | None = None,
     ) -> bool:
         """Store ``kv`` (already validated) under ``toks[:end]``; False when all was cached.
-        ``mark``: ``kv`` is on a GPU and is read as seen after the mark."""
+        ``mark``: ``kv`` is on a GPU and is read as seen after the mark.
+
+        One ``prepare_store`` and one ``commit_store`` whatever the size: concurrent
+        stores keep the link busy with each other's copies, and a store split into
+        groups (tried: each group its own reservation, commit and session, to start the
+        copy on the first group's slots sooner) was no faster alone on an H200 and cost
+        the server 3-4x the CPU per call, which held concurrent CUDA stores at 75-80 % of
+        the link (``docs/benchmarks.md``, "CUDA stores and retrieves under concurrency").
+        """
         if end == 0:
             return False
         # One store per key at a time from this client: a concurrent twin would see
         # the chunks "being written" and could not tell that from out-of-memory.
         async with self._gate(("store", salt, tuple(toks[:end]))):
             if self.reg.pool is not None:
-                if mark is not None and len(store_groups(end // self.reg.chunk_size)) > 1:
-                    return await self._store_shm_grouped(op, kv, toks, end, salt, configs, mark)
                 return await self._store_shm(op, kv, toks, end, salt, configs, mark)
             return await self._store_pickle(op, kv, toks, end, salt, configs, mark)
 

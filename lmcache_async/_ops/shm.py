@@ -1,5 +1,5 @@
 """The SHM sequences: retrieve from the server's pool slots, store into reserved slots
-(in groups, with the repair path of a failed copy), and the in-pool remap."""
+(with the repair path of a failed copy), and the in-pool remap."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from lmcache_async.errors import LayoutMismatchError, ProtocolError, TransferErr
 if TYPE_CHECKING:
     from lmcache_async._cuda.copies import Mark
 
-__all__ = ["ShmSequences", "store_groups"]
+__all__ = ["ShmSequences"]
 
 
 class ShmSequences(OperationsBase):
@@ -164,78 +164,6 @@ class ShmSequences(OperationsBase):
         finally:
             self._settle(reserved)
             await self.cleanup_later(Op.END_SESSION, rid)
-
-    async def _store_shm_grouped(
-        self,
-        op: OpState,
-        kv: torch.Tensor,
-        toks: list[int],
-        end: int,
-        salt: str,
-        configs: Configs,
-        mark: Mark | None,
-        groups: Sequence[tuple[int, int]] | None = None,
-    ) -> bool:
-        """A CUDA store on SHM in groups of chunks (:func:`store_groups`), pipelined: every
-        group's ``prepare_store`` goes out at once (each group a session of its own, its
-        key the tokens up to the group's end with ``start`` at its first chunk, as the
-        inline store keys the chunks after a cached prefix: the first, small group's
-        request is small and answered soonest); each group's copy starts as soon as its slots are
-        known, while the other groups' requests are in flight, and each group is
-        committed as soon as its copy is done, while later groups still copy. The call
-        waits for the first group's reservation, the copy, and the last group's commit.
-
-        Each group is a store of its own for the server (its own pending reservation):
-        a group whose ``prepare_store`` was sent is filled and committed, or its
-        registration is retired, exactly as :meth:`_store_shm` does for the whole. A
-        group with nothing reserved (cached, another writer's, no memory) is checked as
-        :meth:`_store_shm` checks an empty reservation, after the others are committed.
-        ``groups``: chunk ranges covering ``[0, end)`` in order (default
-        :func:`store_groups`); ``mark`` None: a CPU ``kv`` (tests).
-        """
-        cs = self.reg.chunk_size
-        if groups is None:
-            groups = store_groups(end // cs)
-        rids = [request_id("store") for _ in groups]
-        reserved = [Reserved() for _ in groups]
-
-        async def group(i: int) -> bool:
-            first, last = groups[i]
-            gkey = self._key(toks, last * cs, rids[i], salt, start=first * cs, worker=True, configs=configs)
-            reserved[i].sent = True
-            resp = await self.call(op, Op.PREPARE_STORE, gkey, self.reg.instance_id)
-            slots, indices = parse_prepare_store(resp)
-            if not slots:
-                reserved[i].sent = False  # nothing reserved: no pending entry on the server
-                return False
-            if max(indices) >= last - first:
-                raise ProtocolError(f"prepare_store asked for chunk {max(indices)} of {last - first}")
-            assert self.reg.pool is not None
-            shape = self.reg.geometry.kv_shape(cs)
-            views = [self.reg.pool.view(sl, shape, self.reg.geometry.dtype) for sl in slots]
-            pairs = [(v, self._chunk(kv, first + j)) for v, j in zip(views, indices, strict=True)]
-            await self._fill_reserved(pairs, sum(v.numel() for v in views) * kv.element_size(), mark)
-            reserved[i].filled = True
-            ok = await self.call(op, Op.COMMIT_STORE, gkey, self.reg.instance_id, b"")
-            if ok is not True:
-                raise TransferError("the server refused the SHM commit (registration lost?)")
-            return True
-
-        try:
-            results = await asyncio.gather(*(group(i) for i in range(len(groups))), return_exceptions=True)
-            for res in results:
-                if isinstance(res, BaseException):
-                    raise res
-            if not all(results):
-                # A group reserved nothing: cached, being written by another writer, or no
-                # memory. A lookup tells which (as for an empty reservation of a whole store).
-                await self._check_stored(op, toks, end, salt, "reserve memory for")
-            return any(results)
-        finally:
-            for one in reserved:
-                self._settle(one)
-            for rid in rids:
-                await self.cleanup_later(Op.END_SESSION, rid)
 
     async def _fill_reserved(
         self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], nbytes: int, mark: Mark | None = None
@@ -373,17 +301,3 @@ class ShmSequences(OperationsBase):
         finally:
             if not committed:
                 await self.cleanup_call(Op.COMMIT_RETRIEVE, rkey, self.reg.instance_id)
-
-
-def store_groups(n_chunks: int) -> list[tuple[int, int]]:
-    """How a CUDA store of ``n_chunks`` chunks on SHM is split (chunk ranges
-    ``[first, last)``, in order): one group below 4 chunks; else a small first group (its
-    reservation comes back soonest, so the copy starts early), a small last group (its
-    commit is the one the call waits for) and the rest in two halves between them."""
-    if n_chunks < 4:
-        return [(0, n_chunks)]
-    edge = max(1, n_chunks // 8)
-    middle = n_chunks - 2 * edge
-    half = middle // 2
-    bounds = [0, edge, edge + half, n_chunks - edge, n_chunks]
-    return [(bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1) if bounds[k + 1] > bounds[k]]

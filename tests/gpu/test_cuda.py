@@ -352,32 +352,19 @@ async def test_bad_cuda_arguments_are_refused_before_anything_is_sent(gpu_server
 @pytest.mark.anyio
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU")
-async def test_grouped_gpu_store_and_background_commits_are_bitwise_and_clean(
-    gpu_server: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """16 chunks: the store goes in pipelined groups, the retrieves' commits are answered
-    in the background (two concurrent retrieves of one prefix stay serialized on the
-    server side); bitwise, and no session or pending read is left."""
+async def test_large_gpu_store_and_background_commits_are_bitwise_and_clean(gpu_server: Any) -> None:
+    """16 chunks: one store, the retrieves' commits are answered in the background (two
+    concurrent retrieves of one prefix stay serialized on the server side); bitwise, and
+    no session or pending read is left."""
     if gpu_server.mode != "shm":
         pytest.skip("SHM only")
-    from lmcache_async._ops import shm as ops_shm
-
-    real = ops_shm.store_groups
-    plans: list[list[tuple[int, int]]] = []
-
-    def spy(n: int) -> list[tuple[int, int]]:
-        plans.append(real(n))
-        return plans[-1]
-
-    monkeypatch.setattr(ops_shm, "store_groups", spy)
     geom = geometry()
     async with aclient(gpu_server, geom) as c:
         base = await sessions(c)
         tokens = fresh_tokens(16 * CS)
         kv = rand_kv(geom, len(tokens))
         assert await c.store(kv, tokens) is True
-        assert plans and len(plans[-1]) == 4
-        assert await c.store(kv, tokens) is False  # every group cached
+        assert await c.store(kv, tokens) is False  # every chunk cached
         outs = [torch.zeros_like(kv) for _ in range(3)]
         got = await asyncio.gather(*(c.retrieve(tokens, out=o) for o in outs))
         for g, o in zip(got, outs, strict=True):

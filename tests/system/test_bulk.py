@@ -472,6 +472,13 @@ async def test_bad_options_are_refused_before_anything_is_sent(client: AsyncClie
         await client.retrieve_many([], progress="bar")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="timeout"):
         await client.remap_many(pairs, timeout=-1)
+    with pytest.raises(ValueError, match="device must be the CPU or a CUDA device, got meta"):
+        await client.retrieve_many([list(range(16))], device="meta")
+    with pytest.raises(ValueError, match="device must be a torch.device or a device string"):
+        await client.retrieve_many([list(range(16))], device="no-such-device")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            await client.retrieve_many([list(range(16))], device="cuda")
     empty = await client.remap_many([])
     assert (len(empty), empty.summary.items, empty.summary.gb_per_s) == (0, 0, 0.0)
 
