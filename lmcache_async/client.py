@@ -61,7 +61,14 @@ from lmcache_async.geometry import KVGeometry
 from lmcache_async.rope import RopeSpec
 
 if TYPE_CHECKING:  # bulk imports this module; its types are needed for annotations only
-    from lmcache_async.bulk import BatchProgress, BatchResult, RemapPair, RetrieveItem, StoreItem
+    from lmcache_async.bulk import (
+        BatchProgress,
+        BatchResult,
+        ComposeItem,
+        RemapPair,
+        RetrieveItem,
+        StoreItem,
+    )
 
 __all__ = [
     "AsyncClient",
@@ -987,6 +994,39 @@ class AsyncClient:
                 return_exceptions=return_exceptions,
                 timeout=self._timeout(timeout),
             )
+
+    async def compose_many(
+        self,
+        items: Iterable[ComposeItem | Sequence[Any]],
+        *,
+        rope: RopeSpec | None = None,
+        concurrency: int = 8,
+        max_bytes_in_flight: int = 1 << 30,
+        progress: Callable[[BatchProgress], object] | None = None,
+        return_exceptions: bool = True,
+        timeout: float | DefaultType | None = DEFAULT,
+    ) -> BatchResult:
+        """Run many :meth:`compose` calls (``(target_tokens, parts[, cache_salt])``)
+        concurrently: see :func:`lmcache_async.bulk.compose_many`.
+
+        Cancellation/timeout: as for :meth:`compose`, per item; ``CancelledError`` is
+        re-raised.
+        """
+        from lmcache_async import bulk
+
+        _check_iterable(items, "items")
+        self._require_open()
+        self._check_loop()
+        return await bulk.compose_many(
+            self,
+            items,
+            rope=rope,
+            concurrency=concurrency,
+            max_bytes_in_flight=max_bytes_in_flight,
+            progress=progress,
+            return_exceptions=return_exceptions,
+            timeout=self._timeout(timeout),
+        )
 
     # ---- end of bulk operations ----
 
