@@ -28,7 +28,19 @@ from lmcache_async._wire import validate_cache_salt, validate_tokens
 from lmcache_async.geometry import KVGeometry
 from lmcache_async.rope import RopeSpec
 
-__all__ = ["ComposeClient", "ComposeResult", "KVPart", "PartResult", "assemble", "compose", "plan"]
+__all__ = [
+    "ComposeClient",
+    "ComposeResult",
+    "Gathered",
+    "KVPart",
+    "PartResult",
+    "Plan",
+    "assemble",
+    "compose",
+    "gather",
+    "plan",
+    "result",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +286,7 @@ def assemble(
     for p in the_plan.placements:
         if p.placed == 0:
             continue
-        kv = kvs[(tuple(p.part.source_tokens), p.salt)]
+        kv = kvs[_key(p)]
         a, b = p.part.start, p.part.start + p.placed
         dst = out[:, :, p.offset : p.offset + p.placed]
         dst[1].copy_(kv[1, :, a:b])
@@ -284,6 +296,70 @@ def assemble(
             assert the_plan.rope is not None
             the_plan.rope.rotate_keys(kv[0, :, a:b], p.shift, out=dst[0], heads=heads)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Gathered:
+    """The sources a plan reads, as retrieved: the tensors of those found, and per source
+    the cached prefix (0 on a miss)."""
+
+    kvs: dict[tuple[tuple[int, ...], str], torch.Tensor]
+    cached: dict[tuple[tuple[int, ...], str], int]
+
+    def hits(self, the_plan: Plan) -> list[bool]:
+        """Per part: its range lies within its source's cached prefix."""
+        return [self.cached[_key(p)] >= (p.part.end or 0) for p in the_plan.placements]
+
+
+def _key(p: _Placement) -> tuple[tuple[int, ...], str]:
+    return (tuple(p.part.source_tokens), p.salt)
+
+
+async def gather(client: ComposeClient, the_plan: Plan, timeout: float | None) -> Gathered:
+    """Retrieve each distinct source of ``the_plan`` once, as far as its parts reach, all
+    concurrently under ``timeout``. Cancellation, or a failed retrieve, cancels the
+    others (each cleans up as :meth:`AsyncClient.retrieve` does)."""
+    reads = the_plan.reads()
+    keys = list(reads)
+    tasks = [
+        asyncio.ensure_future(client.retrieve(src[: reads[(src, salt)]], salt, timeout=timeout))
+        for src, salt in keys
+    ]
+    try:
+        got = await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        if not all(t.done() for t in tasks):
+            await asyncio.wait(tasks)
+    axis = client.geometry.token_axis
+    return Gathered(
+        kvs={key: kv for key, kv in zip(keys, got, strict=True) if kv is not None},
+        cached={key: (0 if kv is None else kv.shape[axis]) for key, kv in zip(keys, got, strict=True)},
+    )
+
+
+def result(the_plan: Plan, gathered: Gathered, stored_new: bool) -> ComposeResult:
+    """The :class:`ComposeResult` of a plan whose sources were gathered (and, if every
+    part hit, stored)."""
+    hits = gathered.hits(the_plan)
+    ok = all(hits)
+    return ComposeResult(
+        parts=tuple(
+            PartResult(
+                offset=p.offset,
+                tokens=p.part.length,
+                shift=p.shift,
+                hit=hit,
+                cached_tokens=gathered.cached[_key(p)],
+                placed=p.placed if ok else 0,
+            )
+            for p, hit in zip(the_plan.placements, hits, strict=True)
+        ),
+        stored_tokens=the_plan.stored if ok else 0,
+        stored_new=stored_new,
+    )
 
 
 async def compose(
@@ -300,43 +376,11 @@ async def compose(
     retrieves and the store together."""
     the_plan = plan(target_tokens, parts, rope, cache_salt, client.geometry, client.chunk_size)
     start = time.monotonic()
-    reads = the_plan.reads()
-    keys = list(reads)
-    tasks = [
-        asyncio.ensure_future(client.retrieve(src[: reads[(src, salt)]], salt, timeout=timeout))
-        for src, salt in keys
-    ]
-    try:
-        got = await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            if not t.done():
-                t.cancel()
-        if not all(t.done() for t in tasks):
-            await asyncio.wait(tasks)  # each cancelled retrieve hands its cleanup to the client
-    axis = client.geometry.token_axis
-    kvs = {key: kv for key, kv in zip(keys, got, strict=True) if kv is not None}
-    cached = {key: (0 if kv is None else kv.shape[axis]) for key, kv in zip(keys, got, strict=True)}
-    hits = [cached[(tuple(p.part.source_tokens), p.salt)] >= (p.part.end or 0) for p in the_plan.placements]
-    ok = all(hits)
+    gathered = await gather(client, the_plan, timeout)
     new = False
-    if ok and the_plan.stored:
-        target_kv = assemble(the_plan, kvs, client.geometry)
-        del kvs, got
+    if all(gathered.hits(the_plan)) and the_plan.stored:
+        target_kv = assemble(the_plan, gathered.kvs, client.geometry)
+        gathered.kvs.clear()  # the sources' tensors are not needed any more
         left = None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
         new = await client.store(target_kv, the_plan.target[: the_plan.stored], the_plan.salt, timeout=left)
-    return ComposeResult(
-        parts=tuple(
-            PartResult(
-                offset=p.offset,
-                tokens=p.part.length,
-                shift=p.shift,
-                hit=hit,
-                cached_tokens=cached[(tuple(p.part.source_tokens), p.salt)],
-                placed=p.placed if ok else 0,
-            )
-            for p, hit in zip(the_plan.placements, hits, strict=True)
-        ),
-        stored_tokens=the_plan.stored if ok else 0,
-        stored_new=new,
-    )
+    return result(the_plan, gathered, new)
