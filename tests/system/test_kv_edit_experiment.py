@@ -135,6 +135,10 @@ def test_the_notebook_runs_in_a_real_kernel(real_server_shm: RealLMCacheServer, 
     assert "bitwise equal to the model's cache: yes" in text
     assert f"hit {3 * cs} tokens = 3 chunks; computed 7 at positions {3 * cs}..{3 * cs + 6}" in text
     assert "target output == source output: yes" in text
+    assert f"(a) rotated              shift +{cs}, stored {3 * cs}, hit {3 * cs}: agreement" in text
+    assert f"(a) unrotated (control)  shift +{cs}, stored {3 * cs}, hit {3 * cs}: agreement" in text
+    assert all(f"(b) recompute {k:>2}: recomputed {2 * k:>2} tokens" in text for k in (0, 4, 16, 32))
+    assert "(c) unrotated control: agreement" in text
     assert "closed" in text
     meta = srv.status().get("non_cuda_context_meta", {})
     assert [m for m in meta.values() if str(m.get("model_name", "")).startswith(env["LMCACHE_MODEL"])] == []
