@@ -1027,10 +1027,13 @@ async def compose_many(
     Args:
         items: :class:`ComposeItem` objects or tuples ``(target_tokens, parts[, salt])``.
         rope: the model's rotary embedding, for items with shifted parts.
+        concurrency: items in flight at once (as for :func:`remap_many`).
+        max_bytes_in_flight: the byte budget of the items in flight (as for
+            :func:`remap_many`).
+        progress: called after each item (as for :func:`remap_many`).
+        return_exceptions: as for :func:`remap_many`.
         timeout: seconds per item for its retrieves and store together (default: the
             client's timeout).
-        concurrency, max_bytes_in_flight, progress, return_exceptions: as for
-            :func:`remap_many`.
 
     Returns:
         A :class:`BatchResult`; per item ``retrieved_tokens`` and ``stored_tokens`` are
