@@ -255,15 +255,11 @@ class RopeSpec:
             dst[..., rd:].copy_(src[..., rd:])
         for layer_ids, cos, sin in self._tables(num_layers, delta, keys.device):
             if layer_ids is None:
-                s, d = src[..., :rd], dst[..., :rd]
-            else:
-                s, d = src[layer_ids, ..., :rd], None
-            rotated = _rotate(s.float(), cos, sin, self.interleaved)
-            if d is not None:
-                d.copy_(rotated)
-            else:
-                assert layer_ids is not None
-                dst[layer_ids, ..., :rd] = rotated.to(dst.dtype)
+                _rotate_into(src[..., :rd], cos, sin, self.interleaved, dst[..., :rd])
+            else:  # a group of layers: through a temporary (advanced indexing copies)
+                part = src[layer_ids, ..., :rd]
+                _rotate_into(part, cos, sin, self.interleaved, part)
+                dst[layer_ids, ..., :rd] = part
         # Layers without RoPE: their keys as they are.
         if self.layers is not None and out is not keys:
             plain = [i for i, layer in enumerate(self.layers) if layer is None]
@@ -539,13 +535,22 @@ def _inv_freq(theta: float, dim: int, scaling: RopeScaling | None) -> torch.Tens
     return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """``x`` (float32, ``[..., rotary_dim]``) rotated pairwise by the angles of ``cos``/``sin``
-    (``[rotary_dim / 2]``)."""
+def _rotate_into(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, out: torch.Tensor
+) -> None:
+    """Write ``x`` (``[..., rotary_dim]``) rotated pairwise by the angles of ``cos``/``sin``
+    (``[rotary_dim / 2]``, float32) to ``out`` (``x``'s shape; may be ``x``): computed in
+    float32, rounded once to ``out``'s dtype."""
     if interleaved:
         pairs = x.view(*x.shape[:-1], -1, 2)
-        a, b = pairs[..., 0], pairs[..., 1]
-        return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
-    half = x.shape[-1] // 2
-    a, b = x[..., :half], x[..., half:]
-    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+        a, b = pairs[..., 0].float(), pairs[..., 1].float()
+        dst = out.view(*out.shape[:-1], -1, 2)
+        out_a, out_b = dst[..., 0], dst[..., 1]
+    else:
+        half = x.shape[-1] // 2
+        a, b = x[..., :half].float(), x[..., half:].float()
+        out_a, out_b = out[..., :half], out[..., half:]
+    first = torch.mul(a, cos).addcmul_(b, sin, value=-1)  # a cos - b sin
+    second = torch.mul(b, cos).addcmul_(a, sin)  # b cos + a sin
+    out_a.copy_(first)
+    out_b.copy_(second)

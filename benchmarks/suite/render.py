@@ -51,6 +51,7 @@ COMMANDS = {
     "single_pickle": ".venv/bin/python -m benchmarks.suite.bench_client --mode pickle",
     "fresh": ".venv/bin/python -m benchmarks.suite.bench_fresh",
     "remap": ".venv/bin/python -m benchmarks.suite.bench_remap_batch",
+    "compose": ".venv/bin/python -m benchmarks.suite.bench_compose",
 }
 
 
@@ -469,6 +470,29 @@ class Page:
         self.why("remap", behind)
         self.notes("remap")
 
+    # ------------------------------------------------------------ compose
+    def compose(self, doc: dict[str, Any] | None) -> None:
+        self.add("\n## Composition (`compose`) against a remap plus the rotation\n\n")
+        if doc is None:
+            self.add(f"Not measured in this run (`{COMMANDS['compose']}`).\n")
+            self.notes("compose")
+            return
+        res = doc["result"]
+        self.add(stamp_line(doc) + "\n")
+        self.add(
+            f"A {res['target_chunks']}-chunk target ({res['mib_per_target']} MiB of KV, {res['layers']} layers) "
+            f"composed from two parts, the second shifted (its keys rotated), against `remap` of a "
+            f"{res['target_chunks']}-chunk prompt plus the rotation of the shifted part alone; transfer "
+            f"{res['transfer']}, {res['iters']} iterations a round, {res['rounds']} round(s). No SDK "
+            "counterpart: the ratio is (remap + rotation) / compose.\n\n"
+        )
+        sec = res["seconds"]
+        rows = [[name, f"{sec[name]['median'] * 1000:.0f} ms"] for name in ("remap", "rotation", "compose")]
+        self.add(table(["case", "median"], rows))
+        r = res["remap_plus_rotation_over_compose"]
+        self.target("compose >= 0.8x (remap + rotation), CPU", f"{r['median']:.2f}x", r["median"] >= 0.8)
+        self.notes("compose")
+
     # ------------------------------------------------------------ facade
     def facade(self, doc: dict[str, Any] | None) -> None:
         self.add("\n## The blocking facade (`Client` vs `AsyncClient`)\n\n")
@@ -754,6 +778,7 @@ def render(results: Path, notes: Path, img_dir: Path) -> str:
     page.concurrent(docs.get("concurrent"))
     page.fresh(docs.get("fresh"))
     page.remap(docs.get("remap"))
+    page.compose(docs.get("compose"))
     page.facade(docs.get("facade"))
     page.rtt(docs.get("rtt"))
     page.cuda(cuda)
