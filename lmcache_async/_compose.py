@@ -277,18 +277,30 @@ def _check_rope(rope: RopeSpec | None, geometry: KVGeometry, index: int) -> None
 
 
 def assemble(
-    the_plan: Plan, kvs: Mapping[tuple[tuple[int, ...], str], torch.Tensor], geometry: KVGeometry
+    the_plan: Plan,
+    kvs: Mapping[tuple[tuple[int, ...], str], torch.Tensor],
+    geometry: KVGeometry,
+    out: torch.Tensor | None = None,
+    in_place: frozenset[tuple[tuple[int, ...], str]] = frozenset(),
 ) -> torch.Tensor:
-    """The target's KV (``[2, L, stored, D]``, a new host tensor) from the retrieved
-    sources: each part's values copied, its keys rotated by its shift (or copied)."""
-    out = empty_host(geometry.kv_shape(the_plan.stored), geometry.dtype)
+    """The target's KV (``[2, L, stored, D]``; ``out`` or a new host tensor) from the
+    retrieved sources: each part's values copied, its keys rotated by its shift (or
+    copied). The parts of the sources in ``in_place`` were retrieved straight into their
+    place in ``out``: their keys are rotated there, their values left as they are."""
+    if out is None:
+        out = empty_host(geometry.kv_shape(the_plan.stored), geometry.dtype)
     heads = geometry.num_kv_heads
     for p in the_plan.placements:
         if p.placed == 0:
             continue
+        dst = out[:, :, p.offset : p.offset + p.placed]
+        if _key(p) in in_place:
+            if p.shift:
+                assert the_plan.rope is not None
+                the_plan.rope.rotate_keys(dst[0], p.shift, out=dst[0], heads=heads)
+            continue
         kv = kvs[_key(p)]
         a, b = p.part.start, p.part.start + p.placed
-        dst = out[:, :, p.offset : p.offset + p.placed]
         dst[1].copy_(kv[1, :, a:b])
         if p.shift == 0:
             dst[0].copy_(kv[0, :, a:b])
@@ -300,11 +312,12 @@ def assemble(
 
 @dataclass(frozen=True, slots=True)
 class Gathered:
-    """The sources a plan reads, as retrieved: the tensors of those found, and per source
-    the cached prefix (0 on a miss)."""
+    """The sources a plan reads, as retrieved: the tensors of those found, per source the
+    cached prefix (0 on a miss), and the sources retrieved straight into the target."""
 
     kvs: dict[tuple[tuple[int, ...], str], torch.Tensor]
     cached: dict[tuple[tuple[int, ...], str], int]
+    in_place: frozenset[tuple[tuple[int, ...], str]] = frozenset()
 
     def hits(self, the_plan: Plan) -> list[bool]:
         """Per part: its range lies within its source's cached prefix."""
@@ -315,28 +328,77 @@ def _key(p: _Placement) -> tuple[tuple[int, ...], str]:
     return (tuple(p.part.source_tokens), p.salt)
 
 
-async def gather(client: ComposeClient, the_plan: Plan, timeout: float | None) -> Gathered:
-    """Retrieve each distinct source of ``the_plan`` once, as far as its parts reach, all
-    concurrently under ``timeout``. Cancellation, or a failed retrieve, cancels the
-    others (each cleans up as :meth:`AsyncClient.retrieve` does)."""
+def _direct(the_plan: Plan) -> list[_Placement]:
+    """The parts that can be retrieved straight into their place in the target: the whole
+    range of a source from its first token (``start == 0``), inside the stored chunks with
+    the chunks read, the only part of its source. In offset order."""
+    uses: dict[tuple[tuple[int, ...], str], int] = {}
+    for p in the_plan.placements:
+        uses[_key(p)] = uses.get(_key(p), 0) + 1
+    return [
+        p
+        for p in the_plan.placements
+        if p.part.start == 0
+        and p.placed == p.part.length
+        and p.offset + p.read <= the_plan.stored
+        and uses[_key(p)] == 1
+    ]
+
+
+async def gather(
+    client: ComposeClient, the_plan: Plan, timeout: float | None, target: torch.Tensor | None = None
+) -> Gathered:
+    """Retrieve each distinct source of ``the_plan`` once, as far as its parts reach,
+    under one deadline of ``timeout`` seconds.
+
+    With ``target`` (the ``[2, L, stored, D]`` tensor the target is assembled in), the
+    parts :func:`_direct` names are retrieved straight into their place (``out=`` a view
+    of ``target``), one after another in offset order (a retrieve reads whole chunks, so
+    it may write up to a chunk past its part, into the next part's place, which the next
+    retrieve or :func:`assemble` overwrites); the other sources go to tensors of their
+    own, concurrently with those. Cancellation, or a failed retrieve, cancels the others
+    (each cleans up as :meth:`AsyncClient.retrieve` does)."""
+    start = time.monotonic()
     reads = the_plan.reads()
-    keys = list(reads)
+    direct = _direct(the_plan) if target is not None else []
+    direct_keys = {_key(p) for p in direct}
+    keys = [key for key in reads if key not in direct_keys]
+    axis = client.geometry.token_axis
+
+    def left() -> float | None:
+        return None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
+
+    async def in_place() -> dict[tuple[tuple[int, ...], str], int]:
+        hits: dict[tuple[tuple[int, ...], str], int] = {}
+        for p in direct:
+            assert target is not None
+            src, salt = _key(p)
+            view = target[:, :, p.offset : p.offset + p.read]
+            kv = await client.retrieve(src[: p.read], salt, out=view, timeout=left())
+            hits[(src, salt)] = 0 if kv is None else kv.shape[axis]
+        return hits
+
     tasks = [
         asyncio.ensure_future(client.retrieve(src[: reads[(src, salt)]], salt, timeout=timeout))
         for src, salt in keys
     ]
+    sequence = asyncio.ensure_future(in_place())
     try:
         got = await asyncio.gather(*tasks)
+        direct_hits = await sequence
     finally:
-        for t in tasks:
+        for t in (*tasks, sequence):
             if not t.done():
                 t.cancel()
-        if not all(t.done() for t in tasks):
-            await asyncio.wait(tasks)
-    axis = client.geometry.token_axis
+        if not all(t.done() for t in (*tasks, sequence)):
+            await asyncio.wait([*tasks, sequence])
     return Gathered(
         kvs={key: kv for key, kv in zip(keys, got, strict=True) if kv is not None},
-        cached={key: (0 if kv is None else kv.shape[axis]) for key, kv in zip(keys, got, strict=True)},
+        cached={
+            **{key: (0 if kv is None else kv.shape[axis]) for key, kv in zip(keys, got, strict=True)},
+            **direct_hits,
+        },
+        in_place=frozenset(direct_keys),
     )
 
 
@@ -376,10 +438,11 @@ async def compose(
     retrieves and the store together."""
     the_plan = plan(target_tokens, parts, rope, cache_salt, client.geometry, client.chunk_size)
     start = time.monotonic()
-    gathered = await gather(client, the_plan, timeout)
+    target_kv = empty_host(client.geometry.kv_shape(the_plan.stored), client.geometry.dtype)
+    gathered = await gather(client, the_plan, timeout, target_kv)
     new = False
     if all(gathered.hits(the_plan)) and the_plan.stored:
-        target_kv = assemble(the_plan, gathered.kvs, client.geometry)
+        assemble(the_plan, gathered.kvs, client.geometry, target_kv, gathered.in_place)
         gathered.kvs.clear()  # the sources' tensors are not needed any more
         left = None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
         new = await client.store(target_kv, the_plan.target[: the_plan.stored], the_plan.salt, timeout=left)

@@ -735,11 +735,12 @@ async def compose_and_repair(
     deadline = resolve_timeout(timeout, client.timeout)
     the_plan = _compose.plan(toks, parts, rope, cache_salt, client.geometry, client.chunk_size)
     t0 = time.perf_counter()
-    gathered = await _compose.gather(client, the_plan, deadline)
+    kv = torch.empty(client.geometry.kv_shape(the_plan.stored), dtype=client.geometry.dtype)
+    gathered = await _compose.gather(client, the_plan, deadline, kv)
     retrieve_s = time.perf_counter() - t0
     if not all(gathered.hits(the_plan)) or not the_plan.stored:
         return ComposedPrompt(_compose.result(the_plan, gathered, False), 0, None, 0.0)
-    kv = _compose.assemble(the_plan, gathered.kvs, client.geometry)
+    _compose.assemble(the_plan, gathered.kvs, client.geometry, kv, gathered.in_place)
     gathered.kvs.clear()
     spans = [
         (p.offset, p.offset + min(recompute, p.placed))

@@ -122,7 +122,10 @@ def _run_section(name: str, shm: RealLMCacheServer | None, pickle: RealLMCacheSe
     if name == "remap":
         return bench_remap_batch.section(shm, python=python, l1_gb=prof["shm_l1_gb"], **prof["remap"])
     if name == "compose":
-        return bench_compose.section(shm.url, shm.http_url, **prof["compose"])
+        urls = {"shm": (shm.url, shm.http_url)}
+        if pickle is not None and pickle.is_running():
+            urls["pickle"] = (pickle.url, pickle.http_url)
+        return bench_compose.section(urls, **prof["compose"])
     raise ValueError(name)
 
 
