@@ -77,6 +77,22 @@ async def test_unaligned_ranges_and_a_partial_last_chunk(client: AsyncClient) ->
     assert torch.equal(got, expected([(kv_a, 5, 29, 0), (kv_b, 3, 11, 24)]))
 
 
+async def test_unaligned_whole_source_parts_that_read_past_their_ends(client: AsyncClient) -> None:
+    """Each part reads whole chunks, so its read reaches into the next part's place:
+    the next part's own KV must end up there."""
+    a, kv_a = await stored_source(client, 2 * CS)
+    b, kv_b = await stored_source(client, CS)
+    c, kv_c = await stored_source(client, 2 * CS)
+    target = fresh_tokens(4 * CS)
+    parts = [KVPart(a, 0, 20), KVPart(b, 0, 12), KVPart(c, 0, 2 * CS)]
+    res = await client.compose(target, parts, rope=ROPE)
+    assert [(p.offset, p.shift, p.placed) for p in res.parts] == [(0, 0, 20), (20, 20, 12), (32, 32, 2 * CS)]
+    assert res.stored_tokens == 4 * CS
+    got = await client.retrieve(target)
+    assert got is not None
+    assert torch.equal(got, expected([(kv_a, 0, 20, 0), (kv_b, 0, 12, 20), (kv_c, 0, 2 * CS, 32)]))
+
+
 async def test_one_source_used_twice_at_two_offsets(client: AsyncClient) -> None:
     a, kv_a = await stored_source(client, 2 * CS)
     target = fresh_tokens(2 * CS)
