@@ -27,6 +27,19 @@ same prompt computes the prefix in one batch with the tail and can round differe
 bfloat16 especially); the report shows separately whether the source's full prefill gives
 the same tokens, but that is a statement about numerics, not about LMCache.
 
+Beyond equal lengths (``editing`` in the report; ``lmcache_async.RopeSpec``,
+``AsyncClient.compose``, ``hf.compose_and_repair``), each served from LMCache and compared
+with a full prefill of the same prompt (greedy agreement over the generated tokens, and
+the largest difference of the next-token logits):
+
+a. a uniform shift: a prompt cached at position 0 moved behind a cached prefix, its keys
+   rotated; its KV is also compared with the prompt prefilled alone at its new positions
+   (the exact part: keys to float32 rounding);
+b. two documents cached separately, composed behind a cached system prompt, with
+   ``recompute`` 0, 4, 16 and 32 (the first tokens of each document recomputed over the
+   composed KV in front of them);
+c. the unrotated control: (a) and (b, recompute 0) with the keys left where they were.
+
 Run it with ``make experiment`` (both dtypes, on an embedded server), or::
 
     python examples/kv_edit_experiment.py [--dtype float32|bfloat16|both]
@@ -49,7 +62,7 @@ from typing import Any
 
 import torch
 
-from lmcache_async import AsyncClient, hf
+from lmcache_async import AsyncClient, KVPart, RopeSpec, hf
 from lmcache_async.geometry import dtype_from_name
 from lmcache_async.testing import EmbeddedServer
 from lmcache_async.testing.tiny_llama import WordTokenizer, tiny_llama
@@ -191,6 +204,131 @@ async def run_experiment(
     }
 
 
+RECOMPUTE = (0, 4, 16, 32)
+
+
+def _versus(g: hf.Generation, ref: hf.Generation) -> dict[str, Any]:
+    """How a served generation compares with the full prefill's."""
+    same = sum(a == b for a, b in zip(g.tokens, ref.tokens, strict=False))
+    return {
+        "hit_tokens": g.hit_tokens,
+        "agreement": round(same / max(len(ref.tokens), 1), 3),
+        "first_difference": next(
+            (i for i, (a, b) in enumerate(zip(g.tokens, ref.tokens, strict=False)) if a != b), None
+        ),
+        "logit_max_abs_diff": round(float((g.logits - ref.logits).abs().max()), 5),
+    }
+
+
+async def run_editing(
+    client: AsyncClient, model: Any, *, new_tokens: int = 16, seed: int = 0, question: int = 7
+) -> dict[str, Any]:
+    """Experiments (a), (b) and (c) of the module docstring on an open client whose
+    geometry is the model's; returns the ``editing`` section of the report."""
+    cs = client.chunk_size
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def draw(n: int) -> list[int]:
+        return torch.randint(1, vocab, (n,), generator=gen).tolist()
+
+    rope = RopeSpec.from_hf_config(model.config)
+    # all layers without RoPE: the same placement with the keys left unrotated
+    unrotated = RopeSpec(rope.head_dim, layers=(None,) * model.config.num_hidden_layers)
+    system, prompt, doc1, doc2, tail = draw(cs), draw(2 * cs), draw(2 * cs), draw(2 * cs), draw(question)
+    for t in (system, prompt, doc1, doc2):
+        await hf.prefill_and_store(client, model, t)
+
+    async def serve(target: list[int], salt: str) -> hf.Generation:
+        return await hf.generate_with_cache(client, model, target, salt, max_new_tokens=new_tokens)
+
+    # (a) the prompt moved behind the system prompt
+    target_a = system + prompt + tail
+    full_a = await hf.run_model(hf.generate, model, target_a, max_new_tokens=new_tokens)
+    parts_a = [KVPart(system, cache_salt=""), KVPart(prompt, cache_salt="")]
+    shift = {}
+    for name, spec in (("rotated", rope), ("unrotated", unrotated)):
+        t0 = time.perf_counter()
+        res = await client.compose(target_a, parts_a, rope=spec, cache_salt=f"a-{name}")
+        ms = _ms(t0)
+        shift[name] = {**_versus(await serve(target_a, f"a-{name}"), full_a), "compose_ms": ms}
+        shift[name]["stored_tokens"] = res.stored_tokens
+    moved = await client.retrieve(target_a[: 3 * cs], "a-rotated")
+    fresh, _ = await hf.run_model(_prefill_at, model, prompt, cs)
+    assert moved is not None
+    keys = moved[0, :, cs:].float() - fresh[0].float()
+    shift["key_error_vs_prefill_at_new_positions"] = float(keys.abs().max() / fresh[0].float().abs().max())
+    shift["values_first_layer_bitwise"] = bool(torch.equal(moved[1, 0, cs:], fresh[1, 0]))
+
+    # (b) two documents behind the system prompt, repaired with recompute k; (c) unrotated
+    target_b = system + doc1 + doc2 + tail
+    full_b = await hf.run_model(hf.generate, model, target_b, max_new_tokens=new_tokens, keep_kv=True)
+    assert full_b.prompt_kv is not None
+    parts_b = [KVPart(system, cache_salt=""), KVPart(doc1, cache_salt=""), KVPart(doc2, cache_salt="")]
+    repair = []
+    for k in RECOMPUTE:
+        t0 = time.perf_counter()
+        out = await hf.compose_and_repair(client, model, target_b, parts_b, recompute=k, cache_salt=f"b-{k}")
+        row = {"recompute": k, **_versus(await serve(target_b, f"b-{k}"), full_b), "compose_ms": _ms(t0)}
+        if out.kv is not None:  # the stored target's KV against the full prefill's
+            diff = out.kv.float() - full_b.prompt_kv[:, :, : out.kv.shape[2]].float()
+            row["kv_mean_abs_diff"] = round(float(diff.abs().mean()), 6)
+        repair.append(row)
+    await client.compose(target_b, parts_b, rope=unrotated, cache_salt="b-unrotated")
+    control_b = {"recompute": 0, **_versus(await serve(target_b, "b-unrotated"), full_b)}
+    return {
+        "system_tokens": len(system),
+        "prompt_tokens": len(prompt),
+        "document_tokens": [len(doc1), len(doc2)],
+        "question_tokens": question,
+        "shift": shift,
+        "compose": repair,
+        "compose_unrotated": control_b,
+    }
+
+
+def _prefill_at(model: Any, tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tokens`` alone at positions ``start ..``: their KV and last logits."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    kwarg = "cache" if "cache" in hf._forward_params(type(model)) else "past_key_values"
+    positions = torch.arange(start, start + len(tokens)).unsqueeze(0)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor([tokens]), position_ids=positions, use_cache=True, **{kwarg: cache}
+        )
+    return hf.cache_to_kv(cache, hf.geometry_from_model(model)), out.logits[0, -1].float()
+
+
+def render_editing(e: dict[str, Any]) -> str:
+    """The ``editing`` section as text."""
+    s = e["shift"]
+    lines = [
+        f"  Beyond equal lengths: system prompt {e['system_tokens']} tokens, prompt {e['prompt_tokens']}, "
+        f"documents {e['document_tokens']}, question {e['question_tokens']}; each served from LMCache, "
+        "against a full prefill",
+        f"  (a) prompt moved behind the system prompt: moved keys vs the prompt prefilled at its new "
+        f"positions: max error {s['key_error_vs_prefill_at_new_positions']:.2e} of the largest key; "
+        f"first layer's values bitwise: {'yes' if s['values_first_layer_bitwise'] else 'no'}",
+        f"  {'case':<34} {'agreement':>9} {'first diff':>10} {'max |dlogit|':>12} {'KV mean |d|':>11}",
+    ]
+
+    def row(name: str, r: dict[str, Any]) -> str:
+        kv = r.get("kv_mean_abs_diff")
+        return (
+            f"  {name:<34} {r['agreement']:>9.3f} {r['first_difference']!s:>10} "
+            f"{r['logit_max_abs_diff']:>12.4f} {'' if kv is None else f'{kv:.5f}':>11}"
+        )
+
+    lines.append(row("(a) shift, rotated", s["rotated"]))
+    lines.append(row("(c) shift, unrotated (control)", s["unrotated"]))
+    for r in e["compose"]:
+        lines.append(row(f"(b) two documents, recompute {r['recompute']}", r))
+    lines.append(row("(c) two documents, unrotated", e["compose_unrotated"]))
+    return "\n".join(lines)
+
+
 def _serve_step(name: str, g: hf.Generation, cs: int) -> dict[str, Any]:
     return {
         "step": name,
@@ -265,17 +403,20 @@ async def _main(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
             async with AsyncClient(
                 url, http_url, model_name, geometry=geometry, timeout=args.timeout, transfer=args.transfer
             ) as client:
-                reports.append(
-                    await run_experiment(
-                        client,
-                        model,
-                        chunks=args.chunks,
-                        tail=args.tail,
-                        changed=args.changed,
-                        new_tokens=args.new_tokens,
-                        seed=args.seed,
-                    )
+                report = await run_experiment(
+                    client,
+                    model,
+                    chunks=args.chunks,
+                    tail=args.tail,
+                    changed=args.changed,
+                    new_tokens=args.new_tokens,
+                    seed=args.seed,
                 )
+                if not args.no_editing:
+                    report["editing"] = await run_editing(
+                        client, model, new_tokens=args.new_tokens, seed=args.seed
+                    )
+                reports.append(report)
     return reports, where
 
 
@@ -295,6 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="kv-edit-tiny-llama", help="model name prefix in LMCache")
     parser.add_argument("--timeout", type=float, default=60.0, help="deadline of each operation (s)")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON")
+    parser.add_argument("--no-editing", action="store_true", help="skip experiments (a)-(c) (shift, compose)")
     args = parser.parse_args(argv)
     if (args.url is None) != (args.http_url is None):
         parser.error("--url and --http-url go together")
@@ -306,7 +448,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(reports, indent=2))
     else:
-        print("\n\n".join(render(r, where) for r in reports))
+        print(
+            "\n\n".join(
+                render(r, where) + ("\n\n" + render_editing(r["editing"]) if "editing" in r else "")
+                for r in reports
+            )
+        )
     return 0 if all(r["ok"] for r in reports) else 1
 
 

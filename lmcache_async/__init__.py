@@ -6,7 +6,7 @@
 >>> await client.store(kv, tokens)
 >>> kv = await client.retrieve(tokens)
 
-The public modules are ``client``, ``sync_client``, ``bulk``, ``geometry``, ``errors``,
+The public modules are ``client``, ``sync_client``, ``bulk``, ``geometry``, ``rope``, ``errors``,
 ``kvcache`` (the official SDK's drop-in), ``hf`` (transformers), ``testing`` (the embedded
 server) and ``cli``; modules whose name starts with ``_`` are the implementation, with no
 promise. The names below are re-exported here from their public homes.
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         BatchProgress as BatchProgress,
         BatchResult as BatchResult,
         BatchSummary as BatchSummary,
+        ComposeItem as ComposeItem,
         ItemResult as ItemResult,
         RemapPair as RemapPair,
         RetrieveItem as RetrieveItem,
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     )
     from lmcache_async.client import (
         AsyncClient as AsyncClient,
+        ComposeResult as ComposeResult,
+        KVPart as KVPart,
         RemapResult as RemapResult,
         connect as connect,
     )
@@ -67,6 +70,11 @@ if TYPE_CHECKING:
     )
     from lmcache_async.geometry import (
         KVGeometry as KVGeometry,
+    )
+    from lmcache_async.rope import (
+        RopeLayer as RopeLayer,
+        RopeScaling as RopeScaling,
+        RopeSpec as RopeSpec,
     )
     from lmcache_async.sync_client import (
         Client as Client,
@@ -108,8 +116,11 @@ _EXPORTS: Final[dict[str, tuple[str, ...]]] = {
         "WrongEventLoopError",
     ),
     "lmcache_async.geometry": ("KVGeometry",),
+    "lmcache_async.rope": ("RopeLayer", "RopeScaling", "RopeSpec"),
     "lmcache_async.client": (
         "AsyncClient",
+        "ComposeResult",
+        "KVPart",
         "RemapResult",
         "connect",
     ),
@@ -118,6 +129,7 @@ _EXPORTS: Final[dict[str, tuple[str, ...]]] = {
         "BatchProgress",
         "BatchResult",
         "BatchSummary",
+        "ComposeItem",
         "ItemResult",
         "RemapPair",
         "RetrieveItem",

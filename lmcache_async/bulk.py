@@ -74,18 +74,22 @@ from lmcache_async._host_copy import empty_host
 from lmcache_async._wire import validate_cache_salt, validate_tokens
 
 if TYPE_CHECKING:
+    from lmcache_async._compose import ComposeResult, KVPart
     from lmcache_async._ops import RemapResult
     from lmcache_async.geometry import KVGeometry
+    from lmcache_async.rope import RopeSpec
 
 __all__ = [
     "BatchProgress",
     "BatchResult",
     "BatchSummary",
     "BulkClient",
+    "ComposeItem",
     "ItemResult",
     "RemapPair",
     "RetrieveItem",
     "StoreItem",
+    "compose_many",
     "remap_many",
     "retrieve_many",
     "store_many",
@@ -140,6 +144,16 @@ class BulkClient(Protocol):
         *,
         timeout: float | DefaultType | None = DEFAULT,
     ) -> RemapResult: ...
+
+    async def compose(
+        self,
+        target_tokens: Sequence[int],
+        parts: Sequence[KVPart],
+        *,
+        rope: RopeSpec | None = None,
+        cache_salt: str = "",
+        timeout: float | DefaultType | None = DEFAULT,
+    ) -> ComposeResult: ...
 
 
 #: The default of ``timeout``: the client's timeout. An alias of
@@ -248,6 +262,29 @@ class RetrieveItem:
         return cls(value)  # type: ignore[arg-type]  # validated by the client
 
 
+@dataclass(frozen=True, slots=True)
+class ComposeItem:
+    """One composition of :func:`compose_many`: ``parts`` (a sequence of
+    :class:`~lmcache_async.KVPart`) placed into ``target_tokens`` (see
+    :meth:`AsyncClient.compose <lmcache_async.AsyncClient.compose>`). Tuples
+    ``(target_tokens, parts[, cache_salt])`` are accepted too."""
+
+    target_tokens: Sequence[int]
+    parts: Sequence[KVPart]
+    cache_salt: str = ""
+
+    @classmethod
+    def coerce(cls, value: object) -> ComposeItem:
+        if isinstance(value, ComposeItem):
+            return value
+        if isinstance(value, tuple | list) and 2 <= len(value) <= 3:
+            return cls(*value)
+        raise TypeError(
+            "a compose item must be a ComposeItem or a tuple (target_tokens, parts[, cache_salt]), "
+            f"got {type(value).__name__}"
+        )
+
+
 # --------------------------------------------------------------------------- results
 
 
@@ -266,6 +303,8 @@ class ItemResult:
         elapsed: seconds from when a worker took the item until it finished (its wait
             for budget included).
         kv: :func:`retrieve_many` only: the retrieved ``[2, L, T_hit, D]`` tensor.
+        composed: :func:`compose_many` only: the item's
+            :class:`~lmcache_async.ComposeResult` (which part missed, the shifts).
     """
 
     index: int
@@ -275,6 +314,7 @@ class ItemResult:
     error: BaseException | None = None
     elapsed: float = 0.0
     kv: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    composed: ComposeResult | None = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -960,6 +1000,76 @@ async def retrieve_many(
             budget.release(nbytes)
         hit = 0 if kv is None else kv.shape[axis]
         return ItemResult(index, hit, kv=kv)
+
+    return await _run_batch(
+        materialized,
+        body,
+        concurrency=concurrency,
+        progress=progress,
+        return_exceptions=return_exceptions,
+        tally=_Tally(len(materialized), geom.bytes_per_token, store=False),
+        budget=budget,
+    )
+
+
+async def compose_many(
+    client: BulkClient,
+    items: Iterable[ComposeItem | Sequence[Any]],
+    *,
+    rope: RopeSpec | None = None,
+    concurrency: int = 8,
+    max_bytes_in_flight: int = 1 << 30,
+    progress: ProgressHook | None = None,
+    return_exceptions: bool = True,
+    timeout: float | DefaultType | None = DEFAULT,
+) -> BatchResult:
+    """Run many compositions (:meth:`AsyncClient.compose
+    <lmcache_async.AsyncClient.compose>`) concurrently, with one ``rope`` for all.
+
+    An item holds its budget while it runs: the tokens its parts read plus the tokens it
+    stores, times ``bytes_per_token`` (the retrieved sources and the assembled target).
+
+    Args:
+        items: :class:`ComposeItem` objects or tuples ``(target_tokens, parts[, salt])``.
+        rope: the model's rotary embedding, for items with shifted parts.
+        concurrency: items in flight at once (as for :func:`remap_many`).
+        max_bytes_in_flight: the byte budget of the items in flight (as for
+            :func:`remap_many`).
+        progress: called after each item (as for :func:`remap_many`).
+        return_exceptions: as for :func:`remap_many`.
+        timeout: seconds per item for its retrieves and store together (default: the
+            client's timeout).
+
+    Returns:
+        A :class:`BatchResult`; per item ``retrieved_tokens`` and ``stored_tokens`` are
+        the target tokens stored (0 when a part missed: a miss), ``composed`` the
+        item's :class:`~lmcache_async.ComposeResult`. A refused item (a shifted part
+        without ``rope``...) fails with its ``ValueError`` before it sends anything.
+
+    Cancellation/timeout: as :meth:`AsyncClient.compose`, per item; items not started
+    are never sent; ``CancelledError`` is re-raised.
+    """
+    _check_options(concurrency, max_bytes_in_flight, progress)
+    deadline = resolve_timeout(timeout, client.timeout)
+    materialized = list(items)
+    geom = client.geometry
+    cs = client.chunk_size
+    budget = _ByteBudget(max_bytes_in_flight)
+
+    async def body(index: int, raw: object) -> ItemResult:
+        item = ComposeItem.coerce(raw)
+        parts = item.parts if isinstance(item.parts, Sequence) else ()  # the client checks them
+        reads = sum(-(-(getattr(p, "end", None) or 0) // cs) * cs for p in parts)
+        nbytes = (reads + len(item.target_tokens)) * geom.bytes_per_token
+        await budget.acquire(nbytes)
+        try:
+            res = await client.compose(
+                item.target_tokens, item.parts, rope=rope, cache_salt=item.cache_salt, timeout=deadline
+            )
+        finally:
+            budget.release(nbytes)
+        n = res.stored_tokens
+        return ItemResult(index, n, n, res.stored_new, composed=res)
 
     return await _run_batch(
         materialized,

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, Unpack
 
 import torch
 
+from lmcache_async._compose import ComposeResult, KVPart, compose
 from lmcache_async._connection import DEFAULT_MAX_IN_FLIGHT, check_zmq_url
 from lmcache_async._cuda.hooks import caller_order, kv_mark, target_mark
 from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
@@ -57,11 +58,27 @@ from lmcache_async.errors import (
     WrongEventLoopError,
 )
 from lmcache_async.geometry import KVGeometry
+from lmcache_async.rope import RopeSpec
 
 if TYPE_CHECKING:  # bulk imports this module; its types are needed for annotations only
-    from lmcache_async.bulk import BatchProgress, BatchResult, RemapPair, RetrieveItem, StoreItem
+    from lmcache_async.bulk import (
+        BatchProgress,
+        BatchResult,
+        ComposeItem,
+        RemapPair,
+        RetrieveItem,
+        StoreItem,
+    )
 
-__all__ = ["AsyncClient", "ClientOptions", "RemapResult", "TransferMode", "connect"]
+__all__ = [
+    "AsyncClient",
+    "ClientOptions",
+    "ComposeResult",
+    "KVPart",
+    "RemapResult",
+    "TransferMode",
+    "connect",
+]
 
 log = logging.getLogger(__name__)
 
@@ -772,6 +789,47 @@ class AsyncClient:
         new = await self.store(kv, dst[:hit], tsalt, timeout=left)
         return RemapResult(hit, hit, new)
 
+    async def compose(
+        self,
+        target_tokens: Sequence[int],
+        parts: Sequence[KVPart],
+        *,
+        rope: RopeSpec | None = None,
+        cache_salt: str = "",
+        timeout: float | DefaultType | None = DEFAULT,
+    ) -> ComposeResult:
+        """Store under ``target_tokens`` the KV of cached ranges placed one after another.
+
+        Each :class:`KVPart` is ``source_tokens[start:end]``'s KV from the cache, placed
+        next in the target (the first at position 0), its keys rotated by (its position
+        in the target - ``start``) with ``rope`` (:class:`~lmcache_async.RopeSpec`);
+        values are copied. The parts may be shorter than the target; the target's whole
+        chunks they cover are stored, as :meth:`store` does. Each distinct source is
+        retrieved once, as far as its parts reach, all concurrently; then the target is
+        stored with one store. ``cache_salt`` is the target's namespace and the default
+        of the parts' ``cache_salt``. :meth:`remap` is the case of one unshifted part.
+
+        Returns:
+            A :class:`~lmcache_async.ComposeResult`: per part its offset, shift, hit
+            and tokens placed; the tokens stored and whether a chunk was added.
+
+        Raises:
+            ValueError/TypeError: bad arguments, parts longer than the target, a shifted
+                part without ``rope``, a part reaching past its source's whole chunks
+                (all before anything is sent).
+            LMCacheTimeoutError: no answer within ``timeout`` (one deadline for the
+                retrieves and the store).
+
+        A part whose range is not cached makes the call store nothing: the result says
+        which (:attr:`ComposeResult.missed`). Cancellation/timeout: during the retrieves
+        nothing is stored (each retrieve cleans up as :meth:`retrieve` does); during the
+        store, as :meth:`store` (all chunks or none are committed).
+        """
+        self._require_open()
+        return await compose(
+            self, target_tokens, parts, rope=rope, cache_salt=cache_salt, timeout=self._timeout(timeout)
+        )
+
     # ------------------------------------------------------------------ misc
 
     async def noop(self, *, timeout: float | DefaultType | None = DEFAULT) -> float:
@@ -940,6 +998,39 @@ class AsyncClient:
                 timeout=self._timeout(timeout),
                 device=device,
             )
+
+    async def compose_many(
+        self,
+        items: Iterable[ComposeItem | Sequence[Any]],
+        *,
+        rope: RopeSpec | None = None,
+        concurrency: int = 8,
+        max_bytes_in_flight: int = 1 << 30,
+        progress: Callable[[BatchProgress], object] | None = None,
+        return_exceptions: bool = True,
+        timeout: float | DefaultType | None = DEFAULT,
+    ) -> BatchResult:
+        """Run many :meth:`compose` calls (``(target_tokens, parts[, cache_salt])``)
+        concurrently: see :func:`lmcache_async.bulk.compose_many`.
+
+        Cancellation/timeout: as for :meth:`compose`, per item; ``CancelledError`` is
+        re-raised.
+        """
+        from lmcache_async import bulk
+
+        _check_iterable(items, "items")
+        self._require_open()
+        self._check_loop()
+        return await bulk.compose_many(
+            self,
+            items,
+            rope=rope,
+            concurrency=concurrency,
+            max_bytes_in_flight=max_bytes_in_flight,
+            progress=progress,
+            return_exceptions=return_exceptions,
+            timeout=self._timeout(timeout),
+        )
 
     # ---- end of bulk operations ----
 

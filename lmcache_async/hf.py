@@ -20,7 +20,10 @@ helpers run a model around an :class:`~lmcache_async.AsyncClient`:
 * :func:`generate_with_cache`: look the prompt up, retrieve the cached prefix, rebuild the
   model's cache from it, run only the uncached tail at positions that continue at the
   cached length, and decode greedily;
-* :func:`store_cache`: store a cache the caller's own generation loop produced.
+* :func:`store_cache`: store a cache the caller's own generation loop produced;
+* :func:`compose_and_repair`: compose cached documents into a prompt (as
+  :meth:`~lmcache_async.AsyncClient.compose`), recompute the first tokens of each
+  document after the first over the composed KV in front of them, and store the result.
 
 The model-only building blocks :func:`prefill` and :func:`generate` do no I/O; with the
 blocking :class:`~lmcache_async.Client` the same flow is ``client.store(prefill(model,
@@ -48,9 +51,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from lmcache_async._defaults import DEFAULT, DefaultType
+from lmcache_async import _compose
+from lmcache_async._compose import ComposeResult, KVPart
+from lmcache_async._defaults import DEFAULT, DefaultType, resolve_timeout
 from lmcache_async._wire import validate_cache_salt, validate_tokens
 from lmcache_async.geometry import KVGeometry, dtype_from_name
+from lmcache_async.rope import RopeSpec
 
 try:
     from transformers import DynamicCache
@@ -63,11 +69,13 @@ if TYPE_CHECKING:
     from lmcache_async.client import AsyncClient
 
 __all__ = [
+    "ComposedPrompt",
     "Generation",
     "Prefill",
     "StoredPrompt",
     "cache_to_kv",
     "check_geometry",
+    "compose_and_repair",
     "generate",
     "generate_with_cache",
     "geometry_from_config",
@@ -650,3 +658,107 @@ async def store_cache(
     validate_cache_salt(cache_salt)
     kv = cache_to_kv(cache, client.geometry)
     return await client.store(kv, toks, cache_salt, timeout=timeout)
+
+
+@dataclass(frozen=True, slots=True)
+class ComposedPrompt:
+    """What :func:`compose_and_repair` did.
+
+    Attributes:
+        result: the composition's :class:`~lmcache_async.ComposeResult` (per part its
+            offset, shift and hit; the tokens stored).
+        recomputed_tokens: tokens whose KV the model recomputed (0 on a miss).
+        kv: the target KV that was stored, ``[2, L, stored, D]`` (``None`` on a miss).
+        compute_ms: the model's recomputation, in milliseconds.
+    """
+
+    result: ComposeResult
+    recomputed_tokens: int
+    kv: torch.Tensor | None = field(repr=False)
+    compute_ms: float
+
+
+async def compose_and_repair(
+    client: AsyncClient,
+    model: Any,
+    target_tokens: Sequence[int],
+    parts: Sequence[KVPart],
+    *,
+    recompute: int = 0,
+    rope: RopeSpec | None = None,
+    cache_salt: str = "",
+    timeout: float | DefaultType | None = DEFAULT,
+) -> ComposedPrompt:
+    """Compose cached documents into ``target_tokens`` and repair their boundaries with
+    the model, then store the target (the EPIC-style repair).
+
+    A document cached on its own holds KV computed without the text in front of it in
+    the target; its first tokens differ most from a full prefill's. This takes the
+    parts' KV from the cache and places it as :meth:`AsyncClient.compose
+    <lmcache_async.AsyncClient.compose>` does (shifted keys rotated with ``rope``), then,
+    part after part, recomputes the first ``recompute`` tokens of each part after the
+    first with the model over the composed (and already repaired) KV in front of them,
+    replaces their KV, and stores the target's whole chunks. ``recompute=0`` is plain
+    composition.
+
+    Args:
+        client: an open client with the model's geometry.
+        model: the transformers causal LM whose KV the cache holds.
+        target_tokens: the prompt to store (the parts fill its beginning).
+        parts: :class:`~lmcache_async.KVPart` ranges, in order.
+        recompute: tokens recomputed at the start of each part after the first (>= 0).
+        rope: the model's rotary embedding (default: ``RopeSpec.from_hf_config(model.config)``).
+        cache_salt: the target's namespace and the parts' default.
+        timeout: one deadline for the retrieves and the store (default: the client's);
+            the model's computation has none.
+
+    Returns:
+        A :class:`ComposedPrompt`. On a miss of any part nothing is computed or stored
+        and ``result.missed`` names the parts.
+
+    Raises:
+        ValueError/TypeError: bad arguments, a client of another geometry than the
+            model's, a RoPE kind that cannot be shifted (all before anything is sent).
+        LMCacheTimeoutError: no answer within ``timeout``.
+
+    Cancellation/timeout: during the retrieves nothing is stored; a recomputation
+    already running in the model thread finishes and is dropped; during the store, as
+    :meth:`AsyncClient.store`.
+    """
+    toks = _prompt(target_tokens, model)
+    if isinstance(recompute, bool) or not isinstance(recompute, int) or recompute < 0:
+        raise ValueError(f"recompute must be an int >= 0, got {recompute!r}")
+    geometry = geometry_from_model(model)
+    check_geometry(client.geometry, geometry)
+    if rope is None:
+        rope = RopeSpec.from_hf_config(model.config)
+    deadline = resolve_timeout(timeout, client.timeout)
+    the_plan = _compose.plan(toks, parts, rope, cache_salt, client.geometry, client.chunk_size)
+    t0 = time.perf_counter()
+    kv = torch.empty(client.geometry.kv_shape(the_plan.stored), dtype=client.geometry.dtype)
+    gathered = await _compose.gather(client, the_plan, deadline, kv)
+    retrieve_s = time.perf_counter() - t0
+    if not all(gathered.hits(the_plan)) or not the_plan.stored:
+        return ComposedPrompt(_compose.result(the_plan, gathered, False), 0, None, 0.0)
+    _compose.assemble(the_plan, gathered.kvs, client.geometry, kv, gathered.in_place)
+    gathered.kvs.clear()
+    spans = [
+        (p.offset, p.offset + min(recompute, p.placed))
+        for p in the_plan.placements[1:]
+        if recompute and p.placed
+    ]
+
+    def repair() -> int:
+        device = _model_device(model)
+        for a, b in spans:
+            cache = kv_to_cache(kv[:, :, :a], geometry, config=model.config, device=device)
+            _forward(model, toks[a:b], cache, a)
+            kv[:, :, a:b].copy_(cache_to_kv(cache, geometry)[:, :, a:b])
+        return sum(b - a for a, b in spans)
+
+    t1 = time.perf_counter()
+    recomputed = await run_model(repair) if spans else 0
+    compute_ms = _ms(t1)
+    left = None if deadline is None else max(deadline - retrieve_s, 0.0)
+    new = await client.store(kv, toks[: the_plan.stored], cache_salt, timeout=left)
+    return ComposedPrompt(_compose.result(the_plan, gathered, new), recomputed, kv, compute_ms)

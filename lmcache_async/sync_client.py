@@ -73,7 +73,7 @@ from lmcache_async._loop_thread import (
     refuse_on_loop_thread,
     tls,
 )
-from lmcache_async.client import AsyncClient, ClientOptions, RemapResult
+from lmcache_async.client import AsyncClient, ClientOptions, ComposeResult, KVPart, RemapResult
 from lmcache_async.errors import (
     ClientClosedError,
     ForkedSyncClientError,
@@ -83,7 +83,8 @@ from lmcache_async.errors import (
 from lmcache_async.geometry import KVGeometry
 
 if TYPE_CHECKING:
-    from lmcache_async.bulk import BatchProgress, BatchResult, RemapPair, RetrieveItem, StoreItem
+    from lmcache_async.bulk import BatchProgress, BatchResult, ComposeItem, RemapPair, RetrieveItem, StoreItem
+    from lmcache_async.rope import RopeSpec
 
 __all__ = ["LOOP_THREAD_NAME", "Client", "SyncUsageError", "set_trace_hook"]
 
@@ -531,6 +532,27 @@ class Client:
             ),
         )
 
+    def compose(
+        self,
+        target_tokens: Sequence[int],
+        parts: Sequence[KVPart],
+        *,
+        rope: RopeSpec | None = None,
+        cache_salt: str = "",
+        timeout: float | DefaultType | None = DEFAULT,
+    ) -> ComposeResult:
+        """Store under ``target_tokens`` the KV of cached ranges placed one after another,
+        shifted keys rotated: blocking :meth:`AsyncClient.compose`; one deadline covers
+        the retrieves and the store."""
+        deadline = self._deadline(timeout)
+        return self._run(
+            "compose",
+            _bound(deadline, self._grace),
+            lambda: self._async.compose(
+                target_tokens, parts, rope=rope, cache_salt=cache_salt, timeout=deadline
+            ),
+        )
+
     def noop(self, *, timeout: float | DefaultType | None = DEFAULT) -> float:
         """Round-trip a ``noop``; returns the server round-trip time in seconds (as
         measured on the loop, without the facade's own hand-over)."""
@@ -599,6 +621,34 @@ class Client:
             None,
             lambda: self._async.remap_many(
                 pairs,
+                concurrency=concurrency,
+                max_bytes_in_flight=max_bytes_in_flight,
+                progress=progress,
+                return_exceptions=return_exceptions,
+                timeout=deadline,
+            ),
+        )
+
+    def compose_many(
+        self,
+        items: Iterable[ComposeItem | Sequence[Any]],
+        *,
+        rope: RopeSpec | None = None,
+        concurrency: int = 8,
+        max_bytes_in_flight: int = 1 << 30,
+        progress: Callable[[BatchProgress], object] | None = None,
+        return_exceptions: bool = True,
+        timeout: float | DefaultType | None = DEFAULT,
+    ) -> BatchResult:
+        """Many compositions concurrently: blocking :meth:`AsyncClient.compose_many`.
+        KeyboardInterrupt: as for :meth:`remap_many`."""
+        deadline = self._deadline(timeout)
+        return self._run(
+            "compose_many",
+            None,
+            lambda: self._async.compose_many(
+                items,
+                rope=rope,
                 concurrency=concurrency,
                 max_bytes_in_flight=max_bytes_in_flight,
                 progress=progress,

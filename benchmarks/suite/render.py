@@ -51,6 +51,7 @@ COMMANDS = {
     "single_pickle": ".venv/bin/python -m benchmarks.suite.bench_client --mode pickle",
     "fresh": ".venv/bin/python -m benchmarks.suite.bench_fresh",
     "remap": ".venv/bin/python -m benchmarks.suite.bench_remap_batch",
+    "compose": ".venv/bin/python -m benchmarks.suite.bench_compose",
 }
 
 
@@ -479,6 +480,41 @@ class Page:
         self.why("remap", behind)
         self.notes("remap")
 
+    # ------------------------------------------------------------ compose
+    def compose(self, doc: dict[str, Any] | None) -> None:
+        self.add("\n## Composition (`compose`) against a remap plus the rotation\n\n")
+        if doc is None:
+            self.add(f"Not measured in this run (`{COMMANDS['compose']}`).\n")
+            self.notes("compose")
+            return
+        res = doc["result"]
+        self.add(stamp_line(doc) + "\n")
+        first = res["shm"]
+        self.add(
+            f"A {first['target_chunks']}-chunk target ({first['mib_per_target']} MiB of KV, {res['layers']} "
+            "layers) composed from two parts, the second shifted (its keys rotated), against `remap` of a "
+            f"{first['target_chunks']}-chunk prompt plus the rotation of the shifted part alone; "
+            f"{res['iters']} iterations a round, {res['rounds']} round(s). No SDK counterpart: the ratio is "
+            "(remap + rotation) / compose, per iteration, median.\n\n"
+        )
+        rows = []
+        for transfer in [t for t in ("shm", "pickle") if t in res]:
+            r = res[transfer]
+            sec = r["seconds"]
+            ratio_ = r["remap_plus_rotation_over_compose"]
+            rows.append(
+                [transfer]
+                + [f"{sec[name]['median'] * 1000:.0f} ms" for name in ("remap", "rotation", "compose")]
+                + [f"{ratio_['median']:.2f}x ({ratio_['min']:.2f}-{ratio_['max']:.2f})"]
+            )
+            self.target(
+                f"compose >= 0.8x (remap + rotation), CPU, {transfer}",
+                f"{ratio_['median']:.2f}x",
+                ratio_["median"] >= 0.8,
+            )
+        self.add(table(["transfer", "remap", "rotation", "compose", "(remap + rotation) / compose"], rows))
+        self.notes("compose")
+
     # ------------------------------------------------------------ facade
     def facade(self, doc: dict[str, Any] | None) -> None:
         self.add("\n## The blocking facade (`Client` vs `AsyncClient`)\n\n")
@@ -810,6 +846,7 @@ def render(results: Path, notes: Path, img_dir: Path) -> str:
     page.concurrent(docs.get("concurrent"))
     page.fresh(docs.get("fresh"))
     page.remap(docs.get("remap"))
+    page.compose(docs.get("compose"))
     page.facade(docs.get("facade"))
     page.rtt(docs.get("rtt"))
     page.cuda(cuda)

@@ -1,7 +1,7 @@
 """The whole benchmark suite in one command: ``make bench`` (or ``make bench-quick``).
 
     .venv/bin/python -m benchmarks.suite [--quick] [--generation 0.5.6|0.5.7]
-        [--sections rtt facade concurrent single_shm fresh remap single_pickle] [--no-render]
+        [--sections rtt facade concurrent single_shm fresh remap compose single_pickle] [--no-render]
         [--out DIR]
 
 ``BENCH_QUICK=1`` in the environment is the same as ``--quick``. Starts the real LMCache
@@ -24,7 +24,9 @@ Sections (module, what):
 * ``single_shm`` / ``single_pickle`` (bench_client.py): store, retrieve, retrieve into
   ``out=`` at 1/4/16 chunks of 32 MiB, plus the store + retrieve of a tiny (16 KiB) chunk;
 * ``fresh`` (bench_fresh.py): the 16-chunk retrieve into ``out=`` right after connect;
-* ``remap`` (bench_remap_batch.py): ``remap_many`` vs the SDK's retrieve + store loop.
+* ``remap`` (bench_remap_batch.py): ``remap_many`` vs the SDK's retrieve + store loop;
+* ``compose`` (bench_compose.py): ``compose`` of a 16-chunk target from two parts vs a
+  ``remap`` of the same size plus the rotation alone (no SDK counterpart).
 
 The quick profile (fewer iterations, rounds and remap pairs) proves the pipeline in a few
 minutes; its figures are marked as such on the page. Only the single-operation sections
@@ -48,6 +50,7 @@ from benchmarks.harness import GENERATIONS, server_python, stamp, start_servers
 from benchmarks.suite import (
     RESULTS_DIR,
     bench_client,
+    bench_compose,
     bench_concurrent,
     bench_facade,
     bench_fresh,
@@ -56,7 +59,7 @@ from benchmarks.suite import (
 )
 from harness.real_server import RealLMCacheServer
 
-SHM_SECTIONS = ("rtt", "facade", "concurrent", "single_shm", "fresh", "remap")
+SHM_SECTIONS = ("rtt", "facade", "concurrent", "single_shm", "fresh", "remap", "compose")
 ALL_SECTIONS = (*SHM_SECTIONS, "single_pickle")
 GEN057_SECTIONS = ("single_shm", "single_pickle")
 
@@ -77,6 +80,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "single_pickle": {"chunks": [1], "iters": 2, "rounds": 1},
         "fresh": {"reps": 2, "settle": 0.0},
         "remap": {"pairs": 8, "rounds": 1},
+        "compose": {"layers": 8, "iters": 3, "rounds": 1},
     },
     "full": {
         "shm_l1_gb": 10,
@@ -94,6 +98,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "single_pickle": {"chunks": [1, 4, 16], "iters": 4, "rounds": 3},  # inline 512 MiB: seconds a call
         "fresh": {"reps": 5, "settle": 6.0},
         "remap": {"pairs": 64, "rounds": 3},
+        "compose": {"layers": 32, "iters": 4, "rounds": 3},
     },
 }
 
@@ -116,6 +121,11 @@ def _run_section(name: str, shm: RealLMCacheServer | None, pickle: RealLMCacheSe
         return bench_fresh.section(shm, python=python, l1_gb=prof["shm_l1_gb"], **prof["fresh"])
     if name == "remap":
         return bench_remap_batch.section(shm, python=python, l1_gb=prof["shm_l1_gb"], **prof["remap"])
+    if name == "compose":
+        urls = {"shm": (shm.url, shm.http_url)}
+        if pickle is not None and pickle.is_running():
+            urls["pickle"] = (pickle.url, pickle.http_url)
+        return bench_compose.section(urls, **prof["compose"])
     raise ValueError(name)
 
 

@@ -53,12 +53,32 @@ def _check(report: dict[str, Any], chunk_size: int, transfer: str) -> None:
     assert all(s["ms"] >= 0 for s in report["steps"])
 
 
+def _check_editing(report: dict[str, Any], chunk_size: int) -> None:
+    """Experiments (a)-(c): the moved keys are exact to the dtype, rotation beats the
+    unrotated control, and the KV's divergence from the full prefill falls as
+    ``recompute`` grows."""
+    cs = chunk_size
+    e = report["editing"]
+    s = e["shift"]
+    bound = 1e-4 if report["model"]["dtype"] == "float32" else 2**-5  # bfloat16: its own rounding
+    assert s["key_error_vs_prefill_at_new_positions"] <= bound
+    assert s["values_first_layer_bitwise"] is True
+    assert s["rotated"]["stored_tokens"] == 3 * cs and s["rotated"]["hit_tokens"] == 3 * cs
+    assert s["rotated"]["logit_max_abs_diff"] < s["unrotated"]["logit_max_abs_diff"]
+    assert [r["recompute"] for r in e["compose"]] == [0, 4, 16, 32]
+    assert all(r["hit_tokens"] == 5 * cs for r in e["compose"])
+    kv = [r["kv_mean_abs_diff"] for r in e["compose"]]
+    assert kv == sorted(kv, reverse=True) and kv[0] > kv[-1], kv
+    assert e["compose"][0]["logit_max_abs_diff"] < e["compose_unrotated"]["logit_max_abs_diff"]
+
+
 def test_the_experiment_script_on_the_embedded_server(capsys: pytest.CaptureFixture[str]) -> None:
     rc, reports = _run(capsys, "--chunk-size", "16", "--mode", "pickle")
     assert rc == 0
     assert [r["model"]["dtype"] for r in reports] == ["float32", "bfloat16"]
     for report in reports:
         _check(report, 16, "pickle")
+        _check_editing(report, 16)
         assert report["model"]["layers"] == 4 and report["model"]["kv_heads"] == 2
         assert report["model"]["attention_heads"] == 8
 
@@ -70,6 +90,7 @@ def test_the_experiment_script_on_the_real_server(
     rc, reports = _run(capsys, "--url", srv.url, "--http-url", srv.http_url, "--dtype", "bfloat16")
     assert rc == 0 and len(reports) == 1
     _check(reports[0], srv.chunk_size, srv.mode)
+    _check_editing(reports[0], srv.chunk_size)
 
 
 def test_the_script_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
@@ -114,6 +135,10 @@ def test_the_notebook_runs_in_a_real_kernel(real_server_shm: RealLMCacheServer, 
     assert "bitwise equal to the model's cache: yes" in text
     assert f"hit {3 * cs} tokens = 3 chunks; computed 7 at positions {3 * cs}..{3 * cs + 6}" in text
     assert "target output == source output: yes" in text
+    assert f"(a) rotated              shift +{cs}, stored {3 * cs}, hit {3 * cs}: agreement" in text
+    assert f"(a) unrotated (control)  shift +{cs}, stored {3 * cs}, hit {3 * cs}: agreement" in text
+    assert all(f"(b) recompute {k:>2}: recomputed {2 * k:>2} tokens" in text for k in (0, 4, 16, 32))
+    assert "(c) unrotated control: agreement" in text
     assert "closed" in text
     meta = srv.status().get("non_cuda_context_meta", {})
     assert [m for m in meta.values() if str(m.get("model_name", "")).startswith(env["LMCACHE_MODEL"])] == []

@@ -1,0 +1,173 @@
+"""Composition with a real model: the tiny Llama of the suite
+(:func:`lmcache_async.testing.tiny_llama.tiny_llama`), its KV served by the embedded server.
+
+* float32: a part moved by any delta (chunk-aligned or not, from any start) equals that
+  text prefilled at its new positions: keys within 1e-4 of the largest key of the fresh
+  prefill, values bitwise in the first layer and within float32 rounding after it.
+* bfloat16: the next-token logits after a moved prompt err at most half as much as with
+  the unrotated KV (the control).
+* :func:`hf.compose_and_repair`: ``recompute=0`` is :meth:`AsyncClient.compose`;
+  recomputing whole parts gives the full prefill; the error falls as ``recompute`` grows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+
+from lmcache_async import AsyncClient, KVPart, RopeSpec, hf
+from lmcache_async.testing.tiny_llama import tiny_llama
+from tests.helpers import SESSION_CHUNK_SIZE, fresh_tokens, unique_model
+
+pytestmark = [pytest.mark.anyio, pytest.mark.xdist_group("transformers")]
+
+CS = SESSION_CHUNK_SIZE
+VOCAB = 512
+_MODELS: dict[torch.dtype, Any] = {}
+
+
+def model_of(dtype: torch.dtype) -> Any:
+    if dtype not in _MODELS:
+        _MODELS[dtype] = tiny_llama(dtype)
+    return _MODELS[dtype]
+
+
+def text(seed: int, n: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def prefill_at(model: Any, tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tokens`` alone (nothing in front) at positions ``start ..``: their KV and the
+    last position's logits, computed with transformers directly."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    kwarg = "cache" if "cache" in hf._forward_params(type(model)) else "past_key_values"
+    positions = torch.arange(start, start + len(tokens)).unsqueeze(0)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor([tokens]), position_ids=positions, use_cache=True, **{kwarg: cache}
+        )
+    return hf.cache_to_kv(cache, hf.geometry_from_model(model)), out.logits[0, -1].float()
+
+
+def next_logits(model: Any, kv: torch.Tensor, token: int, position: int) -> torch.Tensor:
+    """The logits of ``token`` at ``position`` over the cache ``kv`` (whatever positions
+    its keys were computed at)."""
+    geometry = hf.geometry_from_model(model)
+    cache = hf.kv_to_cache(kv, geometry, config=model.config)
+    kwarg = "cache" if "cache" in hf._forward_params(type(model)) else "past_key_values"
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor([[token]]),
+            position_ids=torch.tensor([[position]]),
+            use_cache=True,
+            **{kwarg: cache},
+        )
+    return out.logits[0, -1].float()
+
+
+@pytest.fixture
+async def client_f32(embedded_server_pickle: Any) -> AsyncIterator[AsyncClient]:
+    srv = embedded_server_pickle
+    geometry = hf.geometry_from_model(model_of(torch.float32))
+    async with AsyncClient(srv.url, srv.http_url, unique_model("hf"), geometry=geometry, timeout=60) as c:
+        yield c
+
+
+@pytest.mark.parametrize(
+    ("start", "offset"),
+    [(0, CS), (0, 2 * CS), (0, 5), (0, 23), (0, 100), (7, 30), (CS, 3 * CS + 1)],
+    ids=lambda v: str(v),
+)
+async def test_float32_moved_part_equals_a_prefill_at_its_new_positions(
+    client_f32: AsyncClient, start: int, offset: int
+) -> None:
+    model = model_of(torch.float32)
+    rope = RopeSpec.from_hf_config(model.config)
+    doc = text(1, 3 * CS)
+    await hf.prefill_and_store(client_f32, model, doc)
+    filler = text(2, 8 * CS)
+    await hf.prefill_and_store(client_f32, model, filler)
+    target = fresh_tokens(offset) + doc[start:]
+    res = await client_f32.compose(target, [KVPart(filler, 0, offset), KVPart(doc, start)], rope=rope)
+    assert res.hit and res.parts[1].shift == offset - start
+    got = await client_f32.retrieve(target)
+    assert got is not None and got.shape[2] == res.stored_tokens
+    moved = got[:, :, offset:]
+    fresh, _ = prefill_at(model, doc, offset - start)
+    fresh = fresh[:, :, start : start + moved.shape[2]]
+    keys_err = float((moved[0] - fresh[0]).abs().max())
+    assert keys_err <= 1e-4 * float(fresh[0].abs().max()), keys_err
+    assert torch.equal(moved[1, 0], fresh[1, 0])  # the first layer's values: bitwise
+    values_err = float((moved[1] - fresh[1]).abs().max())
+    assert values_err <= 64 * torch.finfo(torch.float32).eps * float(fresh[1].abs().max()), values_err
+
+
+async def test_bfloat16_logit_error_is_at_most_half_the_unrotated_controls() -> None:
+    model = model_of(torch.bfloat16)
+    rope = RopeSpec.from_hf_config(model.config)
+    doc = text(3, 3 * CS + 1)
+    cached, _ = prefill_at(model, doc[:-1], 0)  # the prompt as cached at position 0
+    for delta in (CS, 37, 200):
+        _, want = prefill_at(model, doc, delta)  # the prompt prefilled at its new positions
+        rotated = next_logits(model, rope.shift(cached, delta), doc[-1], delta + len(doc) - 1)
+        control = next_logits(model, cached, doc[-1], delta + len(doc) - 1)
+        err, err_control = float((rotated - want).abs().max()), float((control - want).abs().max())
+        assert err <= 0.5 * err_control, (delta, err, err_control)
+
+
+async def test_compose_and_repair(client_f32: AsyncClient) -> None:
+    model = model_of(torch.float32)
+    system, doc1, doc2 = text(4, 2 * CS), text(5, 3 * CS), text(6, 3 * CS)
+    for t in (system, doc1, doc2):
+        await hf.prefill_and_store(client_f32, model, t)
+    target = system + doc1 + doc2
+    parts = [KVPart(system, cache_salt=""), KVPart(doc1, cache_salt=""), KVPart(doc2, cache_salt="")]
+    full, _ = prefill_at(model, target, 0)
+
+    plain = await client_f32.compose(
+        target, parts, rope=RopeSpec.from_hf_config(model.config), cache_salt="plain"
+    )
+    assert plain.stored_tokens == len(target)
+    plain_kv = await client_f32.retrieve(target, "plain")
+    errors = []
+    for k in (0, 4, 16, 3 * CS):
+        out = await hf.compose_and_repair(client_f32, model, target, parts, recompute=k, cache_salt=f"k{k}")
+        assert out.kv is not None and out.result.stored_tokens == len(target) and out.result.stored_new
+        assert out.recomputed_tokens == 2 * k
+        stored = await client_f32.retrieve(target, f"k{k}")
+        assert stored is not None and torch.equal(stored, out.kv)
+        if k == 0:
+            assert plain_kv is not None and torch.equal(out.kv, plain_kv)
+        errors.append(float((out.kv - full).abs().mean()))
+    assert errors[0] > errors[1] > errors[2] > errors[3], errors
+    # whole parts recomputed over the right prefix: the full prefill, to float32 rounding
+    assert errors[3] <= 1e-6 * float(full.abs().mean()), errors
+
+
+async def test_compose_and_repair_miss_and_refusals(client_f32: AsyncClient) -> None:
+    model = model_of(torch.float32)
+    doc = text(7, 2 * CS)
+    await hf.prefill_and_store(client_f32, model, doc)
+    target = doc + text(8, 2 * CS)
+    out = await hf.compose_and_repair(
+        client_f32, model, target, [KVPart(doc), KVPart(text(8, 2 * CS))], recompute=4
+    )
+    assert out.kv is None and out.recomputed_tokens == 0 and out.result.missed == (1,)
+    assert await client_f32.lookup(target) == 2 * CS  # only doc's own chunks: nothing stored
+    with pytest.raises(ValueError, match="recompute must be an int >= 0, got -1"):
+        await hf.compose_and_repair(client_f32, model, target, [KVPart(doc)], recompute=-1)
+    with pytest.raises(ValueError, match="rope_type 'dynamic' is refused"):
+        await hf.compose_and_repair(
+            client_f32,
+            model,
+            target,
+            [KVPart(doc)],
+            rope=RopeSpec.from_hf_config(
+                {"head_dim": 16, "rope_scaling": {"type": "dynamic", "factor": 2.0}}
+            ),
+        )
