@@ -45,7 +45,7 @@ from lmcache_async.cli.runner import (
     emit,
     one_line,
 )
-from lmcache_async.cli.sharding import select_shard, shard_arg
+from lmcache_async.cli.sharding import AutoShard, select_shard, shard_arg, shard_from_env
 
 if TYPE_CHECKING:  # annotations only: lmcache_async.bulk imports torch, which --help must not pay
     from lmcache_async.bulk import BatchProgress, ItemResult
@@ -237,6 +237,12 @@ def _remap_batch(args: argparse.Namespace) -> int:
     if args.resume and args.report is None:
         raise UsageError("--resume needs --report FILE (the report of the previous run)")
     checked_model(args.model_name)
+    if isinstance(args.shard, AutoShard):
+        try:
+            args.shard, source = shard_from_env(os.environ, args.shard.count)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        print(f"{PROG} remap-batch: shard {source}", file=sys.stderr)
     try:
         lines = select_shard(read_pairs(args.file), args.shard, key=lambda ln: ln.key)
     except FileNotFoundError:
@@ -310,6 +316,7 @@ async def _run_remap_batch(
         "gb_per_s": round(s.gb_per_s, 4),
         "peak_bytes_in_flight": s.peak_bytes_in_flight,
         "report": None if args.report is None else str(args.report),
+        "shard": None if args.shard is None else str(args.shard),
     }
     rows = [
         (
@@ -328,6 +335,8 @@ async def _run_remap_batch(
     ]
     if args.report is not None:
         rows.append(("report", str(args.report)))
+    if args.shard is not None:
+        rows.append(("shard", str(args.shard)))
     emit(args, data, rows)
     for message in failures[:5]:
         print(f"{PROG} remap-batch: failed: {message}", file=sys.stderr)
@@ -376,9 +385,10 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--shard",
         type=shard_arg,
-        metavar="I/N",
+        metavar="I/N|auto",
         help="run only shard I of N (1-based; by pair identity, see docs/guides/deployment.md); "
-        "give each shard its own --report",
+        "'auto' (or 'auto/N') reads I and N from a Kubernetes Indexed Job, a Slurm array or "
+        "RANK/WORLD_SIZE; give each shard its own --report",
     )
     p.add_argument(
         "--progress",

@@ -394,7 +394,16 @@ async def test_remote_store_lands_in_the_shm_servers_l1(
 # --------------------------------------------------------------------------- bulk jobs across hosts
 
 
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+#: What ``--shard auto`` reads; cleared from the environment of the CLI runs below so
+#: that only the variables a test sets are seen.
+SCHEDULER_VARS = (
+    "JOB_COMPLETION_INDEX", "LMCACHE_ASYNC_SHARD_COUNT", "RANK", "WORLD_SIZE", "SLURM_ARRAY_TASK_ID",
+    "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_STEP",
+)  # fmt: skip
+
+
+def cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if k not in SCHEDULER_VARS}
     proc = subprocess.run(
         [sys.executable, "-m", "lmcache_async", *args],
         capture_output=True,
@@ -403,7 +412,7 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         timeout=120,
         stdin=subprocess.DEVNULL,
         check=False,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},  # this checkout's lmcache_async
+        env={**base, **(env or {}), "PYTHONPATH": str(REPO_ROOT)},  # this checkout's lmcache_async
     )
     return proc
 
@@ -482,6 +491,84 @@ async def test_remap_batch_sharded_over_two_hosts(cluster: Cluster, tmp_path: Pa
     )
     assert bad.returncode == 2
     assert "argument --shard: shard index must be in 1..2, got 3" in bad.stderr
+
+
+@pytest.mark.timeout(240)
+async def test_remap_batch_shard_auto_as_a_kubernetes_indexed_job(cluster: Cluster, tmp_path: Path) -> None:
+    """Two processes with an Indexed Job's variables (``JOB_COMPLETION_INDEX`` 0 and 1, the
+    count from ``LMCACHE_ASYNC_SHARD_COUNT`` for one and ``--shard auto/2`` for the other)
+    run exactly the shards ``--shard 1/2`` and ``--shard 2/2`` would, one per host."""
+    from lmcache_async.cli.sharding import Shard, select_shard
+
+    model = unique_model("mh-auto")
+    n = 10
+    sources = [fresh_tokens(CS) for _ in range(n)]
+    targets = [fresh_tokens(CS) for _ in range(n)]
+    kvs = [random_kv(GEOM, CS) for _ in range(n)]
+    async with client_of(cluster.a, model) as ca:
+        for kv, src in zip(kvs, sources, strict=True):
+            assert await ca.store(kv, src) is True
+    await in_redis(cluster.redis, f"{model}@*", n)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(
+        "".join(json.dumps({"source": s, "target": t}) + "\n" for s, t in zip(sources, targets, strict=True))
+    )
+    hosts = {0: cluster.a, 1: cluster.b}
+    reports = {i: tmp_path / f"report-{i}.jsonl" for i in hosts}
+    envs = {
+        0: {"JOB_COMPLETION_INDEX": "0", "LMCACHE_ASYNC_SHARD_COUNT": "2"},
+        1: {"JOB_COMPLETION_INDEX": "1"},
+    }
+    shard_flag = {0: "auto", 1: "auto/2"}
+    procs = await asyncio.gather(
+        *(
+            asyncio.to_thread(
+                cli, "remap-batch", str(pairs), *server_flags(srv), "--model-name", model,
+                "--shard", shard_flag[i], "--report", str(reports[i]), "--json", cwd=tmp_path, env=envs[i],
+            )
+            for i, srv in hosts.items()
+        )
+    )  # fmt: skip
+    rows: dict[int, list[dict[str, Any]]] = {}
+    for i, proc in zip(hosts, procs, strict=True):
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr == (
+            f"lmcache-async remap-batch: shard {i + 1}/2 from Kubernetes Indexed Job (JOB_COMPLETION_INDEX)\n"
+        )
+        rows[i] = [json.loads(x) for x in reports[i].read_text().splitlines()]
+        summary = json.loads(proc.stdout)
+        assert (summary["shard"], summary["pairs"], summary["hits"], summary["failures"]) == (
+            f"{i + 1}/2",
+            len(rows[i]),
+            len(rows[i]),
+            0,
+        )
+    keys = {r["line"]: r["key"] for i in hosts for r in rows[i]}
+    assert sorted(keys) == list(range(1, n + 1))
+    for i in hosts:
+        lines = sorted(r["line"] for r in rows[i])
+        assert lines and lines == select_shard(range(1, n + 1), Shard(i + 1, 2), key=lambda ln: keys[ln])
+    await in_redis(cluster.redis, f"{model}@*", 2 * n)
+    async with client_of(cluster.a, model) as ca, client_of(cluster.b, model) as cb:
+        for line in keys:
+            for c in (ca, cb):
+                got = await c.retrieve(targets[line - 1])
+                assert got is not None and torch.equal(got, kvs[line - 1]), line
+    # No scheduler variable, or disagreeing ones: exit 2 before any server is contacted.
+    bad = cli("remap-batch", str(pairs), "--url", "tcp://127.0.0.1:1", "--model-name", model,
+              "--shard", "auto", cwd=tmp_path)  # fmt: skip
+    assert (bad.returncode, bad.stdout) == (2, "")
+    assert bad.stderr == (
+        "lmcache-async remap-batch: error: --shard auto: no scheduler variable is set; looked for "
+        "JOB_COMPLETION_INDEX (Kubernetes Indexed Job), SLURM_ARRAY_TASK_ID (Slurm array), "
+        "RANK/WORLD_SIZE (torchrun)\n"
+    )
+    bad = cli("remap-batch", str(pairs), "--url", "tcp://127.0.0.1:1", "--model-name", model,
+              "--shard", "auto/3", cwd=tmp_path, env={"RANK": "0", "WORLD_SIZE": "2"})  # fmt: skip
+    assert (bad.returncode, bad.stderr) == (
+        2,
+        "lmcache-async remap-batch: error: --shard auto/3: torchrun (RANK/WORLD_SIZE) says 2 shards\n",
+    )
 
 
 # --------------------------------------------------------------------------- rolling upgrade
