@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final
 
+from lmcache_async._pair_key import pair_key, text_key
 from lmcache_async.cli.arguments import (
     byte_size,
     checked_model,
@@ -113,14 +113,9 @@ def read_pairs(path: Path) -> Iterator[_Line]:
                 salt = obj.get("cache_salt", "")
                 tsalt = obj.get("target_cache_salt")
             except ValueError as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
-                yield _Line(number, _key(text), error=f"invalid pair: {one_line(str(exc))}")
+                yield _Line(number, text_key(text), error=f"invalid pair: {one_line(str(exc))}")
                 continue
-            canon = json.dumps([src, dst, salt, tsalt], separators=(",", ":"), default=str)
-            yield _Line(number, _key(canon), pair=(src, dst, salt, tsalt))
-
-
-def _key(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:20]
+            yield _Line(number, pair_key(src, dst, salt, tsalt), pair=(src, dst, salt, tsalt))
 
 
 def _done_keys(report: Path) -> set[str]:

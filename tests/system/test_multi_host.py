@@ -571,6 +571,216 @@ async def test_remap_batch_shard_auto_as_a_kubernetes_indexed_job(cluster: Clust
     )
 
 
+# --------------------------------------------------------------------------- Ray Data across hosts
+#
+# One local Ray cluster (2 CPUs, a 300 MB object store: the machine is shared) for the
+# module's Ray tests, which share one pytest-xdist worker. The actors reach their server by
+# ``servers={node_ip: ...}``; with one Ray node they all use the same one: A (its L1 holds
+# the sources) in the first test, B (it reads them from Redis) in the second.
+
+RAY_PAIRS = 2000
+#: Ray's own deprecation notices (its DataContext defaults) are not this project's.
+ray_test = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.*")
+
+
+@pytest.fixture(scope="module")
+def ray_node() -> Iterator[str]:
+    """A local Ray cluster on loopback (``harness.ray_local``), stopped after the module;
+    yields the node's IP, 127.0.0.1."""
+    pytest.importorskip("ray")
+    from harness.ray_local import local_ray
+
+    with local_ray() as node:
+        yield node
+
+
+def pairs_dataset(rows: list[dict[str, Any]], blocks: int = 4) -> Any:
+    import ray.data
+
+    return ray.data.from_items(rows, override_num_blocks=blocks)
+
+
+def store_sources(
+    model: str, sources: list[list[int]], kvs: list[torch.Tensor], srv: RealLMCacheServer
+) -> None:
+    async def run() -> None:
+        async with client_of(srv, model) as c:
+            r = await c.store_many(list(zip(kvs, sources, strict=True)), concurrency=16)
+            assert r.summary.failures == 0
+
+    asyncio.run(run())
+
+
+async def read_back(
+    srv: RealLMCacheServer, model: str, targets: list[list[int]], kvs: list[torch.Tensor]
+) -> None:
+    """Every target through ``srv``: whole and bitwise its source's KV."""
+    async with client_of(srv, model) as c:
+        got = await c.retrieve_many(targets, concurrency=16)
+        for i, r in enumerate(got):
+            assert r.error is None and r.kv is not None and torch.equal(r.kv, kvs[i]), i
+
+
+@ray_test
+@pytest.mark.xdist_group("ray")
+@pytest.mark.timeout(300)
+async def test_ray_job_equals_one_process_remap_many(cluster: Cluster, ray_node: str) -> None:
+    """A Ray Data job (2 actors) over 2,000 pairs gives, pair for pair, what one process's
+    ``remap_many`` gives over the same pairs; every target is read whole and bitwise
+    through either server."""
+    from lmcache_async.ray import OUTPUT_COLUMNS, remap_dataset
+
+    n = RAY_PAIRS
+    stored = n - 60  # 50 misses (source never stored) and 10 invalid pairs
+    model = unique_model("ray")
+    sources = [fresh_tokens(CS) for _ in range(n)]
+    targets = [fresh_tokens(CS) for _ in range(n)]  # the Ray job's
+    others = [fresh_tokens(CS) for _ in range(n)]  # the single process's, from the same sources
+    kvs = [random_kv(GEOM, CS) for _ in range(stored)]
+    for i in range(n - 10, n):
+        sources[i] = [-1] * CS
+    await asyncio.to_thread(store_sources, model, sources[:stored], kvs, cluster.a)
+    rows = [{"id": i, "source": sources[i], "target": targets[i]} for i in range(n)]
+
+    out = await asyncio.to_thread(
+        lambda: remap_dataset(
+            pairs_dataset(rows), model, actors=2, batch_size=100, concurrency=8,
+            servers={ray_node: (cluster.a.url, cluster.a.http_url)},
+            client_options={"geometry": GEOM, "timeout": 30},
+        ).take_all()
+    )  # fmt: skip
+    async with client_of(cluster.a, model) as ca:
+        one = await ca.remap_many(list(zip(sources[: n - 10], others[: n - 10], strict=True)), concurrency=8)
+
+    assert len(out) == n and all(tuple(r) == OUTPUT_COLUMNS for r in out)
+    by_id = {int(r["id"]): r for r in out}
+    assert sorted(by_id) == list(range(n))
+    bpt = GEOM.bytes_per_token
+    for i in range(n - 10):
+        r, item = by_id[i], one[i]
+        assert item.error is None
+        assert (r["status"], r["retrieved_tokens"], r["stored_tokens"], r["bytes"], r["stored_new"]) == (
+            "hit" if item.hit else "miss",
+            item.retrieved_tokens,
+            item.stored_tokens,
+            (item.retrieved_tokens + item.stored_tokens) * bpt,
+            item.stored_new,
+        ), i
+        assert (r["already_cached"], r["error_type"], r["error"], r["server"]) == (
+            False,
+            None,
+            None,
+            cluster.a.url,
+        )
+    assert [by_id[i]["status"] for i in range(n - 60)] == ["hit"] * (n - 60)
+    assert [by_id[i]["status"] for i in range(n - 60, n - 10)] == ["miss"] * 50
+    for i in range(n - 10, n):
+        assert (by_id[i]["status"], by_id[i]["error_type"]) == ("error", "ValueError")
+        assert by_id[i]["error"] == ("source_tokens: token id -1 is outside [0, 2**32)")
+    # The row key is remap-batch's key of the same pair.
+    from lmcache_async._pair_key import pair_key
+
+    assert [by_id[i]["key"] for i in range(n)] == [
+        pair_key(sources[i], targets[i], "", None) for i in range(n)
+    ]
+    await in_redis(cluster.redis, f"{model}@*", 3 * stored)  # sources, both sets of targets
+    for srv in (cluster.a, cluster.b):
+        await read_back(srv, model, targets[:stored], kvs)
+
+
+class DyingRemapBatches:
+    """The test's stand-in for an actor killed mid-job: the first actor to reach its second
+    batch (once per job, by an exclusive file) remaps half of that batch, then its process
+    dies at once (``os._exit``: no clean-up, as under SIGKILL)."""
+
+    def __init__(self, *, marker: str, **kwargs: Any) -> None:
+        from lmcache_async.ray import RemapBatches
+
+        self.inner = RemapBatches(**kwargs)
+        self.marker = marker
+        self.calls = 0
+
+    def __call__(self, batch: dict[str, Any]) -> Any:
+        self.calls += 1
+        if self.calls == 2:
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass
+            else:
+                half = {k: v[: len(v) // 2] for k, v in batch.items()}
+                done = self.inner(half)
+                Path(self.marker).write_text(json.dumps(done.column("key").to_pylist()))
+                os._exit(1)
+        return self.inner(batch)
+
+
+@ray_test
+@pytest.mark.xdist_group("ray")
+@pytest.mark.timeout(300)
+async def test_ray_actor_killed_mid_job_then_resume_redoes_nothing(
+    cluster: Cluster, ray_node: str, tmp_path: Path
+) -> None:
+    """An actor dies after half a batch: Ray restarts it and retries the batch, the job
+    finishes, every pair is in the output once, the pairs the dead actor had done say
+    ``already_cached``, and every target is whole and bitwise. A job resumed from this
+    output has nothing left to do; from a part of it, exactly the rest."""
+    import ray.data
+
+    from lmcache_async.ray import skip_done
+
+    model = unique_model("ray-kill")
+    n, batch = 400, 50
+    sources = [fresh_tokens(2 * CS) for _ in range(n)]
+    targets = [fresh_tokens(2 * CS) for _ in range(n)]
+    kvs = [random_kv(GEOM, 2 * CS) for _ in range(n)]
+    await asyncio.to_thread(store_sources, model, sources, kvs, cluster.a)
+    await in_redis(cluster.redis, f"{model}@*", 2 * n)
+    rows = [{"id": i, "source": sources[i], "target": targets[i]} for i in range(n)]
+    marker = tmp_path / "died"
+    kwargs = {
+        "marker": str(marker), "model_name": model, "concurrency": 8,
+        "servers": {ray_node: (cluster.b.url, cluster.b.http_url)},
+        "client_options": {"geometry": GEOM, "timeout": 30},
+    }  # fmt: skip
+    out = await asyncio.to_thread(
+        lambda: (
+            pairs_dataset(rows)
+            .map_batches(
+                DyingRemapBatches,
+                fn_constructor_kwargs=kwargs,
+                compute=ray.data.ActorPoolStrategy(size=2),
+                batch_size=batch,
+                batch_format="numpy",
+            )
+            .take_all()
+        )
+    )
+    died_after = json.loads(marker.read_text())  # the keys the dead actor had remapped
+    assert len(died_after) == batch // 2
+    assert len(out) == n
+    assert sorted(int(r["id"]) for r in out) == list(range(n))  # each pair once
+    assert len({r["key"] for r in out}) == n
+    assert all(r["status"] == "hit" and r["retrieved_tokens"] == r["stored_tokens"] == 2 * CS for r in out)
+    again = {r["key"] for r in out if r["already_cached"]}
+    assert again == set(died_after)
+    assert all(r["stored_new"] is (r["key"] not in again) for r in out)
+    await in_redis(cluster.redis, f"{model}@*", 4 * n)
+    for srv in (cluster.a, cluster.b):
+        await read_back(srv, model, targets, kvs)
+
+    # Resume: from the whole output nothing is left; from a part, exactly the rest.
+    keep = [r for r in out if int(r["id"]) % 3 == 0]
+    left = await asyncio.to_thread(lambda: skip_done(pairs_dataset(rows), keep).take_all())
+    assert sorted(int(r["id"]) for r in left) == [i for i in range(n) if i % 3]
+    done_ds = ray.data.from_items(out)
+    assert await asyncio.to_thread(lambda: skip_done(pairs_dataset(rows), done_ds).count()) == 0
+    # An error row is not done: it is redone.
+    failed = [{**r, "status": "error"} if int(r["id"]) == 7 else r for r in out]
+    left = await asyncio.to_thread(lambda: skip_done(pairs_dataset(rows), failed).take_all())
+    assert [int(r["id"]) for r in left] == [7]
+
+
 # --------------------------------------------------------------------------- rolling upgrade
 
 
