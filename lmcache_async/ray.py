@@ -281,8 +281,11 @@ def remap_dataset(
     Args:
         pairs: rows with ``source``, ``target`` (and optionally ``cache_salt``,
             ``target_cache_salt``, ``id``).
-        model_name / servers / concurrency / max_bytes_in_flight / client_options: as
-            :class:`RemapBatches`.
+        model_name: as :class:`RemapBatches`.
+        servers: as :class:`RemapBatches`.
+        concurrency: as :class:`RemapBatches`.
+        max_bytes_in_flight: as :class:`RemapBatches`.
+        client_options: as :class:`RemapBatches`.
         actors: actors in the pool (``ActorPoolStrategy(size=actors)``), e.g. one per
             node running a server.
         batch_size: pairs per ``remap_many`` call.
@@ -311,7 +314,10 @@ def remap_dataset(
 def done_keys(output: Dataset | Iterable[Mapping[str, Any]]) -> set[str]:
     """Keys of the pairs an output (a dataset, or its rows) shows done: ``hit`` or
     ``miss`` (``error`` rows are redone)."""
-    rows = output.iter_rows() if isinstance(output, ray.data.Dataset) else output
+    if isinstance(output, ray.data.Dataset):
+        rows: Iterable[Mapping[str, Any]] = output.select_columns(["key", "status"]).iter_rows()
+    else:
+        rows = output
     return {str(row["key"]) for row in rows if row["status"] in _DONE}
 
 
