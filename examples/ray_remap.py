@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import sys
 from collections.abc import Sequence
 
@@ -89,6 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         **extra,
     )
     out.write_parquet(args.output)
+    if not os.path.isdir(args.output):  # Ray writes no files for no rows
+        print(f"{args.output}: nothing left to do")
+        return 0
     rows = ray.data.read_parquet(args.output)
     counts = collections.Counter(r["status"] for r in rows.select_columns(["status"]).iter_rows())
     print(f"{args.output}: {dict(sorted(counts.items()))}")

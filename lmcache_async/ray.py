@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from ray.data import Dataset
 
 __all__ = [
+    "ACTOR_CPUS",
     "HTTP_URL_ENV",
     "OUTPUT_COLUMNS",
     "URL_ENV",
@@ -111,6 +112,12 @@ _SCHEMA: Final = pa.schema(
     ]
 )
 _DONE: Final = ("hit", "miss")
+
+#: The CPUs each actor asks Ray for by default: an actor mostly waits for its server, and
+#: the stages before and after it (reading the pairs, writing the rows) need CPUs of their
+#: own -- with 1 CPU per actor, 2 actors on a 2-CPU node leave none for the read, and the
+#: job stalls.
+ACTOR_CPUS: Final = 0.5
 
 
 def server_for_node(
@@ -292,7 +299,8 @@ def remap_dataset(
         batch_class: a subclass of :class:`RemapBatches` to run instead (same constructor
             arguments), e.g. one that adds columns.
         map_batches_args: more keyword arguments of ``Dataset.map_batches`` (``num_cpus``,
-            ``resources``, ``label_selector``, ``scheduling_strategy``...).
+            default :data:`ACTOR_CPUS`; ``resources``, ``label_selector``,
+            ``scheduling_strategy``...).
     """
     kwargs: dict[str, Any] = {
         "model_name": model_name,
@@ -301,6 +309,7 @@ def remap_dataset(
         "max_bytes_in_flight": max_bytes_in_flight,
         "client_options": None if client_options is None else dict(client_options),
     }
+    map_batches_args.setdefault("num_cpus", ACTOR_CPUS)
     return pairs.map_batches(
         RemapBatches if batch_class is None else batch_class,
         fn_constructor_kwargs=kwargs,
