@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final
 
+from lmcache_async._pair_key import pair_key, text_key
 from lmcache_async.cli.arguments import (
     byte_size,
     checked_model,
@@ -45,7 +45,7 @@ from lmcache_async.cli.runner import (
     emit,
     one_line,
 )
-from lmcache_async.cli.sharding import select_shard, shard_arg
+from lmcache_async.cli.sharding import AutoShard, select_shard, shard_arg, shard_from_env
 
 if TYPE_CHECKING:  # annotations only: lmcache_async.bulk imports torch, which --help must not pay
     from lmcache_async.bulk import BatchProgress, ItemResult
@@ -113,14 +113,9 @@ def read_pairs(path: Path) -> Iterator[_Line]:
                 salt = obj.get("cache_salt", "")
                 tsalt = obj.get("target_cache_salt")
             except ValueError as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
-                yield _Line(number, _key(text), error=f"invalid pair: {one_line(str(exc))}")
+                yield _Line(number, text_key(text), error=f"invalid pair: {one_line(str(exc))}")
                 continue
-            canon = json.dumps([src, dst, salt, tsalt], separators=(",", ":"), default=str)
-            yield _Line(number, _key(canon), pair=(src, dst, salt, tsalt))
-
-
-def _key(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:20]
+            yield _Line(number, pair_key(src, dst, salt, tsalt), pair=(src, dst, salt, tsalt))
 
 
 def _done_keys(report: Path) -> set[str]:
@@ -237,6 +232,12 @@ def _remap_batch(args: argparse.Namespace) -> int:
     if args.resume and args.report is None:
         raise UsageError("--resume needs --report FILE (the report of the previous run)")
     checked_model(args.model_name)
+    if isinstance(args.shard, AutoShard):
+        try:
+            args.shard, source = shard_from_env(os.environ, args.shard.count)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        print(f"{PROG} remap-batch: shard {source}", file=sys.stderr)
     try:
         lines = select_shard(read_pairs(args.file), args.shard, key=lambda ln: ln.key)
     except FileNotFoundError:
@@ -310,6 +311,7 @@ async def _run_remap_batch(
         "gb_per_s": round(s.gb_per_s, 4),
         "peak_bytes_in_flight": s.peak_bytes_in_flight,
         "report": None if args.report is None else str(args.report),
+        "shard": None if args.shard is None else str(args.shard),
     }
     rows = [
         (
@@ -328,6 +330,8 @@ async def _run_remap_batch(
     ]
     if args.report is not None:
         rows.append(("report", str(args.report)))
+    if args.shard is not None:
+        rows.append(("shard", str(args.shard)))
     emit(args, data, rows)
     for message in failures[:5]:
         print(f"{PROG} remap-batch: failed: {message}", file=sys.stderr)
@@ -376,9 +380,10 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--shard",
         type=shard_arg,
-        metavar="I/N",
+        metavar="I/N|auto",
         help="run only shard I of N (1-based; by pair identity, see docs/guides/deployment.md); "
-        "give each shard its own --report",
+        "'auto' (or 'auto/N') reads I and N from a Kubernetes Indexed Job, a Slurm array or "
+        "RANK/WORLD_SIZE; give each shard its own --report",
     )
     p.add_argument(
         "--progress",

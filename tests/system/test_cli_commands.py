@@ -475,6 +475,7 @@ def test_remap_batch_report_progress_and_resume(real_server_shm: RealLMCacheServ
         "bytes_moved": 2 * 448 * SMALL_GEOMETRY.bytes_per_token,
         "peak_bytes_in_flight": 32 * SMALL_GEOMETRY.bytes_per_token,  # an oversized item, alone
         "report": str(report),
+        "shard": None,
     }
     bar, rest = first.stderr.split("\n", 1)
     assert re.fullmatch(
@@ -524,6 +525,7 @@ def test_remap_batch_report_progress_and_resume(real_server_shm: RealLMCacheServ
         "stored_tokens": 448 - skipped_tokens,
         "bytes_moved": 2 * (448 - skipped_tokens) * SMALL_GEOMETRY.bytes_per_token,
         "report": str(report),
+        "shard": None,
     }
     assert second.stderr == failure_lines
     rows = read_report()

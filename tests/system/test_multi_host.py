@@ -394,7 +394,16 @@ async def test_remote_store_lands_in_the_shm_servers_l1(
 # --------------------------------------------------------------------------- bulk jobs across hosts
 
 
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+#: What ``--shard auto`` reads; cleared from the environment of the CLI runs below so
+#: that only the variables a test sets are seen.
+SCHEDULER_VARS = (
+    "JOB_COMPLETION_INDEX", "LMCACHE_ASYNC_SHARD_COUNT", "RANK", "WORLD_SIZE", "SLURM_ARRAY_TASK_ID",
+    "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_STEP",
+)  # fmt: skip
+
+
+def cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if k not in SCHEDULER_VARS}
     proc = subprocess.run(
         [sys.executable, "-m", "lmcache_async", *args],
         capture_output=True,
@@ -403,7 +412,7 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         timeout=120,
         stdin=subprocess.DEVNULL,
         check=False,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},  # this checkout's lmcache_async
+        env={**base, **(env or {}), "PYTHONPATH": str(REPO_ROOT)},  # this checkout's lmcache_async
     )
     return proc
 
@@ -482,6 +491,301 @@ async def test_remap_batch_sharded_over_two_hosts(cluster: Cluster, tmp_path: Pa
     )
     assert bad.returncode == 2
     assert "argument --shard: shard index must be in 1..2, got 3" in bad.stderr
+
+
+@pytest.mark.timeout(240)
+async def test_remap_batch_shard_auto_as_a_kubernetes_indexed_job(cluster: Cluster, tmp_path: Path) -> None:
+    """Two processes with an Indexed Job's variables (``JOB_COMPLETION_INDEX`` 0 and 1, the
+    count from ``LMCACHE_ASYNC_SHARD_COUNT`` for one and ``--shard auto/2`` for the other)
+    run exactly the shards ``--shard 1/2`` and ``--shard 2/2`` would, one per host."""
+    from lmcache_async.cli.sharding import Shard, select_shard
+
+    model = unique_model("mh-auto")
+    n = 10
+    sources = [fresh_tokens(CS) for _ in range(n)]
+    targets = [fresh_tokens(CS) for _ in range(n)]
+    kvs = [random_kv(GEOM, CS) for _ in range(n)]
+    async with client_of(cluster.a, model) as ca:
+        for kv, src in zip(kvs, sources, strict=True):
+            assert await ca.store(kv, src) is True
+    await in_redis(cluster.redis, f"{model}@*", n)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(
+        "".join(json.dumps({"source": s, "target": t}) + "\n" for s, t in zip(sources, targets, strict=True))
+    )
+    hosts = {0: cluster.a, 1: cluster.b}
+    reports = {i: tmp_path / f"report-{i}.jsonl" for i in hosts}
+    envs = {
+        0: {"JOB_COMPLETION_INDEX": "0", "LMCACHE_ASYNC_SHARD_COUNT": "2"},
+        1: {"JOB_COMPLETION_INDEX": "1"},
+    }
+    shard_flag = {0: "auto", 1: "auto/2"}
+    procs = await asyncio.gather(
+        *(
+            asyncio.to_thread(
+                cli, "remap-batch", str(pairs), *server_flags(srv), "--model-name", model,
+                "--shard", shard_flag[i], "--report", str(reports[i]), "--json", cwd=tmp_path, env=envs[i],
+            )
+            for i, srv in hosts.items()
+        )
+    )  # fmt: skip
+    rows: dict[int, list[dict[str, Any]]] = {}
+    for i, proc in zip(hosts, procs, strict=True):
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr == (
+            f"lmcache-async remap-batch: shard {i + 1}/2 from Kubernetes Indexed Job (JOB_COMPLETION_INDEX)\n"
+        )
+        rows[i] = [json.loads(x) for x in reports[i].read_text().splitlines()]
+        summary = json.loads(proc.stdout)
+        assert (summary["shard"], summary["pairs"], summary["hits"], summary["failures"]) == (
+            f"{i + 1}/2",
+            len(rows[i]),
+            len(rows[i]),
+            0,
+        )
+    keys = {r["line"]: r["key"] for i in hosts for r in rows[i]}
+    assert sorted(keys) == list(range(1, n + 1))
+    for i in hosts:
+        lines = sorted(r["line"] for r in rows[i])
+        assert lines and lines == select_shard(range(1, n + 1), Shard(i + 1, 2), key=lambda ln: keys[ln])
+    await in_redis(cluster.redis, f"{model}@*", 2 * n)
+    async with client_of(cluster.a, model) as ca, client_of(cluster.b, model) as cb:
+        for line in keys:
+            for c in (ca, cb):
+                got = await c.retrieve(targets[line - 1])
+                assert got is not None and torch.equal(got, kvs[line - 1]), line
+    # No scheduler variable, or disagreeing ones: exit 2 before any server is contacted.
+    bad = cli("remap-batch", str(pairs), "--url", "tcp://127.0.0.1:1", "--model-name", model,
+              "--shard", "auto", cwd=tmp_path)  # fmt: skip
+    assert (bad.returncode, bad.stdout) == (2, "")
+    assert bad.stderr == (
+        "lmcache-async remap-batch: error: --shard auto: no scheduler variable is set; looked for "
+        "JOB_COMPLETION_INDEX (Kubernetes Indexed Job), SLURM_ARRAY_TASK_ID (Slurm array), "
+        "RANK/WORLD_SIZE (torchrun)\n"
+    )
+    bad = cli("remap-batch", str(pairs), "--url", "tcp://127.0.0.1:1", "--model-name", model,
+              "--shard", "auto/3", cwd=tmp_path, env={"RANK": "0", "WORLD_SIZE": "2"})  # fmt: skip
+    assert (bad.returncode, bad.stderr) == (
+        2,
+        "lmcache-async remap-batch: error: --shard auto/3: torchrun (RANK/WORLD_SIZE) says 2 shards\n",
+    )
+
+
+# --------------------------------------------------------------------------- Ray Data across hosts
+#
+# One local Ray cluster (2 CPUs, a 300 MB object store: the machine is shared) for the
+# module's Ray tests, which share one pytest-xdist worker. The actors reach their server by
+# ``servers={node_ip: ...}``; with one Ray node they all use the same one: A (its L1 holds
+# the sources) in the first test, B (it reads them from Redis) in the second.
+
+RAY_PAIRS = 1000
+#: Ray's own deprecation notices (its DataContext defaults) are not this project's.
+ray_test = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.*")
+
+
+@pytest.fixture(scope="module")
+def ray_node() -> Iterator[str]:
+    """A local Ray cluster on loopback (``harness.ray_local``), stopped after the module;
+    yields the node's IP, 127.0.0.1."""
+    pytest.importorskip("ray")
+    from harness.ray_local import local_ray
+
+    with local_ray() as node:
+        yield node
+
+
+def pairs_dataset(rows: list[dict[str, Any]], blocks: int = 4) -> Any:
+    import ray.data
+
+    return ray.data.from_items(rows, override_num_blocks=blocks)
+
+
+def store_sources(
+    model: str, sources: list[list[int]], kvs: list[torch.Tensor], srv: RealLMCacheServer
+) -> None:
+    async def run() -> None:
+        async with client_of(srv, model) as c:
+            r = await c.store_many(list(zip(kvs, sources, strict=True)), concurrency=16)
+            assert r.summary.failures == 0
+
+    asyncio.run(run())
+
+
+async def read_back(
+    srv: RealLMCacheServer, model: str, targets: list[list[int]], kvs: list[torch.Tensor]
+) -> None:
+    """Every target through ``srv``: whole and bitwise its source's KV."""
+    async with client_of(srv, model) as c:
+        got = await c.retrieve_many(targets, concurrency=16)
+        for i, r in enumerate(got):
+            assert r.error is None and r.kv is not None and torch.equal(r.kv, kvs[i]), i
+
+
+@ray_test
+@pytest.mark.xdist_group("ray")
+@pytest.mark.timeout(300)
+async def test_ray_job_equals_one_process_remap_many(cluster: Cluster, ray_node: str) -> None:
+    """A Ray Data job (2 actors) over 1,000 pairs gives, pair for pair, what one process's
+    ``remap_many`` gives over the same pairs; every target is read whole and bitwise
+    through either server."""
+    from lmcache_async.ray import OUTPUT_COLUMNS, remap_dataset
+
+    n = RAY_PAIRS
+    stored = n - 60  # 50 misses (source never stored) and 10 invalid pairs
+    model = unique_model("ray")
+    sources = [fresh_tokens(CS) for _ in range(n)]
+    targets = [fresh_tokens(CS) for _ in range(n)]  # the Ray job's
+    others = [fresh_tokens(CS) for _ in range(n)]  # the single process's, from the same sources
+    kvs = [random_kv(GEOM, CS) for _ in range(stored)]
+    for i in range(n - 10, n):
+        sources[i] = [-1] * CS
+    await asyncio.to_thread(store_sources, model, sources[:stored], kvs, cluster.a)
+    rows = [{"id": i, "source": sources[i], "target": targets[i]} for i in range(n)]
+
+    out = await asyncio.to_thread(
+        lambda: remap_dataset(
+            pairs_dataset(rows), model, actors=2, batch_size=100, concurrency=8,
+            servers={ray_node: (cluster.a.url, cluster.a.http_url)},
+            client_options={"geometry": GEOM, "timeout": 30},
+        ).take_all()
+    )  # fmt: skip
+    async with client_of(cluster.a, model) as ca:
+        one = await ca.remap_many(list(zip(sources[: n - 10], others[: n - 10], strict=True)), concurrency=8)
+
+    assert len(out) == n and all(tuple(r) == OUTPUT_COLUMNS for r in out)
+    by_id = {int(r["id"]): r for r in out}
+    assert sorted(by_id) == list(range(n))
+    bpt = GEOM.bytes_per_token
+    for i in range(n - 10):
+        r, item = by_id[i], one[i]
+        assert item.error is None
+        assert (r["status"], r["retrieved_tokens"], r["stored_tokens"], r["bytes"], r["stored_new"]) == (
+            "hit" if item.hit else "miss",
+            item.retrieved_tokens,
+            item.stored_tokens,
+            (item.retrieved_tokens + item.stored_tokens) * bpt,
+            item.stored_new,
+        ), i
+        assert (r["already_cached"], r["error_type"], r["error"], r["server"]) == (
+            False,
+            None,
+            None,
+            cluster.a.url,
+        )
+    assert [by_id[i]["status"] for i in range(n - 60)] == ["hit"] * (n - 60)
+    assert [by_id[i]["status"] for i in range(n - 60, n - 10)] == ["miss"] * 50
+    for i in range(n - 10, n):
+        assert (by_id[i]["status"], by_id[i]["error_type"]) == ("error", "ValueError")
+        assert by_id[i]["error"] == ("source_tokens: token id -1 is outside [0, 2**32)")
+    # The row key is remap-batch's key of the same pair.
+    from lmcache_async._pair_key import pair_key
+
+    assert [by_id[i]["key"] for i in range(n)] == [
+        pair_key(sources[i], targets[i], "", None) for i in range(n)
+    ]
+    await in_redis(cluster.redis, f"{model}@*", 3 * stored)  # sources, both sets of targets
+    for srv in (cluster.a, cluster.b):
+        await read_back(srv, model, targets[:stored], kvs)
+
+
+class DyingRemapBatches:
+    """The test's stand-in for an actor killed mid-job: the first actor to reach its second
+    batch (once per job, by an exclusive file) remaps half of that batch, then its process
+    dies at once (``os._exit``: no clean-up, as under SIGKILL). Every actor logs the keys
+    of the pairs it remapped (``<marker>.<pid>``); the dead one's pid is in the marker."""
+
+    def __init__(self, *, marker: str, **kwargs: Any) -> None:
+        from lmcache_async.ray import RemapBatches
+
+        self.inner = RemapBatches(**kwargs)
+        self.marker = Path(marker)
+        self.calls = 0
+
+    def _remap(self, batch: dict[str, Any]) -> Any:
+        table = self.inner(batch)
+        with open(f"{self.marker}.{os.getpid()}", "a") as log:
+            log.writelines(k + "\n" for k in table.column("key").to_pylist())
+        return table
+
+    def __call__(self, batch: dict[str, Any]) -> Any:
+        self.calls += 1
+        if self.calls == 2:
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass
+            else:
+                half = self._remap({k: v[: len(v) // 2] for k, v in batch.items()})
+                self.marker.write_text(json.dumps([os.getpid(), half.column("key").to_pylist()]))
+                os._exit(1)
+        return self._remap(batch)
+
+
+@ray_test
+@pytest.mark.xdist_group("ray")
+@pytest.mark.timeout(300)
+async def test_ray_actor_killed_mid_job_then_resume_redoes_nothing(
+    cluster: Cluster, ray_node: str, tmp_path: Path
+) -> None:
+    """An actor dies after half a batch: Ray restarts it and retries the batch, the job
+    finishes, every pair is in the output once, the pairs redone say ``already_cached``
+    (those of the half batch at least, and only pairs the dead actor had done), and every
+    target is whole and bitwise. A job resumed from this
+    output has nothing left to do; from a part of it, exactly the rest."""
+    import ray.data
+
+    from lmcache_async.ray import skip_done
+
+    model = unique_model("ray-kill")
+    n, batch = 200, 25
+    sources = [fresh_tokens(2 * CS) for _ in range(n)]
+    targets = [fresh_tokens(2 * CS) for _ in range(n)]
+    kvs = [random_kv(GEOM, 2 * CS) for _ in range(n)]
+    await asyncio.to_thread(store_sources, model, sources, kvs, cluster.a)
+    await in_redis(cluster.redis, f"{model}@*", 2 * n)
+    rows = [{"id": i, "source": sources[i], "target": targets[i]} for i in range(n)]
+    marker = tmp_path / "died"
+    kwargs = {
+        "marker": str(marker), "model_name": model, "concurrency": 8,
+        "servers": {ray_node: (cluster.b.url, cluster.b.http_url)},
+        "client_options": {"geometry": GEOM, "timeout": 30},
+    }  # fmt: skip
+    out = await asyncio.to_thread(
+        lambda: (
+            pairs_dataset(rows)
+            .map_batches(
+                DyingRemapBatches,
+                fn_constructor_kwargs=kwargs,
+                compute=ray.data.ActorPoolStrategy(size=2),
+                batch_size=batch,
+                batch_format="numpy",
+            )
+            .take_all()
+        )
+    )
+    pid, last = json.loads(marker.read_text())  # the dead actor, its last half batch
+    assert len(last) == batch // 2
+    by_dead = set((tmp_path / f"died.{pid}").read_text().split())  # every pair it remapped
+    assert len(out) == n
+    assert sorted(int(r["id"]) for r in out) == list(range(n))  # each pair once
+    assert len({r["key"] for r in out}) == n
+    assert all(r["status"] == "hit" and r["retrieved_tokens"] == r["stored_tokens"] == 2 * CS for r in out)
+    # Redone: the half batch it died in (and whatever else of its work Ray retried, e.g.
+    # a batch whose output had not reached the driver yet): only pairs the dead actor did.
+    again = {r["key"] for r in out if r["already_cached"]}
+    assert set(last) <= again <= by_dead
+    assert all(r["stored_new"] is (r["key"] not in again) for r in out)
+    await in_redis(cluster.redis, f"{model}@*", 4 * n)
+    for srv in (cluster.a, cluster.b):
+        await read_back(srv, model, targets, kvs)
+
+    # Resume: from the whole output nothing is left; from a part, exactly the rest (a row
+    # that says error is not done: pair 9 is redone).
+    done_ds = ray.data.from_items(out)
+    assert await asyncio.to_thread(lambda: skip_done(pairs_dataset(rows), done_ds).count()) == 0
+    keep = [{**r, "status": "error"} if int(r["id"]) == 9 else r for r in out if int(r["id"]) % 3 == 0]
+    left = await asyncio.to_thread(lambda: skip_done(pairs_dataset(rows), keep).take_all())
+    assert sorted(int(r["id"]) for r in left) == [i for i in range(n) if i % 3 or i == 9]
 
 
 # --------------------------------------------------------------------------- rolling upgrade
