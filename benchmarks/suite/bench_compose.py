@@ -37,7 +37,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -60,7 +60,9 @@ def _tokens(n: int) -> list[int]:
     return list(range(base, base + n))
 
 
-async def measure_cpu(url: str, http_url: str, *, layers: int, iters: int, transfer: str) -> dict[str, Any]:
+async def measure_cpu(
+    url: str, http_url: str, *, layers: int, iters: int, transfer: Literal["auto", "shm", "pickle"]
+) -> dict[str, Any]:
     geom = geometry(layers)
     rope = lmc.RopeSpec(head_dim=128, theta=500000.0)
     n = PART_CHUNKS * CS
@@ -162,6 +164,12 @@ async def measure_cuda(*, layers: int, iters: int) -> dict[str, Any]:
     }
 
 
+def _transfer(name: str) -> Literal["shm", "pickle"]:
+    if name not in ("shm", "pickle"):
+        raise ValueError(f"transfer must be shm or pickle, got {name!r}")
+    return "shm" if name == "shm" else "pickle"
+
+
 def section(
     servers: dict[str, tuple[str, str]], *, layers: int, iters: int, rounds: int = 1
 ) -> dict[str, Any]:
@@ -171,7 +179,7 @@ def section(
     result: dict[str, Any] = {"layers": layers, "iters": iters, "rounds": rounds, "target": ">= 0.8"}
     for transfer, (url, http_url) in servers.items():
         runs = [
-            asyncio.run(measure_cpu(url, http_url, layers=layers, iters=iters, transfer=transfer))
+            asyncio.run(measure_cpu(url, http_url, layers=layers, iters=iters, transfer=_transfer(transfer)))
             for _ in range(rounds)
         ]
         result[transfer] = runs[-1]
@@ -184,7 +192,7 @@ async def _embedded_cpu(args: argparse.Namespace) -> dict[str, Any]:
 
     geom = geometry(args.layers)
     size = geom.bytes_per_token * CS * PART_CHUNKS * (4 + 4 * (args.iters + 1)) + (256 << 20)
-    mode = "pickle" if args.transfer == "pickle" else "shm"
+    mode: Literal["shm", "pickle"] = "pickle" if args.transfer == "pickle" else "shm"
     async with EmbeddedServer(chunk_size=CS, mode=mode, size_bytes=size) as srv:
         return await measure_cpu(
             srv.url, srv.http_url, layers=args.layers, iters=args.iters, transfer=args.transfer
