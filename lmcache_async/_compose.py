@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,7 +31,9 @@ from lmcache_async.rope import RopeSpec
 __all__ = [
     "ComposeClient",
     "ComposeResult",
+    "Fill",
     "Gathered",
+    "InPool",
     "KVPart",
     "PartResult",
     "Plan",
@@ -40,6 +42,17 @@ __all__ = [
     "gather",
     "plan",
     "result",
+    "slot_filler",
+]
+
+
+#: ``fill(sources, j, slot)`` of the in-pool composition (:func:`slot_filler`).
+Fill = Callable[[Sequence[Sequence[torch.Tensor]], int, torch.Tensor], None]
+#: The in-pool composition: ``(sources, target, stored, salt, fill, timeout)`` -> (cached
+#: tokens per source, whether a chunk was added); each source ``(tokens, read, salt)``.
+InPool = Callable[
+    [list[tuple[list[int], int, str]], list[int], int, str, Fill, float | None],
+    Awaitable[tuple[list[int], bool]],
 ]
 
 
@@ -402,6 +415,38 @@ async def gather(
     )
 
 
+def slot_filler(
+    the_plan: Plan, geometry: KVGeometry, chunk_size: int, order: Sequence[tuple[tuple[int, ...], str]]
+) -> Fill:
+    """For the in-pool composition on SHM: a function that writes target chunk ``j`` into
+    the slot ``dst`` from the sources' chunk views (``sources[i][c]``: chunk ``c`` of the
+    source ``order[i]``), each part's values copied and its keys rotated by its shift (or
+    copied), a part split where it crosses a source chunk."""
+    index = {key: i for i, key in enumerate(order)}
+    axis, heads, cs = geometry.token_axis, geometry.num_kv_heads, chunk_size
+
+    def fill(sources: Sequence[Sequence[torch.Tensor]], j: int, dst: torch.Tensor) -> None:
+        lo, hi = j * cs, (j + 1) * cs
+        for p in the_plan.placements:
+            a, b = max(lo, p.offset), min(hi, p.offset + p.placed)
+            chunks = sources[index[_key(p)]] if a < b else ()
+            s = p.part.start + (a - p.offset)  # the source's token at target position a
+            while a < b:
+                c, o = divmod(s, cs)
+                n = min(b - a, cs - o)
+                src = chunks[c].narrow(axis, o, n)
+                out = dst.narrow(axis, a - lo, n)
+                if p.shift == 0:
+                    out.copy_(src)
+                else:
+                    assert the_plan.rope is not None
+                    out[1].copy_(src[1])
+                    the_plan.rope.rotate_keys(src[0], p.shift, out=out[0], heads=heads)
+                a, s = a + n, s + n
+
+    return fill
+
+
 def result(the_plan: Plan, gathered: Gathered, stored_new: bool) -> ComposeResult:
     """The :class:`ComposeResult` of a plan whose sources were gathered (and, if every
     part hit, stored)."""
@@ -432,11 +477,22 @@ async def compose(
     rope: RopeSpec | None,
     cache_salt: str,
     timeout: float | None,
+    in_pool: InPool | None = None,
 ) -> ComposeResult:
     """Run a composition (see :meth:`AsyncClient.compose
     <lmcache_async.AsyncClient.compose>`); ``timeout`` is already resolved and covers the
-    retrieves and the store together."""
+    retrieves and the store together. ``in_pool``: the SHM transport's composition inside
+    the server's pool (``in_pool(sources, target, stored, salt, fill, timeout)`` ->
+    (cached tokens per source, stored_new)), used instead of retrieve + assemble + store."""
     the_plan = plan(target_tokens, parts, rope, cache_salt, client.geometry, client.chunk_size)
+    if in_pool is not None:
+        reads = the_plan.reads()
+        order = list(reads)
+        sources = [(list(src[:read]), read, salt) for (src, salt), read in reads.items()]
+        fill = slot_filler(the_plan, client.geometry, client.chunk_size, order)
+        target = list(the_plan.target[: the_plan.stored])
+        cached, new = await in_pool(sources, target, the_plan.stored, the_plan.salt, fill, timeout)
+        return result(the_plan, Gathered({}, dict(zip(order, cached, strict=True))), new)
     start = time.monotonic()
     target_kv = empty_host(client.geometry.kv_shape(the_plan.stored), client.geometry.dtype)
     gathered = await gather(client, the_plan, timeout, target_kv)

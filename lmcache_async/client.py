@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, Unpack
 
 import torch
 
-from lmcache_async._compose import ComposeResult, KVPart, compose
+from lmcache_async._compose import ComposeResult, Fill, KVPart, compose
 from lmcache_async._connection import DEFAULT_MAX_IN_FLIGHT, check_zmq_url
 from lmcache_async._cuda.hooks import caller_order, kv_mark, target_mark
 from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
 from lmcache_async._ops import Operations, RemapResult
+from lmcache_async._ops.shm import Source
 from lmcache_async._runner import OpState, run_detached, wait_all
 from lmcache_async._session import Session, TransferMode
 from lmcache_async._tensor_checks import check_tensor_storage
@@ -804,9 +805,12 @@ class AsyncClient:
         next in the target (the first at position 0), its keys rotated by (its position
         in the target - ``start``) with ``rope`` (:class:`~lmcache_async.RopeSpec`);
         values are copied. The parts may be shorter than the target; the target's whole
-        chunks they cover are stored, as :meth:`store` does. Each distinct source is
-        retrieved once, as far as its parts reach, all concurrently; then the target is
-        stored with one store. ``cache_salt`` is the target's namespace and the default
+        chunks they cover are stored, as :meth:`store` does. On SHM the composition runs
+        inside the server's pool, as :meth:`remap` does: the sources' slots are read
+        (each distinct source once, as far as its parts reach) straight into the
+        target's reserved slots, keys rotated on the way, one commit. Otherwise each
+        distinct source is retrieved once, all concurrently, and the target is stored
+        with one store. ``cache_salt`` is the target's namespace and the default
         of the parts' ``cache_salt``. :meth:`remap` is the case of one unshifted part.
 
         Returns:
@@ -821,13 +825,34 @@ class AsyncClient:
                 retrieves and the store).
 
         A part whose range is not cached makes the call store nothing: the result says
-        which (:attr:`ComposeResult.missed`). Cancellation/timeout: during the retrieves
-        nothing is stored (each retrieve cleans up as :meth:`retrieve` does); during the
-        store, as :meth:`store` (all chunks or none are committed).
+        which (:attr:`ComposeResult.missed`). Cancellation/timeout: before the target's
+        slots are reserved nothing is stored (read locks, pending reads and sessions are
+        released in the background); after, as :meth:`store` (the chunks are written and
+        all of them committed).
         """
         self._require_open()
+        in_pool = self._compose_in_pool if self._session.pool is not None else None
         return await compose(
-            self, target_tokens, parts, rope=rope, cache_salt=cache_salt, timeout=self._timeout(timeout)
+            self,
+            target_tokens,
+            parts,
+            rope=rope,
+            cache_salt=cache_salt,
+            timeout=self._timeout(timeout),
+            in_pool=in_pool,
+        )
+
+    async def _compose_in_pool(
+        self,
+        sources: list[Source],
+        target: list[int],
+        stored: int,
+        salt: str,
+        fill: Fill,
+        timeout: float | None,
+    ) -> tuple[list[int], bool]:
+        return await self._run(
+            "compose", timeout, lambda ops, op: ops.compose_in_pool(op, sources, target, stored, salt, fill)
         )
 
     # ------------------------------------------------------------------ misc

@@ -1,11 +1,15 @@
 """The SHM sequences: retrieve from the server's pool slots, store into reserved slots
-(with the repair path of a failed copy), and the in-pool remap."""
+(with the repair path of a failed copy), and the in-pool remap and composition (the
+sources' slots copied, keys rotated where a part moves, straight into the target's
+reserved slots; the tensor work of one target chunk comes from
+:mod:`lmcache_async._compose` as a ``fill`` function)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +34,13 @@ from lmcache_async.errors import LayoutMismatchError, ProtocolError, TransferErr
 if TYPE_CHECKING:
     from lmcache_async._cuda.copies import Mark
 
-__all__ = ["ShmSequences"]
+__all__ = ["Fill", "ShmSequences", "Source"]
+
+#: One source of a composition: its tokens, the tokens to read (whole chunks), its salt.
+Source = tuple[list[int], int, str]
+#: ``fill(sources, j, slot)``: write target chunk ``j`` into ``slot`` from the sources'
+#: chunk views (``sources[i][c]``: chunk ``c`` of source ``i``). Runs in a worker thread.
+Fill = Callable[[Sequence[Sequence[torch.Tensor]], int, torch.Tensor], None]
 
 
 class ShmSequences(OperationsBase):
@@ -301,3 +311,135 @@ class ShmSequences(OperationsBase):
         finally:
             if not committed:
                 await self.cleanup_call(Op.COMMIT_RETRIEVE, rkey, self.reg.instance_id)
+
+    async def compose_in_pool(
+        self,
+        op: OpState,
+        sources: Sequence[Source],
+        target: list[int],
+        stored: int,
+        tsalt: str,
+        fill: Fill,
+    ) -> tuple[list[int], bool]:
+        """Compose ``target[:stored]`` (whole chunks) in the SHM pool from ``sources``.
+
+        Every source is looked up (its read locks held); when each holds the tokens it
+        must give, each is prepared for reading, the target's chunks are reserved, each
+        reserved chunk is written by ``fill`` in a worker thread, and the store and the
+        reads are committed together. A source short of its tokens stores nothing.
+
+        Returns:
+            The tokens of each source that are cached (up to what it must give), and
+            whether a chunk of the target was added.
+
+        Cancellation/timeout: as :meth:`_remap_shm`: once the target's slots are reserved
+        they are written and committed; every lock, pending read and session is released.
+        """
+        assert self.reg.pool is not None
+        cs = self.reg.chunk_size
+        rids = [request_id("compose") for _ in sources]
+        keys = [
+            self._key(toks, read, rid, salt, worker=False)
+            for (toks, read, salt), rid in zip(sources, rids, strict=True)
+        ]
+        hits = [0] * len(sources)
+        states = [RetrieveState() for _ in sources]
+        rkeys: list[dict[str, Any] | None] = [None] * len(sources)
+        pending = [False] * len(sources)  # prepared for reading, no commit_retrieve sent yet
+        try:
+
+            async def look(i: int) -> None:
+                hits[i] = await self._lookup_locked(op, keys[i], rids[i], release=False)
+
+            await asyncio.gather(*(look(i) for i in range(len(sources))))
+            if stored == 0 or any(h < read for h, (_, read, _) in zip(hits, sources, strict=True)):
+                return hits, False
+            # Gates in one order everywhere (every read, sorted, then the store): no cycle.
+            reads = sorted({("retrieve", salt, tuple(toks[:read])) for toks, read, salt in sources})
+            async with contextlib.AsyncExitStack() as gates:
+                for identity in reads:
+                    await gates.enter_async_context(self._gate(identity))
+                await gates.enter_async_context(self._gate(("store", tsalt, tuple(target[:stored]))))
+                views: list[list[torch.Tensor]] = []
+                for i, (toks, read, salt) in enumerate(sources):
+                    states[i].prepared = True
+                    rkey = rkeys[i] = self._key(toks, read, rids[i], salt, worker=True)
+                    resp = await self.call(op, Op.PREPARE_RETRIEVE, rkey, self.reg.instance_id)
+                    success, _data, slots = parse_prepare_retrieve(resp)
+                    if not success:  # evicted between lookup and prepare: a miss
+                        hits[i] = 0
+                        return hits, False
+                    pending[i] = True
+                    if len(slots) != read // cs:
+                        raise ProtocolError(
+                            f"prepare_retrieve gave {len(slots)} slots for {read // cs} chunks"
+                        )
+                    views.append(self._stored_views(slots))
+                if op.abandoned:  # the caller left before the store half began: skip it
+                    return hits, False
+                return hits, await self._compose_store(op, views, target, stored, tsalt, fill, rkeys, pending)
+        finally:
+            for i in range(len(sources)):
+                if hits[i] and not states[i].prepared:
+                    await self._free_locks(keys[i], hits[i] // cs)
+                if pending[i]:
+                    await self.cleanup_call(Op.COMMIT_RETRIEVE, rkeys[i], self.reg.instance_id)
+                await self.cleanup_later(Op.END_SESSION, rids[i])
+
+    async def _compose_store(
+        self,
+        op: OpState,
+        views: Sequence[Sequence[torch.Tensor]],
+        target: list[int],
+        stored: int,
+        tsalt: str,
+        fill: Fill,
+        rkeys: Sequence[dict[str, Any] | None],
+        pending: list[bool],
+    ) -> bool:
+        """Reserve the target's chunks, fill them, commit them with the reads."""
+        assert self.reg.pool is not None
+        geom = self.reg.geometry
+        shape = geom.kv_shape(self.reg.chunk_size)
+        srid = request_id("compose-store")
+        skey = self._key(target, stored, srid, tsalt, worker=True)
+        reserved = Reserved()
+        commits = [(Op.COMMIT_RETRIEVE, rkey, self.reg.instance_id) for rkey in rkeys]
+        try:
+            reserved.sent = True
+            sresp = await self.call(op, Op.PREPARE_STORE, skey, self.reg.instance_id)
+            wslots, indices = parse_prepare_store(sresp)
+            if not wslots:
+                reserved.sent = False  # nothing reserved: every chunk cached (or no memory)
+                await self._check_stored(op, target, stored, tsalt, "reserve memory for")
+                pending[:] = [False] * len(pending)
+                await self.pipeline(op, *commits)
+                return False
+            if max(indices) >= stored // self.reg.chunk_size:
+                raise ProtocolError(
+                    f"prepare_store asked for chunk {max(indices)} of {stored // self.reg.chunk_size}"
+                )
+            slots = [
+                (self.reg.pool.view(w, shape, geom.dtype), j) for w, j in zip(wslots, indices, strict=True)
+            ]
+            nbytes = len(slots) * slots[0][0].numel() * slots[0][0].element_size()
+
+            def write() -> None:
+                for slot, j in slots:
+                    fill(views, j, slot)
+
+            try:
+                await copies.copy_to_the_end(max(nbytes, copies.THREAD_COPY_BYTES), write)
+            except Exception as exc:
+                raise TransferError(
+                    f"could not write the composed chunks ({exc!r}); nothing was committed"
+                ) from exc
+            reserved.filled = True
+            pending[:] = [False] * len(pending)  # the reads go with the store's commit
+            ok, *_ = await self.pipeline(op, (Op.COMMIT_STORE, skey, self.reg.instance_id, b""), *commits)
+            if ok is not True:
+                raise TransferError("the server refused the SHM commit (registration lost?)")
+            return True
+        finally:
+            self._settle(reserved)
+            await self.cleanup_later(Op.END_SESSION, srid)

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from lmcache_async._compose import KVPart, plan, slot_filler
 from lmcache_async._ops import Operations, Registration, RemapResult
 from lmcache_async._runner import OpState, run_detached
 from lmcache_async._shm import ShmPool
@@ -34,6 +35,7 @@ from lmcache_async._wire import (
 )
 from lmcache_async.errors import LMCacheTimeoutError
 from lmcache_async.geometry import dtype_name
+from lmcache_async.rope import RopeSpec
 from lmcache_async.testing import InProcessServer, NoReply
 from tests.helpers import SMALL_GEOMETRY
 
@@ -178,6 +180,19 @@ async def _store(h: Harness, toks: list[int], kv: torch.Tensor) -> None:
     assert h.srv.leftovers().is_clean()
 
 
+def _compose(
+    h: Harness, toks: list[int], kv: torch.Tensor
+) -> Callable[[Operations, OpState], Awaitable[Any]]:
+    """The in-pool composition of two parts of one source, the first moved (keys rotated)."""
+    rope = RopeSpec(head_dim=SMALL_GEOMETRY.head_dim, theta=10000.0)
+    target = h.tokens()
+    the_plan = plan(target, [KVPart(toks, CS, 2 * CS), KVPart(toks, 0, 2 * CS)], rope, "", SMALL_GEOMETRY, CS)
+    reads = the_plan.reads()
+    sources = [(list(src[:n]), n, salt) for (src, salt), n in reads.items()]
+    fill = slot_filler(the_plan, SMALL_GEOMETRY, CS, list(reads))
+    return lambda ops, op: ops.compose_in_pool(op, sources, target[:END], END, "", fill)
+
+
 CASES: dict[
     str, Callable[[Harness, list[int], torch.Tensor], Callable[[Operations, OpState], Awaitable[Any]]]
 ] = {
@@ -193,14 +208,15 @@ CASES: dict[
         )
     ),
     "remap": lambda h, toks, kv: lambda ops, op: ops.remap(op, toks, h.tokens(), END, "", ""),
+    "compose-in-pool": _compose,
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 async def test_cancel_at_every_rpc_leaves_the_engine_clean(harness: Harness, case: str) -> None:
     h = harness
-    if case == "remap" and h.pool is None:
-        pytest.skip("the in-pool remap is an SHM sequence (inline remap = retrieve + store)")
+    if case in ("remap", "compose-in-pool") and h.pool is None:
+        pytest.skip("an in-pool sequence is SHM only (inline: retrieve + store)")
     # One uncancelled run counts the requests (and checks the result).
     toks, kv = h.tokens(), h.kv()
     await _store(h, toks, kv)
@@ -211,6 +227,8 @@ async def test_cancel_at_every_rpc_leaves_the_engine_clean(harness: Harness, cas
         assert result is not None and torch.equal(result, kv[:, :, :END])
     elif case.startswith("store"):
         assert result is True
+    elif case == "compose-in-pool":
+        assert result == ([2 * CS], True)  # the source read as far as its parts reach; stored
     else:
         assert result == RemapResult(END, END, True)
     n_requests = len(h.channel.sent)
