@@ -501,7 +501,7 @@ class OperationsBase:
         delay = 0.0
         while True:
             await asyncio.sleep(delay)
-            rid = request_id("store-check")
+            rid = request_id("store-check", op)
             key = self._key(toks, end, rid, salt, worker=False)
             cached = await self._lookup_locked(op, key, rid, release=True, release_later=True)
             if cached >= end:
@@ -577,9 +577,13 @@ def _is_count(value: object) -> TypeGuard[int]:
     return type(value) is int and value >= 0
 
 
-def request_id(kind: str) -> str:
-    """A fresh session id (the server keys sessions by it; never reused)."""
-    return f"lmca-{kind}-{uuid.uuid4().hex}"
+def request_id(kind: str, op: OpState | None = None) -> str:
+    """A fresh session id (the server keys sessions by it; never reused), noted in
+    ``op``'s observed record if it has one."""
+    rid = f"lmca-{kind}-{uuid.uuid4().hex}"
+    if op is not None and op.record is not None:
+        op.record.request_ids.append(rid)
+    return rid
 
 
 def shape_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

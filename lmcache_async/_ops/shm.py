@@ -134,7 +134,7 @@ class ShmSequences(OperationsBase):
     ) -> bool:
         geom = self.reg.geometry
         assert self.reg.pool is not None
-        rid = request_id("store")
+        rid = request_id("store", op)
         key = self._key(toks, end, rid, salt, worker=True, configs=configs)
         reserved = Reserved()
         try:
@@ -157,6 +157,7 @@ class ShmSequences(OperationsBase):
             nbytes = sum(v.numel() for v in views) * kv.element_size()
             await self._fill_reserved(pairs, nbytes, mark)
             reserved.filled = True
+            op.moved(nbytes)
             ok = await self.call(op, Op.COMMIT_STORE, key, self.reg.instance_id, b"")
             if ok is not True:
                 raise TransferError("the server refused the SHM commit (registration lost?)")
@@ -196,7 +197,7 @@ class ShmSequences(OperationsBase):
         cs = self.reg.chunk_size
         if groups is None:
             groups = store_groups(end // cs)
-        rids = [request_id("store") for _ in groups]
+        rids = [request_id("store", op) for _ in groups]
         reserved = [Reserved() for _ in groups]
 
         async def group(i: int) -> bool:
@@ -214,8 +215,10 @@ class ShmSequences(OperationsBase):
             shape = self.reg.geometry.kv_shape(cs)
             views = [self.reg.pool.view(sl, shape, self.reg.geometry.dtype) for sl in slots]
             pairs = [(v, self._chunk(kv, first + j)) for v, j in zip(views, indices, strict=True)]
-            await self._fill_reserved(pairs, sum(v.numel() for v in views) * kv.element_size(), mark)
+            nbytes = sum(v.numel() for v in views) * kv.element_size()
+            await self._fill_reserved(pairs, nbytes, mark)
             reserved[i].filled = True
+            op.moved(nbytes)
             ok = await self.call(op, Op.COMMIT_STORE, gkey, self.reg.instance_id, b"")
             if ok is not True:
                 raise TransferError("the server refused the SHM commit (registration lost?)")
@@ -298,7 +301,7 @@ class ShmSequences(OperationsBase):
         if n == 0:
             return RemapResult(0, 0, False)
         assert self.reg.pool is not None
-        rid = request_id("remap")
+        rid = request_id("remap", op)
         key = self._key(src, n, rid, salt, worker=False)
         hit = 0
         state = RetrieveState()
@@ -338,7 +341,7 @@ class ShmSequences(OperationsBase):
             sources = self._stored_views(rslots)
             if op.abandoned:  # the caller left before the store half began: skip it
                 return RemapResult(hit, 0, False)
-            srid = request_id("remap-store")
+            srid = request_id("remap-store", op)
             skey = self._key(dst, hit, srid, tsalt, worker=True)
             reserved = Reserved()
             try:
@@ -355,8 +358,10 @@ class ShmSequences(OperationsBase):
                     (self.reg.pool.view(w, shape, geom.dtype), sources[j])
                     for w, j in zip(wslots, indices, strict=True)
                 ]
-                await self._fill_reserved(pairs, len(pairs) * shape_bytes(shape, geom.dtype))
+                nbytes = len(pairs) * shape_bytes(shape, geom.dtype)
+                await self._fill_reserved(pairs, nbytes)
                 reserved.filled = True
+                op.moved(nbytes)
                 # The target is written: the source's pending read can go with its commit.
                 committed = True
                 ok, _ = await self.pipeline(
