@@ -528,7 +528,7 @@ class AsyncClient:
                     if attempt == 2 or op.abandoned:
                         again = " (again, after running it once more)" if attempt == 2 else ""
                         raise ServerReplacedError(f"{name}: {exc}{again}") from exc
-                    log.info("%s: the server was replaced while it ran; running it again", name)
+                    log.debug("%s: the server was replaced while it ran; running it again", name)
             raise AssertionError("unreachable")
 
         if self._observers is None or observed is None:

@@ -165,12 +165,29 @@ def _value(reply: Any) -> Any:
         return exc
 
 
-def cleanup_done(opcode: Op, fut: asyncio.Future[Any]) -> None:
+def cleanup_done(opcode: Op, rid: str | None, fut: asyncio.Future[Any]) -> None:
     if fut.cancelled():
         return
     exc = fut.exception()
     if exc is not None:
-        log.warning("cleanup %s failed: %s", opcode.name.lower(), exc)
+        _cleanup_failed(opcode, rid, exc)
+
+
+def _request_of(args: Sequence[Any]) -> str | None:
+    """The request id a cleanup call is about (its first argument: the id, or a key)."""
+    first = args[0] if args else None
+    if isinstance(first, str):
+        return first
+    if isinstance(first, dict):
+        rid = first.get("request_id")
+        return rid if isinstance(rid, str) else None
+    return None
+
+
+def _cleanup_failed(opcode: Op, rid: str | None, exc: BaseException) -> None:
+    """Log a failed cleanup call once, with its request id (``extra`` ``request_id``)."""
+    name = opcode.name.lower()
+    log.warning("cleanup %s of request %s failed: %s", name, rid, exc, extra={"request_id": rid})
 
 
 class _Gate:
@@ -326,7 +343,7 @@ class OperationsBase:
         if post is not None and self.channel.usable:
             fut = post(opcode, args, self.cleanup_grace)
             if fut is not None:
-                fut.add_done_callback(functools.partial(cleanup_done, opcode))
+                fut.add_done_callback(functools.partial(cleanup_done, opcode, _request_of(args)))
                 if self._track is not None:
                     self._track(fut)
                 return
@@ -339,7 +356,7 @@ class OperationsBase:
         try:
             return await self.channel.call(opcode, args, self.cleanup_grace)
         except LMCacheError as exc:
-            log.warning("cleanup %s failed: %s", opcode.name.lower(), exc)
+            _cleanup_failed(opcode, _request_of(args), exc)
             return None
 
     # ------------------------------------------------------------------ operations

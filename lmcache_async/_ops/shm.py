@@ -92,10 +92,10 @@ class ShmSequences(OperationsBase):
 
         def answered(f: asyncio.Future[Any]) -> None:
             release()
-            cleanup_done(Op.COMMIT_RETRIEVE, f)
+            cleanup_done(Op.COMMIT_RETRIEVE, rid, f)
             end = post(Op.END_SESSION, (rid,), self.cleanup_grace) if self.channel.usable else None
             if end is not None:
-                end.add_done_callback(functools.partial(cleanup_done, Op.END_SESSION))
+                end.add_done_callback(functools.partial(cleanup_done, Op.END_SESSION, rid))
             elif self.channel.usable:
                 end = asyncio.ensure_future(self.cleanup_call(Op.END_SESSION, rid))
             if end is not None and self._track is not None:

@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,7 +35,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from lmcache_async import AsyncClient, LMCacheConnectionError, LMCacheTimeoutError, observe
 from lmcache_async.observe import Operation
 from tests.faults.forwarders import HttpForwarder, ZmqForwarder
-from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, peek, random_kv, unique_model
 from tests.plugins.clients import _embedded
 
 pytestmark = pytest.mark.anyio
@@ -492,3 +493,62 @@ async def test_request_ids_on_the_span_are_the_sessions_the_real_server_logged(
     sent = [r for s in otel.spans() for r in rids(s)]
     assert len(sent) == 3
     assert set(sent) <= logged
+
+
+# --------------------------------------------------------------------------- logs
+
+
+def client_records(caplog: pytest.LogCaptureFixture, level: int) -> list[logging.LogRecord]:
+    """The client's log records at ``level`` or above (the embedded server's are its own)."""
+    return [
+        r
+        for r in caplog.records
+        if r.name.startswith("lmcache_async")
+        and not r.name.startswith("lmcache_async.testing")
+        and r.levelno >= level
+    ]
+
+
+async def test_nothing_is_logged_at_info_or_above_on_the_success_path(
+    embedded_server_shm: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    toks = fresh_tokens(40)
+    with caplog.at_level(logging.DEBUG, logger="lmcache_async"):
+        async with open_client(embedded_server_shm) as c:
+            await c.store(random_kv(SMALL_GEOMETRY, 40), toks)
+            await c.retrieve(toks)
+            await c.lookup(toks)
+            await c.remap(toks, fresh_tokens(40))
+            await c.retrieve_many([toks, fresh_tokens(16)])
+    assert client_records(caplog, logging.INFO) == []
+
+
+async def test_a_restarted_server_is_logged_once_per_recovery_at_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    srv = _embedded("pickle")
+    port, http_port = int(srv.url.rsplit(":", 1)[1]), int(srv.http_url.rsplit(":", 1)[1])
+    toks = fresh_tokens(32)
+    try:
+        async with open_client(srv, timeout=20) as c:
+            assert await c.store(random_kv(SMALL_GEOMETRY, 32), toks) is True
+            assert await c.drain(10)  # no cleanup reply of the store is left to be lost
+            with caplog.at_level(logging.DEBUG, logger="lmcache_async"):
+                srv.stop()
+                srv = _embedded("pickle", port=port, http_port=http_port)
+                conn = peek(c).conn
+                deadline = time.monotonic() + 15
+                while not (conn.generation == 1 and conn.connected) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)  # the client notices the loss, then reconnects
+                assert await c.lookup(toks) == 0  # the new server is empty: registered again first
+                assert await c.store(random_kv(SMALL_GEOMETRY, 32), toks) is True
+    finally:
+        srv.stop()
+    got = [(r.levelno, r.getMessage()) for r in client_records(caplog, logging.INFO)]
+    url = f"tcp://127.0.0.1:{port}"
+    assert [level for level, _ in got] == [logging.WARNING] * 3
+    assert re.fullmatch(rf"disconnected from {re.escape(url)}; failed \d+ in-flight calls", got[0][1])
+    assert got[1:] == [
+        (logging.WARNING, f"reconnected to {url} (generation 1)"),
+        (logging.WARNING, f"re-registering {c.model_name} with {url}"),
+    ]
