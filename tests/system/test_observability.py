@@ -20,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -552,3 +553,55 @@ async def test_a_restarted_server_is_logged_once_per_recovery_at_warning(
         (logging.WARNING, f"reconnected to {url} (generation 1)"),
         (logging.WARNING, f"re-registering {c.model_name} with {url}"),
     ]
+
+
+# --------------------------------------------------------------------------- the example
+
+
+def test_the_example_service_prints_spans_and_serves_prometheus_metrics(tmp_path: Any) -> None:
+    """examples/observability_service.py: spans on the console, metrics scraped over HTTP."""
+    out = tmp_path / "out.txt"
+    env = {**os.environ, "PYTHONPATH": REPO}
+    with open(out, "w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "examples/observability_service.py", "--linger", "60"],
+            cwd=REPO,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 90
+        found = None
+        while found is None and time.monotonic() < deadline and proc.poll() is None:
+            found = re.search(r"^metrics: (http://127\.0\.0\.1:\d+/metrics)$", out.read_text(), re.M)
+            time.sleep(0.1)
+        assert found is not None, out.read_text()[-3000:]
+        with urllib.request.urlopen(found.group(1), timeout=10) as reply:
+            scraped = reply.read().decode()
+    finally:
+        proc.terminate()
+        proc.wait(15)
+    printed = out.read_text()
+    assert printed.count('"name": "handle-request"') == 4
+    assert printed.count('"name": "retrieve"') == 6  # 4 requests and the bulk job's 2 items
+    assert printed.count('"name": "store"') == 2 and printed.count('"name": "retrieve_many"') == 1
+
+    def value(metric: str, **labels: str) -> float:
+        for line in scraped.splitlines():
+            name, _, rest = line.partition("{")
+            if name == metric and all(f'{k}="{v}"' in rest for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{metric} {labels} not in the scrape:\n{scraped}")
+
+    duration = "db_client_operation_duration_seconds_count"
+    assert (
+        value(duration, db_operation_name="retrieve", lmcache_outcome="miss", db_system_name="lmcache") == 2
+    )
+    assert value(duration, db_operation_name="retrieve", lmcache_outcome="ok") == 4
+    assert value(duration, db_operation_name="store", lmcache_outcome="ok") == 2
+    assert value(duration, db_operation_name="retrieve_many", lmcache_outcome="ok") == 1
+    assert value("lmcache_client_tokens_hit_total", db_operation_name="retrieve") == 4 * 48
+    assert value("lmcache_client_tokens_stored_total", db_operation_name="store") == 2 * 48
+    assert value("lmcache_client_bytes_moved_bytes_total", db_operation_name="store") == 2 * 48 * BPT
+    assert value("lmcache_client_operations_in_flight", db_operation_name="retrieve") == 0
