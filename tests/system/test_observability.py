@@ -605,3 +605,27 @@ def test_the_example_service_prints_spans_and_serves_prometheus_metrics(tmp_path
     assert value("lmcache_client_tokens_stored_total", db_operation_name="store") == 2 * 48
     assert value("lmcache_client_bytes_moved_bytes_total", db_operation_name="store") == 2 * 48 * BPT
     assert value("lmcache_client_operations_in_flight", db_operation_name="retrieve") == 0
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def test_the_cli_turns_telemetry_on_from_the_standard_otel_variables() -> None:
+    from lmcache_async import otel
+    from lmcache_async.cli import instrument_from_environment
+
+    assert instrument_from_environment({}) is False
+    assert instrument_from_environment({"OTEL_TRACES_EXPORTER": "none"}) is False
+    assert (
+        instrument_from_environment({"OTEL_TRACES_EXPORTER": "console", "OTEL_SDK_DISABLED": "true"}) is False
+    )
+    assert observe.observers() == ()
+    try:
+        assert instrument_from_environment({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}) is True
+        (installed,) = observe.observers()
+        assert isinstance(installed, otel.OpenTelemetryObserver)
+        assert instrument_from_environment({"OTEL_METRICS_EXPORTER": "prometheus"}) is True
+        assert len(observe.observers()) == 1  # replaced, not added twice
+    finally:
+        otel.uninstrument()
+    assert observe.observers() == ()
