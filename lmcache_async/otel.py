@@ -39,9 +39,11 @@ not hold them); the salt only as a 12-hex-digit hash, on spans, never on metrics
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 from opentelemetry import metrics, trace
+from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from lmcache_async._version import __version__
@@ -75,24 +77,47 @@ class OpenTelemetryObserver:
             description="Duration of lmcache_async operations, as the caller waited",
             explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS),
         )
-        self._asked = meter.create_counter(
-            "lmcache.client.tokens.asked", unit="{token}", description="Tokens given to operations"
-        )
-        self._hit = meter.create_counter(
-            "lmcache.client.tokens.hit", unit="{token}", description="Tokens found cached"
-        )
-        self._stored = meter.create_counter(
-            "lmcache.client.tokens.stored", unit="{token}", description="Tokens covered by stores"
-        )
-        self._bytes = meter.create_counter(
-            "lmcache.client.bytes_moved", unit="By", description="Bytes of KV copied to or from the server"
-        )
+        # The counters and the in-flight count are kept here as plain numbers per operation
+        # name and read by the meter when it collects (observable instruments): an
+        # operation costs a few additions, not an SDK call per instrument.
+        #: Per operation name: [operations in flight, tokens asked, hit, stored, bytes moved].
+        self._totals: dict[str, list[int]] = {}
         self._errors = meter.create_counter(
             "lmcache.client.errors", unit="{error}", description="Operations that failed, by error type"
         )
-        self._in_flight = meter.create_up_down_counter(
-            "lmcache.client.operations.in_flight", unit="{operation}", description="Operations running"
+        meter.create_observable_up_down_counter(
+            "lmcache.client.operations.in_flight",
+            [self._reader(0)],
+            unit="{operation}",
+            description="Operations running",
         )
+        for i, (name, unit, description) in enumerate(
+            (
+                ("lmcache.client.tokens.asked", "{token}", "Tokens given to operations"),
+                ("lmcache.client.tokens.hit", "{token}", "Tokens found cached"),
+                ("lmcache.client.tokens.stored", "{token}", "Tokens covered by stores"),
+                ("lmcache.client.bytes_moved", "By", "Bytes of KV copied to or from the server"),
+            ),
+            start=1,
+        ):
+            meter.create_observable_counter(name, [self._reader(i)], unit=unit, description=description)
+        #: A span's first attributes, made once per operation name and client.
+        self._starts: dict[tuple[Any, ...], dict[str, Any]] = {}
+        #: The duration's attributes, made once per (operation, outcome, error type, server).
+        self._labels: dict[tuple[str, str, str | None, str, int | None], dict[str, Any]] = {}
+
+    def _reader(self, index: int) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        """The callback of an observable instrument: total ``index`` per operation name
+        (skipped while 0, so a counter appears with its first token)."""
+
+        def read(_options: CallbackOptions) -> Iterable[Observation]:
+            return [
+                Observation(totals[index], {"db.operation.name": name})
+                for name, totals in list(self._totals.items())
+                if totals[index] or index == 0
+            ]
+
+        return read
 
     def __repr__(self) -> str:
         return "<lmcache_async.otel.OpenTelemetryObserver>"
@@ -101,71 +126,84 @@ class OpenTelemetryObserver:
         """Start the operation's span (the parent's span, or the current one, its parent)."""
         parent = op.parent.state.get(self) if op.parent is not None else None
         context = trace.set_span_in_context(parent) if parent is not None else None
-        attributes: dict[str, Any] = {
-            "db.system.name": "lmcache",
-            "db.operation.name": op.name,
-            "db.namespace": op.model_name,
-            "server.address": op.server_address,
-        }
-        if op.server_port is not None:
-            attributes["server.port"] = op.server_port
-        if op.transport is not None:
-            attributes["lmcache.transport"] = op.transport
-        if op.server_generation is not None:
-            attributes["lmcache.server_generation"] = op.server_generation
-        if op.chunk_size is not None:
-            attributes["lmcache.chunk_size"] = op.chunk_size
+        attributes = self._start_attributes(op)
         if op.cache_salt_hash is not None:
-            attributes["lmcache.cache_salt_hash"] = op.cache_salt_hash
-        self._in_flight.add(1, {"db.operation.name": op.name})
+            attributes = {**attributes, "lmcache.cache_salt_hash": op.cache_salt_hash}
+        totals = self._totals.get(op.name)
+        if totals is None:
+            totals = self._totals[op.name] = [0, 0, 0, 0, 0]
+        totals[0] += 1
         return self._tracer.start_span(op.name, context=context, kind=SpanKind.CLIENT, attributes=attributes)
+
+    def _start_attributes(self, op: Operation) -> dict[str, Any]:
+        """The attributes a span starts with but the salt's hash, made once per operation
+        name and client (the SDK copies them: the dict is shared, never changed)."""
+        key = (op.name, op.model_name, op.server_address, op.server_port, op.transport, op.server_generation)
+        key += (op.chunk_size,)
+        found = self._starts.get(key)
+        if found is None:
+            found = {
+                "db.system.name": "lmcache",
+                "db.operation.name": op.name,
+                "db.namespace": op.model_name,
+                "server.address": op.server_address,
+            }
+            if op.server_port is not None:
+                found["server.port"] = op.server_port
+            if op.transport is not None:
+                found["lmcache.transport"] = op.transport
+            if op.server_generation is not None:
+                found["lmcache.server_generation"] = op.server_generation
+            if op.chunk_size is not None:
+                found["lmcache.chunk_size"] = op.chunk_size
+            self._starts[key] = found
+        return found
 
     def operation_ended(self, op: Operation) -> None:
         """End the span with the operation's facts; record its metrics."""
         span: trace.Span | None = op.state.get(self)
-        self._in_flight.add(-1, {"db.operation.name": op.name})
+        totals = self._totals[op.name]
+        totals[0] -= 1
         if span is not None:
-            span.set_attributes(
-                {
-                    "lmcache.tokens.asked": op.tokens_asked,
-                    "lmcache.tokens.hit": op.tokens_hit,
-                    "lmcache.tokens.stored": op.tokens_stored,
-                    "lmcache.chunks": op.chunks,
-                    "lmcache.bytes_moved": op.bytes_moved,
-                    "lmcache.outcome": op.outcome or "error",
-                    "lmcache.request_ids": tuple(op.request_ids),
-                }
-            )
+            facts: dict[str, Any] = {
+                "lmcache.tokens.asked": op.tokens_asked,
+                "lmcache.tokens.hit": op.tokens_hit,
+                "lmcache.tokens.stored": op.tokens_stored,
+                "lmcache.chunks": op.chunks,
+                "lmcache.bytes_moved": op.bytes_moved,
+                "lmcache.outcome": op.outcome or "error",
+                "lmcache.request_ids": tuple(op.request_ids),
+            }
             if op.stored_new is not None:
-                span.set_attribute("lmcache.stored_new", op.stored_new)
+                facts["lmcache.stored_new"] = op.stored_new
             if op.items is not None:
-                span.set_attribute("lmcache.items", op.items)
+                facts["lmcache.items"] = op.items
             if op.error_type is not None:
-                span.set_attribute("error.type", op.error_type)
+                facts["error.type"] = op.error_type
                 span.set_status(Status(StatusCode.ERROR, op.error_type))
+            span.set_attributes(facts)
             span.end()
-        common: dict[str, Any] = {
-            "db.system.name": "lmcache",
-            "db.operation.name": op.name,
-            "server.address": op.server_address,
-            "lmcache.outcome": op.outcome or "error",
-        }
-        if op.server_port is not None:
-            common["server.port"] = op.server_port
-        if op.error_type is not None:
-            common["error.type"] = op.error_type
-        self._duration.record(op.duration or 0.0, common)
+        outcome = op.outcome or "error"
+        key = (op.name, outcome, op.error_type, op.server_address, op.server_port)
+        labels = self._labels.get(key)
+        if labels is None:
+            labels = self._labels[key] = {
+                "db.system.name": "lmcache",
+                "db.operation.name": op.name,
+                "server.address": op.server_address,
+                "lmcache.outcome": outcome,
+            }
+            if op.server_port is not None:
+                labels["server.port"] = op.server_port
+            if op.error_type is not None:
+                labels["error.type"] = op.error_type
+        self._duration.record(op.duration or 0.0, labels)
         if op.children:
             return  # its children were counted
-        by_op = {"db.operation.name": op.name}
-        if op.tokens_asked:
-            self._asked.add(op.tokens_asked, by_op)
-        if op.tokens_hit:
-            self._hit.add(op.tokens_hit, by_op)
-        if op.tokens_stored:
-            self._stored.add(op.tokens_stored, by_op)
-        if op.bytes_moved:
-            self._bytes.add(op.bytes_moved, by_op)
+        totals[1] += op.tokens_asked
+        totals[2] += op.tokens_hit
+        totals[3] += op.tokens_stored
+        totals[4] += op.bytes_moved
         if op.error_type is not None:
             self._errors.add(1, {"db.operation.name": op.name, "error.type": op.error_type})
 
