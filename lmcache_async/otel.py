@@ -138,8 +138,15 @@ class OpenTelemetryObserver:
     def _start_attributes(self, op: Operation) -> dict[str, Any]:
         """The attributes a span starts with but the salt's hash, made once per operation
         name and client (the SDK copies them: the dict is shared, never changed)."""
-        key = (op.name, op.model_name, op.server_address, op.server_port, op.transport, op.server_generation)
-        key += (op.chunk_size,)
+        key = (
+            op.name,
+            op.model_name,
+            op.server_address,
+            op.server_port,
+            op.transport,
+            op.server_generation,
+            op.chunk_size,
+        )
         found = self._starts.get(key)
         if found is None:
             found = {

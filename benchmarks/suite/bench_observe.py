@@ -88,9 +88,9 @@ async def _measure(srv: RealLMCacheServer, prompts: int, rounds: int, conc: list
         ),
     }
     try:
-        for c in clients.values():
-            await c.open()
-            assert c.transfer == "shm", c.transfer
+        for client in clients.values():
+            await client.open()
+            assert client.transfer == "shm", client.transfer
         settled = await settle()
         await ours(clients["off"], "store", stored, kv, 8)
         for rnd in range(rounds + 1):
@@ -103,8 +103,8 @@ async def _measure(srv: RealLMCacheServer, prompts: int, rounds: int, conc: list
             print(f"  observe: round {rnd}{' (warm-up)' if rnd == 0 else ''} done", file=sys.stderr)
         server_version = srv.get_json("/lmc_version")
     finally:
-        for c in clients.values():
-            await c.aclose()
+        for client in clients.values():
+            await client.aclose()
         tracer_provider.shutdown()
         meter_provider.shutdown()
     rows = []
