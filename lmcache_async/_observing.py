@@ -122,15 +122,12 @@ def finish_lookup(op: Operation, hit: int) -> None:
         op.outcome = "miss"
 
 
-def finish_retrieve(token_axis: int) -> Callable[[Operation, torch.Tensor | None], None]:
-    def finish(op: Operation, kv: torch.Tensor | None) -> None:
-        if kv is None:
-            op.outcome = "miss"
-            return
-        finish_lookup(op, kv.shape[token_axis])
-        op.bytes_moved += kv.numel() * kv.element_size()
-
-    return finish
+def finish_retrieve(op: Operation, kv: torch.Tensor | None) -> None:
+    if kv is None:
+        op.outcome = "miss"
+        return
+    finish_lookup(op, kv.shape[kv.dim() - 2])  # the token axis: [2, L, T, D] or [L, T, D]
+    op.bytes_moved += kv.numel() * kv.element_size()
 
 
 def finish_store(op: Operation, new: bool) -> None:

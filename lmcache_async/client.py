@@ -495,11 +495,14 @@ class AsyncClient:
         name: str,
         timeout: float | None,
         body: Callable[[Operations, OpState], Awaitable[T]],
-        observed: tuple[int, str, Callable[[observe.Operation, T], None]] | None = None,
+        finish: Callable[[observe.Operation, T], None] | None = None,
+        asked: int = 0,
+        salt: str = "",
     ) -> T:
         """Run ``body`` over this client's operations in a task of its own (see
-        :func:`~lmcache_async._runner.run_detached`), re-registering first if needed;
-        ``observed``: (tokens asked, cache salt, finisher) of its observed record."""
+        :func:`~lmcache_async._runner.run_detached`), re-registering first if needed.
+        With observers, it is an observed operation: ``finish`` fills in what its result
+        says, ``asked`` and ``salt`` are its tokens asked and cache salt."""
         self._require_open()
         self._check_loop()
 
@@ -531,9 +534,8 @@ class AsyncClient:
                     log.debug("%s: the server was replaced while it ran; running it again", name)
             raise AssertionError("unreachable")
 
-        if self._observers is None or observed is None:
+        if self._observers is None or finish is None:
             return await run_detached(name, timeout, self.cleanup_grace, run, self._track)
-        asked, salt, finish = observed
         record = self._record(name, asked, salt)
         return await observing.observed(
             self._observers,
@@ -646,7 +648,9 @@ class AsyncClient:
             "lookup",
             timeout,
             lambda ops, op: ops.lookup(op, toks, _align(len(toks), ops.reg.chunk_size), cache_salt, configs),
-            (len(toks), cache_salt, observing.finish_lookup),
+            observing.finish_lookup,
+            len(toks),
+            cache_salt,
         )
 
     async def retrieve(
@@ -712,9 +716,7 @@ class AsyncClient:
                 n = min(n, _align(out.shape[axis], ops.reg.chunk_size))
             return ops.retrieve(op, toks, n, cache_salt, configs, out, mark=mark)
 
-        return await self._run(
-            "retrieve", timeout, body, (len(toks), cache_salt, observing.finish_retrieve(axis))
-        )
+        return await self._run("retrieve", timeout, body, observing.finish_retrieve, len(toks), cache_salt)
 
     def _check_out(self, out: object, end: int) -> None:
         geom = self._session.geometry
@@ -786,7 +788,9 @@ class AsyncClient:
             lambda ops, op: ops.store(
                 op, kv, toks, _align(len(toks), ops.reg.chunk_size), cache_salt, configs, mark=mark
             ),
-            (len(toks), cache_salt, observing.finish_store),
+            observing.finish_store,
+            len(toks),
+            cache_salt,
         )
 
     async def remap(
@@ -825,8 +829,12 @@ class AsyncClient:
                 lambda ops, op: ops.remap(
                     op, src, dst, _align(min(len(src), len(dst)), ops.reg.chunk_size), cache_salt, tsalt
                 ),
-                (len(src), cache_salt, observing.finish_remap),
+                observing.finish_remap,
+                len(src),
+                cache_salt,
             )
+        if self._observers is None:
+            return await self._remap_pickle(src, dst, cache_salt, tsalt, timeout)
         return await self._observe(
             "remap",
             lambda: self._remap_pickle(src, dst, cache_salt, tsalt, timeout),

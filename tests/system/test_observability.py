@@ -87,7 +87,14 @@ def otel() -> Iterator[Telemetry]:
     t.shutdown()
 
 
-@pytest.fixture(params=["embedded-shm", "embedded-pickle", "real-shm", "real-pickle"])
+@pytest.fixture(
+    params=[
+        "embedded-shm",
+        "embedded-pickle",
+        pytest.param("real-shm", marks=pytest.mark.real_server),
+        pytest.param("real-pickle", marks=pytest.mark.real_server),
+    ]
+)
 def any_server(request: pytest.FixtureRequest) -> Any:
     kind, mode = request.param.split("-")
     return request.getfixturevalue(f"{kind}_server_{mode}")
