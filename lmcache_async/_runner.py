@@ -63,6 +63,16 @@ class OpState:
         self.abandoned = False
         self.record: Operation | None = None
 
+    def clock(self) -> int:
+        """Now (``time.time_ns()``) where the record notes phases, else 0 (see :meth:`phase`)."""
+        record = self.record
+        return time.time_ns() if record is not None and record.phases is not None else 0
+
+    def phase(self, name: str, start: int) -> None:
+        """Note phase ``name`` from ``start`` (a :meth:`clock` value; 0: not noted) to now."""
+        if start and self.record is not None and self.record.phases is not None:
+            self.record.phases.append((name, start, time.time_ns()))
+
     def moved(self, nbytes: int) -> None:
         """Note ``nbytes`` of KV copied to or from the server (for observers)."""
         if self.record is not None:

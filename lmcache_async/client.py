@@ -234,6 +234,8 @@ class AsyncClient:
             raise ValueError(f"ping_interval must be in (0, 30] seconds, got {ping_interval!r}")
         #: Told of each operation (``None``: none, and nothing is recorded).
         self._observers = _observers(observers, tracer_provider, meter_provider)
+        #: An observer asks for the phases of each operation.
+        self._phases = any(getattr(o, "wants_phases", False) for o in self._observers or ())
         self.url = url
         self.http_url = http_url
         self.model_name = model_name
@@ -558,6 +560,7 @@ class AsyncClient:
             s.chunk_size,
             asked,
             observe.salt_hash(salt),
+            phases=[] if self._phases else None,
         )
 
     async def _observe(

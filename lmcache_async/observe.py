@@ -24,6 +24,10 @@ the *parent* of one record per operation its items run). A remap on the pickle t
 runs a retrieve and a store: they are its children. Arguments refused before anything is
 sent (a ``ValueError`` for bad tokens) are not operations and are not observed.
 
+Phases: an observer with a true ``wants_phases`` attribute makes the client note the
+phases of each operation in :attr:`Operation.phases` (a few clock reads per operation);
+without one, nothing is noted.
+
 Privacy: a record holds no token ids and no cache salt; only counts, and the salt as a
 short hash (:attr:`Operation.cache_salt_hash`).
 
@@ -86,6 +90,11 @@ class Operation:
         request_ids: the server-side request ids (session ids) the operation used, in
             order: the server keys its sessions, its log lines and its own OpenTelemetry
             spans (attribute ``session_id``) by them, so they join the two sides.
+        phases: ``(phase, start, end)`` of each step (``time.time_ns()``), in the order they
+            ended: ``"lookup"``, ``"prefetch wait"``, ``"prepare"``, ``"copy"``,
+            ``"commit"`` (the cleanup after the result runs in the background and is not
+            one); ``None`` unless an observer of the client asks for them with a true
+            ``wants_phases`` attribute.
         children: operations that ran with this one as their parent.
         duration: seconds from start to end, as the caller waited.
         outcome: how it ended (:data:`Outcome`).
@@ -111,6 +120,7 @@ class Operation:
     stored_new: bool | None = None
     items: int | None = None
     request_ids: list[str] = field(default_factory=list)
+    phases: list[tuple[str, int, int]] | None = None
     children: int = 0
     duration: float | None = None
     outcome: Outcome | None = None

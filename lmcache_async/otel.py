@@ -18,7 +18,9 @@ OpenTelemetry database-client conventions:
   LMCache server's own spans carry as ``session_id`` and its log lines name, so a
   client span joins the server's.
 
-A bulk job's span is the parent of its items' spans; a pickle remap's span the parent of
+With ``phases=True`` each operation's span has a child span per phase (``lookup``,
+``prefetch wait``, ``prepare``, ``copy``, ``commit``). A bulk job's span is the parent of
+its items' spans; a pickle remap's span the parent of
 its retrieve's and store's. Otherwise a span's parent is the caller's current span.
 
 Metrics (instrument names; the Prometheus exporter writes dots as underscores and adds
@@ -66,9 +68,16 @@ class OpenTelemetryObserver:
         tracer_provider: where spans go (default: the global one, which records nothing
             until the application sets one).
         meter_provider: where metrics go (default: the global one).
+        phases: also a child span (``INTERNAL``) per phase of each operation: ``lookup``,
+            ``prefetch wait``, ``prepare``, ``copy``, ``commit`` (see
+            :attr:`Operation.phases <lmcache_async.observe.Operation.phases>`).
     """
 
-    def __init__(self, tracer_provider: Any = None, meter_provider: Any = None) -> None:
+    def __init__(
+        self, tracer_provider: Any = None, meter_provider: Any = None, *, phases: bool = False
+    ) -> None:
+        #: Read by the client: its operations note their phases for this observer.
+        self.wants_phases = bool(phases)
         self._tracer = trace.get_tracer(_SCOPE, __version__, tracer_provider=tracer_provider)
         meter = metrics.get_meter(_SCOPE, __version__, meter_provider=meter_provider)
         self._duration = meter.create_histogram(
@@ -189,6 +198,13 @@ class OpenTelemetryObserver:
                 facts["error.type"] = op.error_type
                 span.set_status(Status(StatusCode.ERROR, op.error_type))
             span.set_attributes(facts)
+            if op.phases:
+                inside = trace.set_span_in_context(span)
+                for name, start, end in op.phases:
+                    child = self._tracer.start_span(
+                        name, context=inside, kind=SpanKind.INTERNAL, start_time=start
+                    )
+                    child.end(end_time=end)
             span.end()
         outcome = op.outcome or "error"
         key = (op.name, outcome, op.error_type, op.server_address, op.server_port)
@@ -218,20 +234,23 @@ class OpenTelemetryObserver:
 _instrumented: OpenTelemetryObserver | None = None
 
 
-def instrument(tracer_provider: Any = None, meter_provider: Any = None) -> OpenTelemetryObserver:
+def instrument(
+    tracer_provider: Any = None, meter_provider: Any = None, *, phases: bool = False
+) -> OpenTelemetryObserver:
     """Give every client made from now on spans and metrics (an
     :class:`OpenTelemetryObserver`, through :func:`~lmcache_async.observe.add_observer`).
 
     Args:
         tracer_provider, meter_provider: default: the global providers (those an
             ``opentelemetry-instrument`` run configures from the ``OTEL_*`` variables).
+        phases: a child span per phase of each operation (see :class:`OpenTelemetryObserver`).
 
     Returns:
         The observer (calling again replaces it).
     """
     global _instrumented
     uninstrument()
-    _instrumented = OpenTelemetryObserver(tracer_provider, meter_provider)
+    _instrumented = OpenTelemetryObserver(tracer_provider, meter_provider, phases=phases)
     add_observer(_instrumented)
     return _instrumented
 

@@ -21,6 +21,7 @@ from lmcache_async import _copies as copies
 from lmcache_async._runner import OpState
 from lmcache_async._shm import ShmPool
 from lmcache_async._wire import (
+    OP_NAMES,
     CacheKey,
     Op,
     WireGeneration,
@@ -52,6 +53,17 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Configs = dict[str, Any] | None
+
+#: The phase each request of an operation is part of (observers' ``Operation.phases``).
+PHASES: Final[dict[int, str]] = {
+    Op.LOOKUP: "lookup",
+    Op.QUERY_PREFETCH_STATUS: "prefetch wait",
+    Op.WAIT_PREFETCH_STATUS: "prefetch wait",
+    Op.PREPARE_STORE: "prepare",
+    Op.PREPARE_RETRIEVE: "prepare",
+    Op.COMMIT_STORE: "commit",
+    Op.COMMIT_RETRIEVE: "commit",
+}
 
 #: Longest single wait_prefetch_status: it blocks one of the server's CPU workers.
 PREFETCH_WAIT_SLICE: Final = 0.05
@@ -292,8 +304,18 @@ class OperationsBase:
     # ------------------------------------------------------------------ the interface
 
     async def call(self, op: OpState, opcode: Op, *args: Any) -> Any:
-        """One request under the operation's deadline; its reply's value."""
-        return await self.channel.call(opcode, args, op.remaining())
+        """One request under the operation's deadline; its reply's value (noted as a
+        phase where the operation's record asks for phases)."""
+        record = op.record
+        if record is None or record.phases is None:
+            return await self.channel.call(opcode, args, op.remaining())
+        start = time.time_ns()
+        try:
+            return await self.channel.call(opcode, args, op.remaining())
+        finally:
+            record.phases.append(
+                (PHASES.get(opcode, OP_NAMES.get(opcode, str(opcode))), start, time.time_ns())
+            )
 
     async def pipeline(self, op: OpState, *calls: tuple[Any, ...]) -> list[Any]:
         """Send several requests back to back (in order) and wait for all replies.
@@ -303,6 +325,16 @@ class OperationsBase:
         cannot go out at once, it and the rest follow one by one once the earlier replies
         are in (still in order).
         """
+        record = op.record
+        if record is None or record.phases is None:
+            return await self._pipeline(op, calls)
+        start = time.time_ns()
+        try:
+            return await self._pipeline(op, calls)
+        finally:
+            op.phase(PHASES.get(calls[0][0], OP_NAMES.get(calls[0][0], "pipeline")), start)
+
+    async def _pipeline(self, op: OpState, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
         post = self._post
         futs: list[asyncio.Future[Any]] = []
         if post is not None and self.channel.usable:
@@ -313,14 +345,14 @@ class OperationsBase:
                     break
                 futs.append(fut)
         if not futs:
-            tasks = [asyncio.ensure_future(self.call(op, *c)) for c in calls]
+            tasks = [asyncio.ensure_future(self.channel.call(c[0], c[1:], op.remaining())) for c in calls]
             results = await asyncio.gather(*tasks, return_exceptions=True)
         else:
             replies = await asyncio.gather(*futs, return_exceptions=True)
             results = [r if isinstance(r, BaseException) else _value(r) for r in replies]
             for c in calls[len(futs) :]:
                 try:
-                    results.append(await self.call(op, *c))
+                    results.append(await self.channel.call(c[0], c[1:], op.remaining()))
                 except LMCacheError as exc:
                     results.append(exc)
         for r in results:

@@ -57,7 +57,9 @@ class InlineSequences(OperationsBase):
             return None
         if target is None:
             target, mark = new_target(geom.kv_shape(hit), geom.dtype, mark)
+        start = op.clock()
         await self._copy_chunks(target, tensors, mark)
+        op.phase("copy", start)
         return target
 
     async def _store_pickle(

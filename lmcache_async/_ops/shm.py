@@ -64,7 +64,9 @@ class ShmSequences(OperationsBase):
                 return None
             if target is None:
                 target, mark = new_target(geom.kv_shape(hit), geom.dtype, mark)
+            start = op.clock()
             await self._copy_chunks(target, views, mark)
+            op.phase("copy", start)
             committed = True
             if mark is None or rid is None or not self._commit_retrieve_later(rkey, rid, state):
                 await self.call(op, Op.COMMIT_RETRIEVE, rkey, self.reg.instance_id)
@@ -155,7 +157,9 @@ class ShmSequences(OperationsBase):
             views = [self.reg.pool.view(s, shape, geom.dtype) for s in slots]
             pairs = [(v, self._chunk(kv, j)) for v, j in zip(views, indices, strict=True)]
             nbytes = sum(v.numel() for v in views) * kv.element_size()
+            start = op.clock()
             await self._fill_reserved(pairs, nbytes, mark)
+            op.phase("copy", start)
             reserved.filled = True
             op.moved(nbytes)
             ok = await self.call(op, Op.COMMIT_STORE, key, self.reg.instance_id, b"")
@@ -216,7 +220,9 @@ class ShmSequences(OperationsBase):
             views = [self.reg.pool.view(sl, shape, self.reg.geometry.dtype) for sl in slots]
             pairs = [(v, self._chunk(kv, first + j)) for v, j in zip(views, indices, strict=True)]
             nbytes = sum(v.numel() for v in views) * kv.element_size()
+            start = op.clock()
             await self._fill_reserved(pairs, nbytes, mark)
+            op.phase("copy", start)
             reserved[i].filled = True
             op.moved(nbytes)
             ok = await self.call(op, Op.COMMIT_STORE, gkey, self.reg.instance_id, b"")
@@ -359,7 +365,9 @@ class ShmSequences(OperationsBase):
                     for w, j in zip(wslots, indices, strict=True)
                 ]
                 nbytes = len(pairs) * shape_bytes(shape, geom.dtype)
+                start = op.clock()
                 await self._fill_reserved(pairs, nbytes)
+                op.phase("copy", start)
                 reserved.filled = True
                 op.moved(nbytes)
                 # The target is written: the source's pending read can go with its commit.

@@ -35,6 +35,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from lmcache_async import AsyncClient, LMCacheConnectionError, LMCacheTimeoutError, observe
 from lmcache_async.observe import Operation
+from lmcache_async.otel import OpenTelemetryObserver
 from tests.faults.forwarders import HttpForwarder, ZmqForwarder
 from tests.helpers import SMALL_GEOMETRY, fresh_tokens, peek, random_kv, unique_model
 from tests.plugins.clients import _embedded
@@ -283,6 +284,47 @@ async def test_spans_nest_under_the_callers_current_span(
     lookup = otel.spans()[0]
     assert lookup.name == "lookup"
     assert lookup.parent is not None and lookup.parent.span_id == outer.get_span_context().span_id
+
+
+@pytest.mark.parametrize("mode", ["shm", "pickle"])
+async def test_phases_are_child_spans_when_asked_for(mode: str, request: pytest.FixtureRequest) -> None:
+    srv = request.getfixturevalue(f"embedded_server_{mode}")
+    otel = Telemetry()
+    toks = fresh_tokens(40)
+    try:
+        observer = OpenTelemetryObserver(otel.tracer_provider, phases=True)
+        async with open_client(srv, observers=[observer]) as c:
+            await c.store(random_kv(SMALL_GEOMETRY, 40), toks)
+            await c.retrieve(toks)
+            await c.lookup(toks)
+        spans = otel.spans()
+    finally:
+        otel.shutdown()
+    tops = [s for s in spans if s.kind is SpanKind.CLIENT]
+    kids = {
+        t.name: [s for s in spans if s.parent is not None and s.parent.span_id == t.context.span_id]
+        for t in tops
+    }
+    # The embedded server answers lookups in arrival order: the prefetch question rides
+    # with the lookup (one "lookup" phase). A pickle store looks up what is cached, commits
+    # the rest inline, then checks that it is stored.
+    want = {
+        "shm": {"store": ["prepare", "copy", "commit"], "retrieve": ["lookup", "prepare", "copy", "commit"]},
+        "pickle": {"store": ["lookup", "commit", "lookup"], "retrieve": ["lookup", "prepare", "copy"]},
+    }[mode]
+    assert {name: [k.name for k in ks] for name, ks in kids.items()} == {**want, "lookup": ["lookup"]}
+    for top in tops:
+        for child in kids[top.name]:
+            assert child.kind is SpanKind.INTERNAL
+            assert child.start_time is not None and child.end_time is not None
+            assert top.start_time is not None and top.end_time is not None
+            assert top.start_time <= child.start_time <= child.end_time <= top.end_time
+
+
+async def test_without_phases_no_child_spans_are_made(embedded_server_shm: Any, otel: Telemetry) -> None:
+    async with open_client(embedded_server_shm, otel) as c:
+        await c.retrieve(fresh_tokens(16))
+    assert [s.kind for s in otel.spans()] == [SpanKind.CLIENT]
 
 
 # --------------------------------------------------------------------------- failures
