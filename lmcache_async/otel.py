@@ -180,7 +180,9 @@ class OpenTelemetryObserver:
         span: trace.Span | None = op.state.get(self)
         totals = self._totals[op.name]
         totals[0] -= 1
-        if span is not None:
+        if span is not None and not span.is_recording():  # sampled out: nothing to add
+            span.end()
+        elif span is not None:
             facts: dict[str, Any] = {
                 "lmcache.tokens.asked": op.tokens_asked,
                 "lmcache.tokens.hit": op.tokens_hit,

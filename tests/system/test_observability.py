@@ -678,3 +678,30 @@ def test_the_cli_turns_telemetry_on_from_the_standard_otel_variables() -> None:
     finally:
         otel.uninstrument()
     assert observe.observers() == ()
+
+
+async def test_sampled_out_operations_still_count_in_the_metrics(embedded_server_pickle: Any) -> None:
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    otel = Telemetry()
+    sampled_out = TracerProvider(sampler=ALWAYS_OFF)
+    sampled_out.add_span_processor(SimpleSpanProcessor(otel.spans_out))
+    try:
+        async with open_client(
+            embedded_server_pickle, tracer_provider=sampled_out, meter_provider=otel.meter_provider
+        ) as c:
+            assert await c.lookup(fresh_tokens(32)) == 0
+        assert otel.spans() == []
+        counts = {
+            dict(k)["lmcache.outcome"]: p.count
+            for k, p in otel.points("db.client.operation.duration").items()
+        }
+        assert counts == {"miss": 1}
+        asked = {
+            dict(k)["db.operation.name"]: p.value
+            for k, p in otel.points("lmcache.client.tokens.asked").items()
+        }
+        assert asked == {"lookup": 32}
+    finally:
+        sampled_out.shutdown()
+        otel.shutdown()
