@@ -705,3 +705,21 @@ async def test_sampled_out_operations_still_count_in_the_metrics(embedded_server
     finally:
         sampled_out.shutdown()
         otel.shutdown()
+
+
+def test_the_blocking_client_takes_the_same_options_and_keeps_the_callers_span(
+    embedded_server_pickle: Any, otel: Telemetry
+) -> None:
+    from lmcache_async import Client
+
+    tracer = otel.tracer_provider.get_tracer("app")
+    srv = embedded_server_pickle
+    with Client(
+        srv.url, srv.http_url, unique_model(), geometry=SMALL_GEOMETRY, tracer_provider=otel.tracer_provider
+    ) as c:
+        with tracer.start_as_current_span("outer") as outer:
+            assert c.lookup(fresh_tokens(32)) == 0
+    lookup, outer_span = otel.spans()
+    assert (lookup.name, outer_span.name) == ("lookup", "outer")
+    assert lookup.parent is not None and lookup.parent.span_id == outer.get_span_context().span_id
+    assert (lookup.attributes or {})["lmcache.outcome"] == "miss"
