@@ -236,6 +236,8 @@ class AsyncClient:
         self._observers = _observers(observers, tracer_provider, meter_provider)
         #: An observer asks for the phases of each operation.
         self._phases = any(getattr(o, "wants_phases", False) for o in self._observers or ())
+        #: server.address and server.port of the records.
+        self._endpoint = observing.endpoint(url)
         self.url = url
         self.http_url = http_url
         self.model_name = model_name
@@ -549,7 +551,7 @@ class AsyncClient:
     def _record(self, name: str, asked: int = 0, salt: str = "") -> observe.Operation:
         """A new observed record of operation ``name`` (the client is open)."""
         s = self._session
-        address, port = observing.endpoint(self.url)
+        address, port = self._endpoint
         return observe.Operation(
             name,
             address,
@@ -1051,6 +1053,14 @@ def _observers(
     if isinstance(given, str) or not isinstance(given, Sequence):
         raise TypeError(f"observers must be a sequence of observers, got {type(given).__name__}")
     found = [*given]
+    for o in found:
+        if not callable(getattr(o, "operation_started", None)) or not callable(
+            getattr(o, "operation_ended", None)
+        ):
+            raise TypeError(
+                "an observer needs operation_started(op) and operation_ended(op) methods, "
+                f"got {type(o).__name__}"
+            )
     if tracer_provider is not None or meter_provider is not None:
         from lmcache_async.otel import OpenTelemetryObserver  # only when asked for
 

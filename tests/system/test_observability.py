@@ -442,6 +442,18 @@ async def test_the_hook_sees_each_operation_and_a_broken_observer_harms_nothing(
     assert len(broken) == 4 and all(r.levelno == logging.WARNING for r in broken)
 
 
+def test_an_observer_without_the_two_callbacks_is_refused_at_construction(
+    embedded_server_pickle: Any,
+) -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"^an observer needs operation_started\(op\) and operation_ended\(op\) methods, got object$",
+    ):
+        open_client(embedded_server_pickle, observers=[object()])
+    with pytest.raises(TypeError, match=r"^observers must be a sequence of observers, got Recorder$"):
+        open_client(embedded_server_pickle, observers=Recorder())
+
+
 async def test_add_observer_reaches_clients_made_afterwards(embedded_server_pickle: Any) -> None:
     rec = Recorder()
     before = open_client(embedded_server_pickle)
