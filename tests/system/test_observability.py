@@ -735,3 +735,31 @@ def test_the_blocking_client_takes_the_same_options_and_keeps_the_callers_span(
     assert (lookup.name, outer_span.name) == ("lookup", "outer")
     assert lookup.parent is not None and lookup.parent.span_id == outer.get_span_context().span_id
     assert (lookup.attributes or {})["lmcache.outcome"] == "miss"
+
+
+async def test_a_server_replaced_behind_a_proxy_is_logged_once_at_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    srv = _embedded("pickle")
+    port, http_port = int(srv.url.rsplit(":", 1)[1]), int(srv.http_url.rsplit(":", 1)[1])
+    toks = fresh_tokens(32)
+    try:
+        with ZmqForwarder(srv.url) as zf, HttpForwarder(srv.http_url) as hf:
+            async with AsyncClient(zf.url, hf.url, unique_model(), geometry=SMALL_GEOMETRY, timeout=20) as c:
+                assert await c.store(random_kv(SMALL_GEOMETRY, 32), toks) is True
+                assert await c.drain(10)
+                with caplog.at_level(logging.DEBUG, logger="lmcache_async"):
+                    srv.stop()  # the forwarders keep the client's connections up
+                    srv = _embedded("pickle", port=port, http_port=http_port)
+                    await asyncio.sleep(1.2)  # silence: the next operation checks who answers
+                    assert await c.lookup(toks) == 0  # the new server is empty
+    finally:
+        srv.stop()
+    got = [(r.levelno, r.getMessage()) for r in client_records(caplog, logging.INFO)]
+    assert [level for level, _ in got] == [logging.WARNING] * 3, got
+    assert (
+        got[0][1]
+        == f"the LMCache server behind {zf.url} was replaced (no disconnect seen); registering again"
+    )
+    assert re.fullmatch(r"retiring registration \d+ \(the server was replaced\): .*", got[1][1])
+    assert got[2][1] == f"re-registering {c.model_name} with {zf.url}"
