@@ -8,8 +8,9 @@
 
 The public modules are ``client``, ``sync_client``, ``bulk``, ``geometry``, ``rope``, ``errors``,
 ``kvcache`` (the official SDK's drop-in), ``hf`` (transformers), ``testing`` (the embedded
-server) and ``cli``; modules whose name starts with ``_`` are the implementation, with no
-promise. The names below are re-exported here from their public homes.
+server), ``observe`` (the operation hook), ``otel`` (OpenTelemetry) and ``cli``; modules
+whose name starts with ``_`` are the implementation, with no promise. The names below are
+re-exported here from their public homes.
 """
 
 from __future__ import annotations
@@ -70,6 +71,14 @@ if TYPE_CHECKING:
     )
     from lmcache_async.geometry import (
         KVGeometry as KVGeometry,
+    )
+    from lmcache_async.observe import (
+        Observer as Observer,
+        Operation as Operation,
+        add_observer as add_observer,
+    )
+    from lmcache_async.otel import (
+        instrument as instrument,
     )
     from lmcache_async.rope import (
         RopeLayer as RopeLayer,
@@ -135,6 +144,12 @@ _EXPORTS: Final[dict[str, tuple[str, ...]]] = {
         "RetrieveItem",
         "StoreItem",
     ),
+    "lmcache_async.observe": (
+        "Observer",
+        "Operation",
+        "add_observer",
+    ),
+    "lmcache_async.otel": ("instrument",),
 }
 _HOME: Final[dict[str, str]] = {name: module for module, names in _EXPORTS.items() for name in names}
 

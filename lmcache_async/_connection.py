@@ -770,7 +770,7 @@ class Connection:
             self.last_reply = time.monotonic()
             if self._ever_connected:
                 self.generation += 1
-                log.info("reconnected to %s (generation %d)", self.url, self.generation)
+                log.warning("reconnected to %s (generation %d)", self.url, self.generation)
                 assert self.reconnected is not None
                 self.reconnected.set()
             self._ever_connected = True

@@ -20,9 +20,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from lmcache_async.errors import LMCacheTimeoutError
+
+if TYPE_CHECKING:
+    from lmcache_async.observe import Operation
 
 __all__ = ["Expired", "OpState", "cancel_and_wait", "expire", "run_detached", "wait_all"]
 
@@ -48,14 +51,32 @@ class OpState:
         deadline: when the task must be done (the caller's deadline plus cleanup grace).
         caller_deadline: when the caller stops waiting (``None``: never).
         abandoned: the caller left (timed out or cancelled).
+        record: the operation's observed record (``None``: no observers), where the
+            sequence notes its request ids and the bytes it moves.
     """
 
-    __slots__ = ("abandoned", "caller_deadline", "deadline")
+    __slots__ = ("abandoned", "caller_deadline", "deadline", "record")
 
     def __init__(self, deadline: float | None, caller_deadline: float | None = None) -> None:
         self.deadline = deadline
         self.caller_deadline = caller_deadline if caller_deadline is not None else deadline
         self.abandoned = False
+        self.record: Operation | None = None
+
+    def clock(self) -> int:
+        """Now (``time.time_ns()``) where the record notes phases, else 0 (see :meth:`phase`)."""
+        record = self.record
+        return time.time_ns() if record is not None and record.phases is not None else 0
+
+    def phase(self, name: str, start: int) -> None:
+        """Note phase ``name`` from ``start`` (a :meth:`clock` value; 0: not noted) to now."""
+        if start and self.record is not None and self.record.phases is not None:
+            self.record.phases.append((name, start, time.time_ns()))
+
+    def moved(self, nbytes: int) -> None:
+        """Note ``nbytes`` of KV copied to or from the server (for observers)."""
+        if self.record is not None:
+            self.record.bytes_moved += nbytes
 
     def remaining(self) -> float | None:
         if self.deadline is None:
@@ -69,11 +90,13 @@ async def run_detached(
     cleanup_grace: float,
     body: Callable[[OpState], Awaitable[T]],
     track: Callable[[asyncio.Task[Any]], None] | None = None,
+    record: Operation | None = None,
 ) -> T:
     """Run ``body`` in a task of its own and wait for it under ``timeout``.
 
     The task's deadline is ``timeout + cleanup_grace``. ``track`` is given the task (the
-    client keeps a set of them, to wait for their cleanup on close).
+    client keeps a set of them, to wait for their cleanup on close). ``record``: the
+    observed record the body's :class:`OpState` carries.
 
     Raises:
         LMCacheTimeoutError: ``timeout`` passed; the task goes on, abandoned, to clean up.
@@ -86,6 +109,7 @@ async def run_detached(
         None if timeout is None else start + timeout + cleanup_grace,
         None if timeout is None else start + timeout,
     )
+    op.record = record
     task = asyncio.ensure_future(body(op))
     if track is not None:
         track(task)

@@ -136,7 +136,7 @@ async def _keepalive_loop(
                 await reconnected.wait()
         if reconnected.is_set():
             reconnected.clear()
-            log.info("reconnected to %s; registering again", conn.url)
+            log.debug("reconnected to %s; refreshing the registration", conn.url)
         session = ref()
         if session is None:
             return
@@ -396,7 +396,7 @@ class Session:
         config = await self.meta.config(max_age=0, timeout=10.0)
         identity = server_instance(config)
         if identity != self.config.instance:
-            log.info("server restarted (instance id changed); re-registering")
+            log.debug("the server has a new instance id; registering again")
             self.replaced(identity)
         if self.stale or self.reg_generation != self.conn.generation:
             await self.ensure_registered(30.0)
@@ -405,7 +405,7 @@ class Session:
             Op.REGISTER_ENGINE_DRIVEN, (self._register_payload().to_wire(),), timeout=10.0
         )
         if parse_register_response(reply.value()) != self.pool_identity:
-            log.info("the server's SHM pool changed; re-registering")
+            log.debug("the server's SHM pool changed; registering again")
             self.stale = True
             await self.ensure_registered(30.0)
 
@@ -417,7 +417,7 @@ class Session:
         async with self._reg_lock:
             if self.reg_generation == self.conn.generation and not self.stale:
                 return
-            log.info("re-registering %s with %s", self.model_name, self.url)
+            log.warning("re-registering %s with %s", self.model_name, self.url)
             before = self.chunk_size
             await self.load_config(timeout)
             assert self.geometry is not None

@@ -26,11 +26,12 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence, Sized
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, Unpack
 
 import torch
 
+from lmcache_async import _observing as observing, observe
 from lmcache_async._compose import ComposeResult, Fill, KVPart, compose
 from lmcache_async._connection import DEFAULT_MAX_IN_FLIGHT, check_zmq_url
 from lmcache_async._cuda.hooks import caller_order, kv_mark, target_mark
@@ -146,6 +147,9 @@ class ClientOptions(TypedDict, total=False):
     prefault_shm: bool
     api_key: str | None
     max_in_flight: int
+    observers: Sequence[observe.Observer]
+    tracer_provider: Any
+    meter_provider: Any
 
 
 async def connect(
@@ -204,6 +208,13 @@ class AsyncClient:
         max_in_flight: most requests on the wire at once (default 1024); a request
             beyond that waits for a free place under its operation's deadline, so an
             unanswering server makes calls time out instead of growing the pending table.
+        observers: told when each operation starts and ends
+            (:class:`~lmcache_async.observe.Observer`), besides those
+            :func:`~lmcache_async.observe.add_observer` gave every client.
+        tracer_provider, meter_provider: an OpenTelemetry ``TracerProvider`` and/or
+            ``MeterProvider``: the client's operations become spans and metrics there
+            (:mod:`lmcache_async.otel`; needs the ``otel`` extra). Neither given:
+            OpenTelemetry is not imported.
     """
 
     def __init__(
@@ -222,6 +233,9 @@ class AsyncClient:
         prefault_shm: bool = True,
         api_key: str | None = None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        observers: Sequence[observe.Observer] = (),
+        tracer_provider: Any = None,
+        meter_provider: Any = None,
     ) -> None:
         check_zmq_url(url)
         if not isinstance(http_url, str) or not http_url.startswith(("http://", "https://")):
@@ -236,6 +250,12 @@ class AsyncClient:
             raise ValueError(f"num_kv_readers must be an int >= 1, got {num_kv_readers!r}")
         if not 0 < ping_interval <= 30:
             raise ValueError(f"ping_interval must be in (0, 30] seconds, got {ping_interval!r}")
+        #: Told of each operation (``None``: none, and nothing is recorded).
+        self._observers = _observers(observers, tracer_provider, meter_provider)
+        #: An observer asks for the phases of each operation.
+        self._phases = any(getattr(o, "wants_phases", False) for o in self._observers or ())
+        #: server.address and server.port of the records.
+        self._endpoint = observing.endpoint(url)
         self.url = url
         self.http_url = http_url
         self.model_name = model_name
@@ -493,10 +513,18 @@ class AsyncClient:
     # ------------------------------------------------------------------ op runner
 
     async def _run(
-        self, name: str, timeout: float | None, body: Callable[[Operations, OpState], Awaitable[T]]
+        self,
+        name: str,
+        timeout: float | None,
+        body: Callable[[Operations, OpState], Awaitable[T]],
+        finish: Callable[[observe.Operation, T], None] | None = None,
+        asked: int = 0,
+        salt: str = "",
     ) -> T:
         """Run ``body`` over this client's operations in a task of its own (see
-        :func:`~lmcache_async._runner.run_detached`), re-registering first if needed."""
+        :func:`~lmcache_async._runner.run_detached`), re-registering first if needed.
+        With observers, it is an observed operation: ``finish`` fills in what its result
+        says, ``asked`` and ``salt`` are its tokens asked and cache salt."""
         self._require_open()
         self._check_loop()
 
@@ -525,10 +553,49 @@ class AsyncClient:
                     if attempt == 2 or op.abandoned:
                         again = " (again, after running it once more)" if attempt == 2 else ""
                         raise ServerReplacedError(f"{name}: {exc}{again}") from exc
-                    log.info("%s: the server was replaced while it ran; running it again", name)
+                    log.debug("%s: the server was replaced while it ran; running it again", name)
             raise AssertionError("unreachable")
 
-        return await run_detached(name, timeout, self.cleanup_grace, run, self._track)
+        if self._observers is None or finish is None:
+            return await run_detached(name, timeout, self.cleanup_grace, run, self._track)
+        record = self._record(name, asked, salt)
+        return await observing.observed(
+            self._observers,
+            record,
+            lambda: run_detached(name, timeout, self.cleanup_grace, run, self._track, record),
+            finish,
+        )
+
+    def _record(self, name: str, asked: int = 0, salt: str = "") -> observe.Operation:
+        """A new observed record of operation ``name`` (the client is open)."""
+        s = self._session
+        address, port = self._endpoint
+        return observe.Operation(
+            name,
+            address,
+            port,
+            self.model_name,
+            s.transfer,
+            s.wire.name,
+            s.chunk_size,
+            asked,
+            observe.salt_hash(salt),
+            phases=[] if self._phases else None,
+        )
+
+    async def _observe(
+        self,
+        name: str,
+        run: Callable[[], Awaitable[T]],
+        finish: Callable[[observe.Operation, T], None],
+        asked: int = 0,
+        salt: str = "",
+    ) -> T:
+        """``await run()`` as observed operation ``name`` (a bulk job, a pickle remap):
+        the parent of the operations it runs."""
+        if self._observers is None:
+            return await run()
+        return await observing.observed(self._observers, self._record(name, asked, salt), run, finish)
 
     def _track_posted(self, fut: asyncio.Future[Any]) -> None:
         self._posted.add(fut)
@@ -604,6 +671,9 @@ class AsyncClient:
             "lookup",
             timeout,
             lambda ops, op: ops.lookup(op, toks, _align(len(toks), ops.reg.chunk_size), cache_salt, configs),
+            observing.finish_lookup,
+            len(toks),
+            cache_salt,
         )
 
     async def retrieve(
@@ -669,7 +739,7 @@ class AsyncClient:
                 n = min(n, _align(out.shape[axis], ops.reg.chunk_size))
             return ops.retrieve(op, toks, n, cache_salt, configs, out, mark=mark)
 
-        return await self._run("retrieve", timeout, body)
+        return await self._run("retrieve", timeout, body, observing.finish_retrieve, len(toks), cache_salt)
 
     def _check_out(self, out: object, end: int) -> None:
         geom = self._session.geometry
@@ -741,6 +811,9 @@ class AsyncClient:
             lambda ops, op: ops.store(
                 op, kv, toks, _align(len(toks), ops.reg.chunk_size), cache_salt, configs, mark=mark
             ),
+            observing.finish_store,
+            len(toks),
+            cache_salt,
         )
 
     async def remap(
@@ -779,7 +852,24 @@ class AsyncClient:
                 lambda ops, op: ops.remap(
                     op, src, dst, _align(min(len(src), len(dst)), ops.reg.chunk_size), cache_salt, tsalt
                 ),
+                observing.finish_remap,
+                len(src),
+                cache_salt,
             )
+        if self._observers is None:
+            return await self._remap_pickle(src, dst, cache_salt, tsalt, timeout)
+        return await self._observe(
+            "remap",
+            lambda: self._remap_pickle(src, dst, cache_salt, tsalt, timeout),
+            observing.finish_remap,
+            len(src),
+            cache_salt,
+        )
+
+    async def _remap_pickle(
+        self, src: list[int], dst: list[int], cache_salt: str, tsalt: str, timeout: float | None
+    ) -> RemapResult:
+        """A remap on the pickle transport: a retrieve, then a store of what it found."""
         n = self._aligned(min(len(src), len(dst)))
         start = time.monotonic()
         kv = await self.retrieve(src[:n], cache_salt, timeout=timeout)
@@ -832,14 +922,33 @@ class AsyncClient:
         """
         self._require_open()
         in_pool = self._compose_in_pool if self._session.pool is not None else None
-        return await compose(
-            self,
-            target_tokens,
-            parts,
-            rope=rope,
-            cache_salt=cache_salt,
-            timeout=self._timeout(timeout),
-            in_pool=in_pool,
+
+        async def run() -> ComposeResult:
+            return await compose(
+                self,
+                target_tokens,
+                parts,
+                rope=rope,
+                cache_salt=cache_salt,
+                timeout=self._timeout(timeout),
+                in_pool=in_pool,
+            )
+
+        if in_pool is not None:  # one operation of its own (observed in _compose_in_pool)
+            return await run()
+        asked = len(target_tokens) if isinstance(target_tokens, Sized) else 0
+        return await self._observe(
+            "compose",
+            run,
+            lambda o, r: observing.finish_compose(
+                o,
+                [p.tokens for p in r.parts],
+                [p.tokens if p.hit else 0 for p in r.parts],
+                r.stored_tokens,
+                r.stored_new,
+            ),
+            asked,
+            cache_salt,
         )
 
     async def _compose_in_pool(
@@ -851,8 +960,14 @@ class AsyncClient:
         fill: Fill,
         timeout: float | None,
     ) -> tuple[list[int], bool]:
+        needed = [read for _, read, _ in sources]
         return await self._run(
-            "compose", timeout, lambda ops, op: ops.compose_in_pool(op, sources, target, stored, salt, fill)
+            "compose",
+            timeout,
+            lambda ops, op: ops.compose_in_pool(op, sources, target, stored, salt, fill),
+            lambda o, r: observing.finish_compose(o, needed, r[0], stored, r[1]),
+            len(target),
+            salt,
         )
 
     # ------------------------------------------------------------------ misc
@@ -947,14 +1062,18 @@ class AsyncClient:
         _check_iterable(pairs, "pairs")
         self._require_open()
         self._check_loop()
-        return await bulk.remap_many(
-            self,
-            pairs,
-            concurrency=concurrency,
-            max_bytes_in_flight=max_bytes_in_flight,
-            progress=progress,
-            return_exceptions=return_exceptions,
-            timeout=self._timeout(timeout),
+        return await self._observe(
+            "remap_many",
+            lambda: bulk.remap_many(
+                self,
+                pairs,
+                concurrency=concurrency,
+                max_bytes_in_flight=max_bytes_in_flight,
+                progress=progress,
+                return_exceptions=return_exceptions,
+                timeout=self._timeout(timeout),
+            ),
+            observing.finish_batch,
         )
 
     async def store_many(
@@ -978,14 +1097,18 @@ class AsyncClient:
         self._require_open()
         self._check_loop()
         with caller_order():  # GPU tensors: ordered after the caller's streams, now
-            return await bulk.store_many(
-                self,
-                items,
-                concurrency=concurrency,
-                max_bytes_in_flight=max_bytes_in_flight,
-                progress=progress,
-                return_exceptions=return_exceptions,
-                timeout=self._timeout(timeout),
+            return await self._observe(
+                "store_many",
+                lambda: bulk.store_many(
+                    self,
+                    items,
+                    concurrency=concurrency,
+                    max_bytes_in_flight=max_bytes_in_flight,
+                    progress=progress,
+                    return_exceptions=return_exceptions,
+                    timeout=self._timeout(timeout),
+                ),
+                observing.finish_batch,
             )
 
     async def retrieve_many(
@@ -1013,15 +1136,19 @@ class AsyncClient:
         self._require_open()
         self._check_loop()
         with caller_order():  # GPU tensors: ordered after the caller's streams, now
-            return await bulk.retrieve_many(
-                self,
-                token_lists,
-                concurrency=concurrency,
-                max_bytes_in_flight=max_bytes_in_flight,
-                progress=progress,
-                return_exceptions=return_exceptions,
-                timeout=self._timeout(timeout),
-                device=device,
+            return await self._observe(
+                "retrieve_many",
+                lambda: bulk.retrieve_many(
+                    self,
+                    token_lists,
+                    concurrency=concurrency,
+                    max_bytes_in_flight=max_bytes_in_flight,
+                    progress=progress,
+                    return_exceptions=return_exceptions,
+                    timeout=self._timeout(timeout),
+                    device=device,
+                ),
+                observing.finish_batch,
             )
 
     async def compose_many(
@@ -1046,21 +1173,49 @@ class AsyncClient:
         _check_iterable(items, "items")
         self._require_open()
         self._check_loop()
-        return await bulk.compose_many(
-            self,
-            items,
-            rope=rope,
-            concurrency=concurrency,
-            max_bytes_in_flight=max_bytes_in_flight,
-            progress=progress,
-            return_exceptions=return_exceptions,
-            timeout=self._timeout(timeout),
+        return await self._observe(
+            "compose_many",
+            lambda: bulk.compose_many(
+                self,
+                items,
+                rope=rope,
+                concurrency=concurrency,
+                max_bytes_in_flight=max_bytes_in_flight,
+                progress=progress,
+                return_exceptions=return_exceptions,
+                timeout=self._timeout(timeout),
+            ),
+            observing.finish_batch,
         )
 
     # ---- end of bulk operations ----
 
     def _timeout(self, timeout: float | DefaultType | None) -> float | None:
         return resolve_timeout(timeout, self.timeout)
+
+
+def _observers(
+    given: Sequence[observe.Observer], tracer_provider: Any, meter_provider: Any
+) -> tuple[observe.Observer, ...] | None:
+    """The client's observers: ``given``, the OpenTelemetry one if a provider is given,
+    and those :func:`~lmcache_async.observe.add_observer` gave; ``None`` when none."""
+    if isinstance(given, str) or not isinstance(given, Sequence):
+        raise TypeError(f"observers must be a sequence of observers, got {type(given).__name__}")
+    found = [*given]
+    for o in found:
+        if not callable(getattr(o, "operation_started", None)) or not callable(
+            getattr(o, "operation_ended", None)
+        ):
+            raise TypeError(
+                "an observer needs operation_started(op) and operation_ended(op) methods, "
+                f"got {type(o).__name__}"
+            )
+    if tracer_provider is not None or meter_provider is not None:
+        from lmcache_async.otel import OpenTelemetryObserver  # only when asked for
+
+        found.append(OpenTelemetryObserver(tracer_provider, meter_provider))
+    found.extend(o for o in observe.observers() if o not in found)
+    return tuple(found) or None
 
 
 def _check_iterable(value: object, name: str) -> None:

@@ -59,7 +59,7 @@ class Operations(ShmSequences, InlineSequences):
         locks released and session ended before returning."""
         if end == 0:
             return 0
-        rid = request_id("lookup")
+        rid = request_id("lookup", op)
         key = self._key(toks, end, rid, salt, worker=False, configs=configs)
         return await self._lookup_locked(op, key, rid, release=True)
 
@@ -80,7 +80,7 @@ class Operations(ShmSequences, InlineSequences):
         if end == 0:
             return None
         geom = self.reg.geometry
-        rid = request_id("retrieve")
+        rid = request_id("retrieve", op)
         key = self._key(toks, end, rid, salt, worker=False, configs=configs)
         hit = 0
         state = RetrieveState()

@@ -21,6 +21,7 @@ from lmcache_async import _copies as copies
 from lmcache_async._runner import OpState
 from lmcache_async._shm import ShmPool
 from lmcache_async._wire import (
+    OP_NAMES,
     CacheKey,
     Op,
     WireGeneration,
@@ -52,6 +53,17 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Configs = dict[str, Any] | None
+
+#: The phase each request of an operation is part of (observers' ``Operation.phases``).
+PHASES: Final[dict[int, str]] = {
+    Op.LOOKUP: "lookup",
+    Op.QUERY_PREFETCH_STATUS: "prefetch wait",
+    Op.WAIT_PREFETCH_STATUS: "prefetch wait",
+    Op.PREPARE_STORE: "prepare",
+    Op.PREPARE_RETRIEVE: "prepare",
+    Op.COMMIT_STORE: "commit",
+    Op.COMMIT_RETRIEVE: "commit",
+}
 
 #: Longest single wait_prefetch_status: it blocks one of the server's CPU workers.
 PREFETCH_WAIT_SLICE: Final = 0.05
@@ -165,12 +177,29 @@ def _value(reply: Any) -> Any:
         return exc
 
 
-def cleanup_done(opcode: Op, fut: asyncio.Future[Any]) -> None:
+def cleanup_done(opcode: Op, rid: str | None, fut: asyncio.Future[Any]) -> None:
     if fut.cancelled():
         return
     exc = fut.exception()
     if exc is not None:
-        log.warning("cleanup %s failed: %s", opcode.name.lower(), exc)
+        _cleanup_failed(opcode, rid, exc)
+
+
+def _request_of(args: Sequence[Any]) -> str | None:
+    """The request id a cleanup call is about (its first argument: the id, or a key)."""
+    first = args[0] if args else None
+    if isinstance(first, str):
+        return first
+    if isinstance(first, dict):
+        rid = first.get("request_id")
+        return rid if isinstance(rid, str) else None
+    return None
+
+
+def _cleanup_failed(opcode: Op, rid: str | None, exc: BaseException) -> None:
+    """Log a failed cleanup call once, with its request id (``extra`` ``request_id``)."""
+    name = opcode.name.lower()
+    log.warning("cleanup %s of request %s failed: %s", name, rid, exc, extra={"request_id": rid})
 
 
 class _Gate:
@@ -275,8 +304,18 @@ class OperationsBase:
     # ------------------------------------------------------------------ the interface
 
     async def call(self, op: OpState, opcode: Op, *args: Any) -> Any:
-        """One request under the operation's deadline; its reply's value."""
-        return await self.channel.call(opcode, args, op.remaining())
+        """One request under the operation's deadline; its reply's value (noted as a
+        phase where the operation's record asks for phases)."""
+        record = op.record
+        if record is None or record.phases is None:
+            return await self.channel.call(opcode, args, op.remaining())
+        start = time.time_ns()
+        try:
+            return await self.channel.call(opcode, args, op.remaining())
+        finally:
+            record.phases.append(
+                (PHASES.get(opcode, OP_NAMES.get(opcode, str(opcode))), start, time.time_ns())
+            )
 
     async def pipeline(self, op: OpState, *calls: tuple[Any, ...]) -> list[Any]:
         """Send several requests back to back (in order) and wait for all replies.
@@ -286,6 +325,16 @@ class OperationsBase:
         cannot go out at once, it and the rest follow one by one once the earlier replies
         are in (still in order).
         """
+        record = op.record
+        if record is None or record.phases is None:
+            return await self._pipeline(op, calls)
+        start = time.time_ns()
+        try:
+            return await self._pipeline(op, calls)
+        finally:
+            op.phase(PHASES.get(calls[0][0], OP_NAMES.get(calls[0][0], "pipeline")), start)
+
+    async def _pipeline(self, op: OpState, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
         post = self._post
         futs: list[asyncio.Future[Any]] = []
         if post is not None and self.channel.usable:
@@ -296,14 +345,14 @@ class OperationsBase:
                     break
                 futs.append(fut)
         if not futs:
-            tasks = [asyncio.ensure_future(self.call(op, *c)) for c in calls]
+            tasks = [asyncio.ensure_future(self.channel.call(c[0], c[1:], op.remaining())) for c in calls]
             results = await asyncio.gather(*tasks, return_exceptions=True)
         else:
             replies = await asyncio.gather(*futs, return_exceptions=True)
             results = [r if isinstance(r, BaseException) else _value(r) for r in replies]
             for c in calls[len(futs) :]:
                 try:
-                    results.append(await self.call(op, *c))
+                    results.append(await self.channel.call(c[0], c[1:], op.remaining()))
                 except LMCacheError as exc:
                     results.append(exc)
         for r in results:
@@ -326,7 +375,7 @@ class OperationsBase:
         if post is not None and self.channel.usable:
             fut = post(opcode, args, self.cleanup_grace)
             if fut is not None:
-                fut.add_done_callback(functools.partial(cleanup_done, opcode))
+                fut.add_done_callback(functools.partial(cleanup_done, opcode, _request_of(args)))
                 if self._track is not None:
                     self._track(fut)
                 return
@@ -339,7 +388,7 @@ class OperationsBase:
         try:
             return await self.channel.call(opcode, args, self.cleanup_grace)
         except LMCacheError as exc:
-            log.warning("cleanup %s failed: %s", opcode.name.lower(), exc)
+            _cleanup_failed(opcode, _request_of(args), exc)
             return None
 
     # ------------------------------------------------------------------ operations
@@ -501,7 +550,7 @@ class OperationsBase:
         delay = 0.0
         while True:
             await asyncio.sleep(delay)
-            rid = request_id("store-check")
+            rid = request_id("store-check", op)
             key = self._key(toks, end, rid, salt, worker=False)
             cached = await self._lookup_locked(op, key, rid, release=True, release_later=True)
             if cached >= end:
@@ -577,9 +626,13 @@ def _is_count(value: object) -> TypeGuard[int]:
     return type(value) is int and value >= 0
 
 
-def request_id(kind: str) -> str:
-    """A fresh session id (the server keys sessions by it; never reused)."""
-    return f"lmca-{kind}-{uuid.uuid4().hex}"
+def request_id(kind: str, op: OpState | None = None) -> str:
+    """A fresh session id (the server keys sessions by it; never reused), noted in
+    ``op``'s observed record if it has one."""
+    rid = f"lmca-{kind}-{uuid.uuid4().hex}"
+    if op is not None and op.record is not None:
+        op.record.request_ids.append(rid)
+    return rid
 
 
 def shape_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

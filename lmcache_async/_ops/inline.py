@@ -57,7 +57,9 @@ class InlineSequences(OperationsBase):
             return None
         if target is None:
             target, mark = new_target(geom.kv_shape(hit), geom.dtype, mark)
+        start = op.clock()
         await self._copy_chunks(target, tensors, mark)
+        op.phase("copy", start)
         return target
 
     async def _store_pickle(
@@ -70,7 +72,7 @@ class InlineSequences(OperationsBase):
         configs: Configs,
         mark: Mark | None = None,
     ) -> bool:
-        rid = request_id("store")
+        rid = request_id("store", op)
         lookup_key = self._key(toks, end, rid, salt, worker=False)
         try:
             # The lookup tells which chunks are cached already; its locks are not needed
@@ -94,6 +96,7 @@ class InlineSequences(OperationsBase):
             ok = await self.call(op, Op.COMMIT_STORE, key, self.reg.instance_id, PreEncoded(frame))
             if ok is not True:
                 raise TransferError("the server could not store every chunk (out of memory?)")
+            op.moved(nbytes)
         finally:
             await self.cleanup_later(Op.END_SESSION, rid)
         # A pickle commit the server found no memory for still answers True: verify.

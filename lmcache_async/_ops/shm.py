@@ -74,7 +74,9 @@ class ShmSequences(OperationsBase):
                 return None
             if target is None:
                 target, mark = new_target(geom.kv_shape(hit), geom.dtype, mark)
+            start = op.clock()
             await self._copy_chunks(target, views, mark)
+            op.phase("copy", start)
             committed = True
             if mark is None or rid is None or not self._commit_retrieve_later(rkey, rid, state):
                 await self.call(op, Op.COMMIT_RETRIEVE, rkey, self.reg.instance_id)
@@ -102,10 +104,10 @@ class ShmSequences(OperationsBase):
 
         def answered(f: asyncio.Future[Any]) -> None:
             release()
-            cleanup_done(Op.COMMIT_RETRIEVE, f)
+            cleanup_done(Op.COMMIT_RETRIEVE, rid, f)
             end = post(Op.END_SESSION, (rid,), self.cleanup_grace) if self.channel.usable else None
             if end is not None:
-                end.add_done_callback(functools.partial(cleanup_done, Op.END_SESSION))
+                end.add_done_callback(functools.partial(cleanup_done, Op.END_SESSION, rid))
             elif self.channel.usable:
                 end = asyncio.ensure_future(self.cleanup_call(Op.END_SESSION, rid))
             if end is not None and self._track is not None:
@@ -144,7 +146,7 @@ class ShmSequences(OperationsBase):
     ) -> bool:
         geom = self.reg.geometry
         assert self.reg.pool is not None
-        rid = request_id("store")
+        rid = request_id("store", op)
         key = self._key(toks, end, rid, salt, worker=True, configs=configs)
         reserved = Reserved()
         try:
@@ -165,8 +167,11 @@ class ShmSequences(OperationsBase):
             views = [self.reg.pool.view(s, shape, geom.dtype) for s in slots]
             pairs = [(v, self._chunk(kv, j)) for v, j in zip(views, indices, strict=True)]
             nbytes = sum(v.numel() for v in views) * kv.element_size()
+            start = op.clock()
             await self._fill_reserved(pairs, nbytes, mark)
+            op.phase("copy", start)
             reserved.filled = True
+            op.moved(nbytes)
             ok = await self.call(op, Op.COMMIT_STORE, key, self.reg.instance_id, b"")
             if ok is not True:
                 raise TransferError("the server refused the SHM commit (registration lost?)")
@@ -236,7 +241,7 @@ class ShmSequences(OperationsBase):
         if n == 0:
             return RemapResult(0, 0, False)
         assert self.reg.pool is not None
-        rid = request_id("remap")
+        rid = request_id("remap", op)
         key = self._key(src, n, rid, salt, worker=False)
         hit = 0
         state = RetrieveState()
@@ -276,7 +281,7 @@ class ShmSequences(OperationsBase):
             sources = self._stored_views(rslots)
             if op.abandoned:  # the caller left before the store half began: skip it
                 return RemapResult(hit, 0, False)
-            srid = request_id("remap-store")
+            srid = request_id("remap-store", op)
             skey = self._key(dst, hit, srid, tsalt, worker=True)
             reserved = Reserved()
             try:
@@ -293,8 +298,12 @@ class ShmSequences(OperationsBase):
                     (self.reg.pool.view(w, shape, geom.dtype), sources[j])
                     for w, j in zip(wslots, indices, strict=True)
                 ]
-                await self._fill_reserved(pairs, len(pairs) * shape_bytes(shape, geom.dtype))
+                nbytes = len(pairs) * shape_bytes(shape, geom.dtype)
+                start = op.clock()
+                await self._fill_reserved(pairs, nbytes)
+                op.phase("copy", start)
                 reserved.filled = True
+                op.moved(nbytes)
                 # The target is written: the source's pending read can go with its commit.
                 committed = True
                 ok, _ = await self.pipeline(
@@ -337,7 +346,7 @@ class ShmSequences(OperationsBase):
         """
         assert self.reg.pool is not None
         cs = self.reg.chunk_size
-        rids = [request_id("compose") for _ in sources]
+        rids = [request_id("compose", op) for _ in sources]
         keys = [
             self._key(toks, read, rid, salt, worker=False)
             for (toks, read, salt), rid in zip(sources, rids, strict=True)
@@ -401,7 +410,7 @@ class ShmSequences(OperationsBase):
         assert self.reg.pool is not None
         geom = self.reg.geometry
         shape = geom.kv_shape(self.reg.chunk_size)
-        srid = request_id("compose-store")
+        srid = request_id("compose-store", op)
         skey = self._key(target, stored, srid, tsalt, worker=True)
         reserved = Reserved()
         commits = [(Op.COMMIT_RETRIEVE, rkey, self.reg.instance_id) for rkey in rkeys]
@@ -428,13 +437,16 @@ class ShmSequences(OperationsBase):
                 for slot, j in slots:
                     fill(views, j, slot)
 
+            start = op.clock()
             try:
                 await copies.copy_to_the_end(max(nbytes, copies.THREAD_COPY_BYTES), write)
             except Exception as exc:
                 raise TransferError(
                     f"could not write the composed chunks ({exc!r}); nothing was committed"
                 ) from exc
+            op.phase("copy", start)
             reserved.filled = True
+            op.moved(nbytes)
             pending[:] = [False] * len(pending)  # the reads go with the store's commit
             ok, *_ = await self.pipeline(op, (Op.COMMIT_STORE, skey, self.reg.instance_id, b""), *commits)
             if ok is not True:

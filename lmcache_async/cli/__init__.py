@@ -14,18 +14,34 @@ They share :mod:`lmcache_async.cli.arguments` (argument types and the common fla
 
 Exit codes: 0 success, 1 operation failed (e.g. server unreachable), 2 usage error,
 130 interrupted.
+
+Telemetry: where a standard ``OTEL_*`` variable names an exporter or an endpoint
+(:data:`OTEL_SWITCHES`) and ``OTEL_SDK_DISABLED`` is not ``true``, the commands' clients
+record spans and metrics (:func:`lmcache_async.otel.instrument`) through the global
+OpenTelemetry providers, which ``opentelemetry-instrument lmcache-async ...`` configures
+from those variables. Without them nothing of OpenTelemetry is imported.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from lmcache_async._version import __version__
 
-__all__ = ["build_parser", "main"]
+__all__ = ["OTEL_SWITCHES", "build_parser", "instrument_from_environment", "main"]
+
+#: The ``OTEL_*`` variables that turn the commands' telemetry on (any one, non-empty).
+OTEL_SWITCHES = (
+    "OTEL_TRACES_EXPORTER",
+    "OTEL_METRICS_EXPORTER",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+)
 
 _MODULES = (
     "lmcache_async.cli.demo",
@@ -53,8 +69,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def instrument_from_environment(environ: Mapping[str, str]) -> bool:
+    """Turn telemetry on for the clients made from now on if ``environ`` asks for it (see
+    the module's documentation); True when it did. Without the ``otel`` extra it says so
+    on stderr and goes on without."""
+    wanted = any(environ.get(name, "").strip() not in ("", "none") for name in OTEL_SWITCHES)
+    if not wanted or environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    try:
+        from lmcache_async.otel import instrument
+    except ImportError as exc:
+        print(f"OTEL_* is set but OpenTelemetry is not installed ({exc}): no telemetry", file=sys.stderr)
+        return False
+    instrument()
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
+    instrument_from_environment(os.environ)
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)

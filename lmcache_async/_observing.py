@@ -1,0 +1,161 @@
+"""Running an operation under its observers (:mod:`lmcache_async.observe`): the record's
+start and end, its outcome, its parent (a context variable: the bulk job or pickle remap
+the caller's task is running, inherited by the tasks it starts), and the observers'
+exceptions kept from the caller."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence, Sized
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, TypeVar
+
+from lmcache_async.errors import LMCacheTimeoutError
+from lmcache_async.observe import Observer, Operation
+
+if TYPE_CHECKING:
+    import torch
+
+    from lmcache_async._ops import RemapResult
+
+__all__ = [
+    "current",
+    "endpoint",
+    "finish_batch",
+    "finish_lookup",
+    "finish_remap",
+    "finish_retrieve",
+    "finish_store",
+    "observed",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: The operation the current task runs for (the parent of those it starts).
+_current: ContextVar[Operation | None] = ContextVar("lmcache_async_operation", default=None)
+
+
+def current() -> Operation | None:
+    """The operation the current task runs for, if any."""
+    return _current.get()
+
+
+async def observed(
+    observers: Sequence[Observer],
+    op: Operation,
+    run: Callable[[], Awaitable[T]],
+    finish: Callable[[Operation, T], None],
+) -> T:
+    """Await ``run()`` as the observed operation ``op``: observers told of its start, then
+    ``finish(op, result)`` fills in its result's facts (or the outcome says the error),
+    its duration is set and observers are told of its end.
+
+    Cancellation and timeout: the record ends with outcome ``"cancelled"`` or
+    ``"timeout"`` and the exception propagates unchanged.
+    """
+    parent = _current.get()
+    if parent is not None:
+        op.parent = parent
+        parent.children += 1
+    for obs in observers:
+        try:
+            op.state[obs] = obs.operation_started(op)
+        except Exception as exc:
+            log.warning("observer %r failed at the start of %s: %r", obs, op.name, exc)
+    token = _current.set(op)
+    start = time.perf_counter()
+    try:
+        result = await run()
+    except LMCacheTimeoutError:
+        op.outcome, op.error_type = "timeout", "LMCacheTimeoutError"
+        raise
+    except asyncio.CancelledError:
+        op.outcome, op.error_type = "cancelled", "CancelledError"
+        raise
+    except BaseException as exc:
+        op.outcome, op.error_type = "error", type(exc).__qualname__
+        raise
+    else:
+        finish(op, result)
+        if op.outcome is None:
+            op.outcome = "ok"
+    finally:
+        _current.reset(token)
+        op.duration = time.perf_counter() - start
+        if parent is not None and parent.name.endswith("_many"):
+            parent.tokens_asked += op.tokens_asked
+            parent.tokens_hit += op.tokens_hit
+            parent.tokens_stored += op.tokens_stored
+            parent.chunks += op.chunks
+            parent.bytes_moved += op.bytes_moved
+        elif parent is not None:  # a pickle remap: its retrieve and its store move the bytes
+            parent.bytes_moved += op.bytes_moved
+        for obs in observers:
+            try:
+                obs.operation_ended(op)
+            except Exception as exc:
+                log.warning("observer %r failed at the end of %s: %r", obs, op.name, exc)
+    return result
+
+
+# ---------------------------------------------------------------------- what results say
+
+
+def endpoint(url: str) -> tuple[str, int | None]:
+    """``(server.address, server.port)`` of a checked ZMQ endpoint (``ipc://path``: the
+    path and ``None``)."""
+    scheme, _, rest = url.partition("://")
+    if scheme == "ipc":
+        return rest, None
+    host, _, port = rest.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def finish_lookup(op: Operation, hit: int) -> None:
+    op.tokens_hit = hit
+    op.chunks = hit // op.chunk_size if op.chunk_size else 0
+    if hit == 0:
+        op.outcome = "miss"
+
+
+def finish_retrieve(op: Operation, kv: torch.Tensor | None) -> None:
+    if kv is None:
+        op.outcome = "miss"
+        return
+    finish_lookup(op, kv.shape[kv.dim() - 2])  # the token axis: [2, L, T, D] or [L, T, D]
+    op.bytes_moved += kv.numel() * kv.element_size()
+
+
+def finish_store(op: Operation, new: bool) -> None:
+    cs = op.chunk_size or 1
+    op.tokens_stored = op.tokens_asked // cs * cs
+    op.chunks = op.tokens_asked // cs
+    op.stored_new = new
+
+
+def finish_remap(op: Operation, result: RemapResult) -> None:
+    finish_lookup(op, result.retrieved_tokens)
+    op.tokens_stored = result.stored_tokens
+    op.stored_new = result.stored_new
+
+
+def finish_batch(op: Operation, result: Sized) -> None:
+    op.items = len(result)
+
+
+def finish_compose(
+    op: Operation, sources: Sequence[int], cached: Sequence[int], stored: int, new: bool
+) -> None:
+    """A composition: ``sources`` the tokens each source must give, ``cached`` those found,
+    ``stored`` the target's tokens (whole chunks) stored when every source hit."""
+    hit = all(c >= n for c, n in zip(cached, sources, strict=True))
+    op.tokens_hit = sum(cached)
+    op.tokens_stored = stored if hit else 0
+    op.chunks = op.tokens_stored // op.chunk_size if op.chunk_size else 0
+    op.stored_new = new
+    if not hit:
+        op.outcome = "miss"
