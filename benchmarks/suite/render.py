@@ -52,6 +52,7 @@ COMMANDS = {
     "fresh": ".venv/bin/python -m benchmarks.suite.bench_fresh",
     "remap": ".venv/bin/python -m benchmarks.suite.bench_remap_batch",
     "compose": ".venv/bin/python -m benchmarks.suite.bench_compose",
+    "observe": ".venv/bin/python -m benchmarks.suite.bench_observe",
 }
 
 
@@ -515,6 +516,50 @@ class Page:
         self.add(table(["transfer", "remap", "rotation", "compose", "(remap + rotation) / compose"], rows))
         self.notes("compose")
 
+    # ------------------------------------------------------------ observe
+    def observe(self, doc: dict[str, Any] | None) -> None:
+        self.add("\n## What observing operations costs (hook, OpenTelemetry)\n\n")
+        if doc is None:
+            self.add(f"Not measured in this run (`{COMMANDS['observe']}`).\n")
+            self.notes("observe")
+            return
+        res = doc["result"]
+        self.add(stamp_line(doc) + "\n")
+        self.add(
+            f"{res['case']}: {res['prompts']} prompts retrieved per run by one client, three clients side by "
+            "side (no observer; a do-nothing observer; OpenTelemetry SDK providers recording every span "
+            f"and metric, exported nowhere), {res['rounds']} round(s) in rotating order. Client CPU per "
+            "operation (this process, every thread); ratios per round against no observer, median "
+            "(range); the OpenTelemetry callbacks alone timed inside them.\n\n"
+        )
+        rows = []
+        for r in res["rows"]:
+
+            def us(key: str, r: dict[str, Any] = r) -> str:
+                return f"{r[key]['median']:.0f} µs"
+
+            def x(key: str, r: dict[str, Any] = r) -> str:
+                v = r[key]
+                return f"{v['median']:.2f}x ({v['min']:.2f}-{v['max']:.2f})"
+
+            rows.append(
+                [
+                    str(r["concurrency"]),
+                    us("off_cpu_us_per_op"),
+                    f"{us('hook_cpu_us_per_op')}, {x('hook_vs_off')}",
+                    f"{us('otel_cpu_us_per_op')}, {x('otel_vs_off')}",
+                    f"{us('otel_callbacks_cpu_us_per_op')}, {x('otel_callbacks_vs_off')}",
+                ]
+            )
+            self.target(
+                f"OpenTelemetry spans + metrics <= 1.05x client CPU/op, concurrency {r['concurrency']}",
+                f"{r['otel_vs_off']['median']:.2f}x (callbacks alone {r['otel_callbacks_vs_off']['median']:.2f}x)",
+                r["otel_vs_off"]["median"] <= 1.05,
+            )
+        heads = ["in flight", "off", "hook only", "OpenTelemetry", "its callbacks alone"]
+        self.add(table(heads, rows))
+        self.notes("observe")
+
     # ------------------------------------------------------------ facade
     def facade(self, doc: dict[str, Any] | None) -> None:
         self.add("\n## The blocking facade (`Client` vs `AsyncClient`)\n\n")
@@ -847,6 +892,7 @@ def render(results: Path, notes: Path, img_dir: Path) -> str:
     page.fresh(docs.get("fresh"))
     page.remap(docs.get("remap"))
     page.compose(docs.get("compose"))
+    page.observe(docs.get("observe"))
     page.facade(docs.get("facade"))
     page.rtt(docs.get("rtt"))
     page.cuda(cuda)

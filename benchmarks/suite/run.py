@@ -1,7 +1,7 @@
 """The whole benchmark suite in one command: ``make bench`` (or ``make bench-quick``).
 
     .venv/bin/python -m benchmarks.suite [--quick] [--generation 0.5.6|0.5.7]
-        [--sections rtt facade concurrent single_shm fresh remap compose single_pickle] [--no-render]
+        [--sections rtt facade concurrent single_shm fresh remap compose observe single_pickle] [--no-render]
         [--out DIR]
 
 ``BENCH_QUICK=1`` in the environment is the same as ``--quick``. Starts the real LMCache
@@ -26,7 +26,9 @@ Sections (module, what):
 * ``fresh`` (bench_fresh.py): the 16-chunk retrieve into ``out=`` right after connect;
 * ``remap`` (bench_remap_batch.py): ``remap_many`` vs the SDK's retrieve + store loop;
 * ``compose`` (bench_compose.py): ``compose`` of a 16-chunk target from two parts vs a
-  ``remap`` of the same size plus the rotation alone (no SDK counterpart).
+  ``remap`` of the same size plus the rotation alone (no SDK counterpart);
+* ``observe`` (bench_observe.py): client CPU per small retrieve with observation off, a
+  do-nothing hook, and OpenTelemetry spans and metrics (no SDK counterpart).
 
 The quick profile (fewer iterations, rounds and remap pairs) proves the pipeline in a few
 minutes; its figures are marked as such on the page. Only the single-operation sections
@@ -54,12 +56,13 @@ from benchmarks.suite import (
     bench_concurrent,
     bench_facade,
     bench_fresh,
+    bench_observe,
     bench_remap_batch,
     bench_rtt,
 )
 from harness.real_server import RealLMCacheServer
 
-SHM_SECTIONS = ("rtt", "facade", "concurrent", "single_shm", "fresh", "remap", "compose")
+SHM_SECTIONS = ("rtt", "facade", "concurrent", "single_shm", "fresh", "remap", "compose", "observe")
 ALL_SECTIONS = (*SHM_SECTIONS, "single_pickle")
 GEN057_SECTIONS = ("single_shm", "single_pickle")
 
@@ -81,6 +84,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "fresh": {"reps": 2, "settle": 0.0},
         "remap": {"pairs": 8, "rounds": 1},
         "compose": {"layers": 8, "iters": 3, "rounds": 1},
+        "observe": {"prompts": 256, "rounds": 1, "concurrency": [8, 64]},
     },
     "full": {
         "shm_l1_gb": 10,
@@ -99,6 +103,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "fresh": {"reps": 5, "settle": 6.0},
         "remap": {"pairs": 64, "rounds": 3},
         "compose": {"layers": 32, "iters": 4, "rounds": 3},
+        "observe": {"prompts": 256, "rounds": 5, "concurrency": [8, 64]},
     },
 }
 
@@ -126,6 +131,8 @@ def _run_section(name: str, shm: RealLMCacheServer | None, pickle: RealLMCacheSe
         if pickle is not None and pickle.is_running():
             urls["pickle"] = (pickle.url, pickle.http_url)
         return bench_compose.section(urls, **prof["compose"])
+    if name == "observe":
+        return bench_observe.section(shm, **prof["observe"])
     raise ValueError(name)
 
 
