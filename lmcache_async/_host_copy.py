@@ -29,14 +29,17 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
 import numpy as np
 import torch
 
-__all__ = ["HUGE_PAGE", "POOL_COPY_BYTES", "copy_host", "copy_into", "empty_host", "madvise"]
+__all__ = ["HUGE_PAGE", "POOL_COPY_BYTES", "copy_host", "copy_in_parts", "copy_into", "empty_host", "madvise"]
 
 #: From this size on, :func:`copy_host` uses ``Tensor.copy_``: its threads share the page
 #: faults of fresh memory and the memory bandwidth, which pays off on large copies
@@ -131,6 +134,89 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
                 np.copyto(d, s, casting="no")
                 return
     dst.copy_(src)
+
+
+def _cut(dst: torch.Tensor, src: torch.Tensor, parts: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``(dst, src)`` as up to ``parts`` lists of pairs of views, cut along dimension 0 when
+    it has ``parts`` indices or more (or is the only one), else along dimension 1 under
+    each index of dimension 0 (``[2, L, T, D]``: K and V, each cut by layers)."""
+    n0 = dst.shape[0]
+    if n0 >= parts or dst.dim() == 1:
+        bounds = [(n0 * k // parts, n0 * (k + 1) // parts) for k in range(parts)]
+        return [[(dst[lo:hi], src[lo:hi])] for lo, hi in bounds if hi > lo]
+    n1 = dst.shape[1]
+    bounds = [(n1 * k // parts, n1 * (k + 1) // parts) for k in range(parts)]
+    return [[(dst[i, lo:hi], src[i, lo:hi]) for i in range(n0)] for lo, hi in bounds if hi > lo]
+
+
+_workers: ThreadPoolExecutor | None = None
+_workers_lock = threading.Lock()
+
+
+def _copy_workers() -> ThreadPoolExecutor:
+    global _workers
+    with _workers_lock:
+        if _workers is None:
+            _workers = ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="lmcache-copy")
+        return _workers
+
+
+def copy_in_parts(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    copy_part: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
+    parts: int | None = None,
+) -> None:
+    """``dst.copy_(src)`` for each ``(dst, src)`` pair of host tensors of one shape, the
+    bytes cut into ``parts`` parts (default: ``torch.get_num_threads()``, the threads
+    ``Tensor.copy_`` would use), each part copied in a thread of its own: the first by
+    the calling thread, the others by this module's worker threads. A part is a list of
+    pairs of views; ``copy_part(part)`` copies it (default: :func:`copy_into` on each
+    pair). The SHM pool's :meth:`~lmcache_async._shm.ShmPool.fill` is one: the first
+    touch of pool pages nobody has used yet allocates them, and that work is shared by
+    the threads as the copy is. Pairs of other kinds (shapes that differ, another
+    device, 0-d) are copied whole in the calling thread (``copy_part`` too, else
+    :func:`copy_host`).
+
+    Blocking; no timeout (memcpy). Every part is waited for, also when one fails; the
+    first failure is then raised. Not to be called from one of those worker threads.
+    """
+    n = parts if parts is not None else torch.get_num_threads()
+    cut: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(max(1, n))]
+    whole: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for dst, src in pairs:
+        if n > 1 and dst.shape == src.shape and dst.dim() > 0 and dst.is_cpu and src.is_cpu:
+            for k, part in enumerate(_cut(dst, src, n)):
+                cut[k].extend(part)
+        else:
+            whole.append((dst, src))
+
+    def run(part: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if copy_part is not None:
+            copy_part(part)
+            return
+        for d, s in part:
+            copy_into(d, s)
+
+    busy = [part for part in cut if part]
+    futures = [_copy_workers().submit(run, part) for part in busy[1:]]
+    first: BaseException | None = None
+    try:
+        if busy:
+            run(busy[0])
+        if whole and copy_part is not None:
+            copy_part(whole)
+        elif whole:
+            total = sum(s.numel() * s.element_size() for _, s in whole)
+            for d, s in whole:
+                copy_host(d, s, total)
+    except BaseException as exc:
+        first = exc
+    for fut in futures:
+        failed = fut.exception()  # waits
+        if failed is not None and first is None:
+            first = failed
+    if first is not None:
+        raise first
 
 
 def copy_host(dst: torch.Tensor, src: torch.Tensor, nbytes: int | None = None) -> None:
