@@ -14,21 +14,16 @@ strided loops over bytes; numpy releases the GIL for them); the same bytes as ``
 that numpy cannot view (another device, a dtype change, a last dimension that is not
 contiguous) go through ``Tensor.copy_`` as before.
 
-:func:`empty_host` allocates the tensor a retrieve fills with transparent huge pages
-where the kernel offers them: the first touch of fresh memory is what a retrieve into a
-new tensor mostly pays for. On the project's 2-vCPU VM (``python -m
-benchmarks.probes.bench_host_copy``, load ~2): a new 32 MiB tensor filled in 8.5-8.8 ms with huge
-pages, 22-23 ms with 4 KiB ones (medians); 128 MiB 15-19 vs 46-49 ms; 512 MiB 129-273 vs
-182-185 ms. The tail is the other way round on such a VM: a huge page the hypervisor has
-to back afresh (free memory handed back to it) cost the worst call 1.2 s against 0.3 s
-at 512 MiB, 0.6 vs 0.2 s at 128 MiB. Kept for the medians; where the tail matters more,
-retrieve into a tensor you allocate once (``out=``).
+:func:`empty_host` allocates the tensor a retrieve fills: above a few MiB over memory kept
+from the retrieves before it (:mod:`lmcache_async._host_memory`), so that the first
+touch of fresh memory, what a retrieve into a new tensor mostly paid for and what made its
+time vary, is paid once and not on every call.
 """
 
 from __future__ import annotations
 
 import ctypes
-import mmap
+import math
 import os
 import sys
 import threading
@@ -38,6 +33,8 @@ from typing import Final
 
 import numpy as np
 import torch
+
+from lmcache_async._host_memory import MIN_BYTES, host_buffer
 
 __all__ = ["HUGE_PAGE", "POOL_COPY_BYTES", "copy_host", "copy_in_parts", "copy_into", "empty_host", "madvise"]
 
@@ -49,7 +46,6 @@ POOL_COPY_BYTES: Final = 8 << 20
 
 #: The transparent huge page size of x86-64 and of arm64 with 4 KiB base pages.
 HUGE_PAGE: Final = 2 << 20
-_MADV_HUGEPAGE: Final = getattr(mmap, "MADV_HUGEPAGE", 14)
 
 
 def _load_madvise() -> Callable[[int, int, int], int] | None:
@@ -70,21 +66,17 @@ madvise: Final = _load_madvise()
 
 
 def empty_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(shape, dtype=dtype)`` on the CPU, its memory advised
-    ``MADV_HUGEPAGE`` before anything touches it (from two huge pages on; the 2 MiB-aligned
-    part of it). Where the kernel's transparent huge pages are set to ``madvise`` or
-    ``always`` its first touch then maps 2 MiB at a time instead of 4 KiB; elsewhere
-    (``never``, not Linux) the advice is refused and ignored: a plain ``torch.empty``.
+    """``torch.empty(shape, dtype=dtype)`` on the CPU (undefined content). From
+    :data:`~lmcache_async._host_memory.MIN_BYTES` on, over a mapping of
+    :func:`~lmcache_async._host_memory.host_buffer`: the memory of an earlier tensor of
+    the same size that is gone (warm: its first touch faults nothing), else a new
+    mapping advised ``MADV_HUGEPAGE`` (where transparent huge pages are ``madvise`` or
+    ``always`` its first touch maps 2 MiB at a time; elsewhere 4 KiB pages).
     """
-    t = torch.empty(shape, dtype=dtype)
-    nbytes = t.numel() * t.element_size()
-    if madvise is not None and nbytes >= 2 * HUGE_PAGE:
-        ptr = t.data_ptr()
-        start = (ptr + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
-        end = (ptr + nbytes) & ~(HUGE_PAGE - 1)
-        if end > start:
-            madvise(start, end - start, _MADV_HUGEPAGE)  # a refusal leaves 4 KiB pages
-    return t
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < MIN_BYTES or not sys.platform.startswith("linux"):
+        return torch.empty(shape, dtype=dtype)
+    return host_buffer(nbytes, madvise).view(dtype).view(shape)
 
 
 _memmove: Final = ctypes.memmove
