@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import lmcache_async as lmc
-from lmcache_async import _shm as shm
 from lmcache_async.testing import EmbeddedServer
 from tests.helpers import peek
 
@@ -53,7 +52,7 @@ def writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         made.append(n)
         return n
 
-    monkeypatch.setattr(shm.os, "pwritev", spy)
+    monkeypatch.setattr(os, "pwritev", spy)
     return made
 
 
@@ -106,7 +105,7 @@ async def test_a_short_write_is_resumed_where_it_stopped(monkeypatch: pytest.Mon
             return real(fd, head, offset)
         return real(fd, buffers, offset)
 
-    monkeypatch.setattr(shm.os, "pwritev", short)
+    monkeypatch.setattr(os, "pwritev", short)
     kv = torch.randn(GEOMETRY.kv_shape(len(TOKENS))).to(GEOMETRY.dtype)
     async with EmbeddedServer(chunk_size=256, mode="shm", size_bytes=256 << 20) as srv:
         async with lmc.AsyncClient(srv.url, srv.http_url, "m", geometry=GEOMETRY) as c:
