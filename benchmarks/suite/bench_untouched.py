@@ -117,14 +117,16 @@ async def _measure(
         for w in (sdk_w, storer):
             w.request("connect", url=srv.url, http_url=srv.http_url, model_name=MODEL, geometry=[32, 1024])
         server = {"server": srv, "url": srv.url, "http_url": srv.http_url, "model_name": MODEL}
-        base = 3_000_000_000
+        await asyncio.to_thread(clear_l1, srv.http_url)  # a server shared with other sections
+        punch_pool(segment)
+        base = 100_000_000  # token ids stay below 2**32 (the server hashes them as uint32)
         for rnd in range(rounds):
             for c in chunk_list:
                 n = c * CS
                 kv = torch.randn(GEOM.kv_shape(n), dtype=torch.float32).to(GEOM.dtype)
                 for op in OPS:
-                    starts = [base + i * 1_000_000 for i in range(iters)]
-                    base += 100_000_000
+                    starts = [base + i * 100_000 for i in range(iters)]
+                    base += 20_000_000
                     if op == "retrieve":  # another process stores the prompts
                         await sdk_call(storer, "untouched", op="store", starts=starts, tokens=n, **server)
                     sides = ["sdk", "ours"] if (rnd + OPS.index(op)) % 2 == 0 else ["ours", "sdk"]
@@ -137,7 +139,7 @@ async def _measure(
                         if op == "store":
                             await asyncio.to_thread(clear_l1, srv.http_url)
                             punch_pool(segment)
-                            starts = [s + 50_000_000 for s in starts]  # the other side: fresh tokens
+                            starts = [s + 10_000_000 for s in starts]  # the other side: fresh tokens
                     if op == "retrieve":
                         await asyncio.to_thread(clear_l1, srv.http_url)
                         punch_pool(segment)
@@ -206,7 +208,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--iters", type=int, choices=range(1, 51), default=3, metavar="1..50")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--l1-gb", type=int, default=4)
     parser.add_argument("--json", action="store_true")
