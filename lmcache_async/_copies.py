@@ -42,14 +42,16 @@ def fill_slots(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pool: ShmPool
     target slots first (:meth:`~lmcache_async._shm.ShmPool.populate`); slots that are
     only read are left to fault (see there).
 
-    From :data:`~lmcache_async._host_copy.POOL_COPY_BYTES` on, the bytes are cut into
-    parts copied by several threads (:func:`~lmcache_async._host_copy.copy_in_parts`),
-    each through :meth:`~lmcache_async._shm.ShmPool.fill`: pages nobody has written yet
-    are written through the segment's descriptor, the others mapped by the thread that
-    copies them (see there and docs/internals/design.md)."""
+    From :data:`~lmcache_async._host_copy.POOL_COPY_BYTES` on, into slots of ``pool`` not
+    all mapped here yet, the bytes are cut into parts copied by several threads
+    (:func:`~lmcache_async._host_copy.copy_in_parts`), each through
+    :meth:`~lmcache_async._shm.ShmPool.fill`: pages nobody has written yet are written
+    through the segment's descriptor, the others mapped by the thread that copies them
+    (see there and docs/internals/design.md). Slots already mapped (a client storing
+    into slots it used before) are copied with ``Tensor.copy_`` as before."""
     total = sum(t.numel() * t.element_size() for t, _ in pairs)
-    if total >= POOL_COPY_BYTES:
-        copy_in_parts(pairs, pool.fill if pool is not None else None)
+    if total >= POOL_COPY_BYTES and pool is not None and not pool.all_mapped(t for t, _ in pairs):
+        copy_in_parts(pairs, pool.fill)
         return
     if pool is not None:
         pool.populate(target for target, _ in pairs)

@@ -174,6 +174,19 @@ class ShmPool:
         _pwrite_all(self._fd, runs, offset)
         return True
 
+    def all_mapped(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """Whether :meth:`populate` has mapped every granule under those of ``tensors``
+        that lie in the pool (slots this client wrote before: a warm copy)."""
+        origin, mapped = self._origin, self._mapped
+        for t in tensors:
+            offset = t.data_ptr() - origin
+            if offset < 0 or offset >= self.pool_size:
+                continue
+            last = min(offset + t.numel() * t.element_size(), self.pool_size) - 1
+            if not all(mapped[offset // GRANULE : last // GRANULE + 1]):
+                return False
+        return True
+
     @property
     def mapped_bytes(self) -> int:
         """How much of the pool :meth:`populate` has mapped so far (granules x size)."""

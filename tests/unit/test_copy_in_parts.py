@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
+import uuid
+from typing import Any
 
 import pytest
 import torch
@@ -11,6 +14,8 @@ from hypothesis import given, settings, strategies as st
 
 from lmcache_async import _copies as copies, _host_copy as host_copy
 from lmcache_async._host_copy import copy_in_parts
+from lmcache_async._shm import ShmPool
+from lmcache_async._wire import SlotDescriptor
 from tests.plugins.hypothesis_budget import examples
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.float8_e4m3fn]
@@ -122,24 +127,46 @@ def test_a_failing_part_is_raised_after_every_part_is_done(monkeypatch: pytest.M
     assert torch.equal(dst[1], src[1]) and torch.equal(dst[0], torch.zeros(6, 8))
 
 
-def test_fill_slots_cuts_large_stores_and_keeps_small_ones_on_the_caller(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_fill_slots_cuts_large_stores_into_unmapped_slots_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Into slots not mapped yet: cut into parts (each through ShmPool.fill); into slots
+    this client mapped before, and below POOL_COPY_BYTES: Tensor.copy_ / copy_host as before."""
     made: list[int] = []
     real = host_copy.copy_in_parts
 
     def spy(
-        pairs: list[tuple[torch.Tensor, torch.Tensor]], prepare: object = None, parts: int | None = None
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        copy_part: Any = None,
+        parts: int | None = None,
     ) -> None:
         made.append(len(pairs))
-        real(pairs, None, parts=2)
+        real(pairs, copy_part, parts=2)
 
     monkeypatch.setattr(copies, "copy_in_parts", spy)
-    big_src = torch.randn(2, 4, host_copy.POOL_COPY_BYTES // (2 * 4 * 64 * 4), 64)
-    big = torch.empty_like(big_src)
-    copies.fill_slots([(big, big_src)])
-    small_src = torch.randn(2, 4, 8, 64)
-    small = torch.empty_like(small_src)
-    copies.fill_slots([(small, small_src)])
-    assert made == [1]
-    assert torch.equal(big, big_src) and torch.equal(small, small_src)
+    size = 2 * host_copy.POOL_COPY_BYTES
+    name = f"lmca_parts_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    pool = ShmPool(name, size)
+    try:
+        shape = (2, 4, host_copy.POOL_COPY_BYTES // (2 * 4 * 64 * 2), 64)
+        src = torch.randn(shape).to(torch.bfloat16)
+        big = pool.view(SlotDescriptor(0, src.numel() * 2, shape, "bfloat16"), shape, torch.bfloat16)
+        copies.fill_slots([(big, src)], pool)  # a hole: cut into parts
+        assert made == [1] and torch.equal(big.view(torch.uint8), src.view(torch.uint8))
+        pool.populate([big])
+        again = torch.randn(shape).to(torch.bfloat16)
+        copies.fill_slots([(big, again)], pool)  # mapped before: Tensor.copy_
+        assert made == [1] and torch.equal(big.view(torch.uint8), again.view(torch.uint8))
+        other = pool.view(
+            SlotDescriptor(src.numel() * 2, 4 << 10, (4 << 10,), "uint8"), (4 << 10,), torch.uint8
+        )
+        small_src = torch.arange(4 << 10, dtype=torch.int32).to(torch.uint8)
+        copies.fill_slots([(other, small_src)], pool)  # small: on the caller, as before
+        assert made == [1] and torch.equal(other, small_src)
+        del big, other
+    finally:
+        pool.close()
+        os.unlink(f"/dev/shm/{name}")
