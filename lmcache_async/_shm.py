@@ -62,6 +62,11 @@ class ShmPool:
         self._mapped = bytearray(-(-pool_size // GRANULE))  # 1: granule mapped by populate()
         #: Whether :meth:`fill` writes pages nobody has written yet through the descriptor.
         self.write_holes = hasattr(os, "SEEK_DATA") and hasattr(os, "pwritev")
+        # The descriptor is closed by close() only once no write through it is running
+        # (a copy thread may still be writing when the client closes).
+        self._fd_lock = threading.Lock()
+        self._fd_users = 0
+        self._fd_closing = False
         #: Whether the mapping is registered as pinned CUDA memory: None until the first
         #: CUDA copy asks (:func:`lmcache_async._cuda.copies.pin_pool`), then True or False.
         self.cuda_pinned: bool | None = None
@@ -153,7 +158,7 @@ class ShmPool:
         """Write ``source`` into ``target`` through the descriptor if the target's bytes
         are all a hole of the segment and ``source`` is made of contiguous runs of at
         least :data:`MIN_RUN` bytes; False (nothing written) otherwise."""
-        if not self.write_holes or self._base is None or self._fd < 0:
+        if not self.write_holes or self._base is None:
             return False
         runs = _runs(target, source)
         if runs is None:
@@ -162,17 +167,31 @@ class ShmPool:
         nbytes = target.numel() * target.element_size()
         if offset < 0 or offset + nbytes > self.pool_size:
             return False
-        try:
-            data = os.lseek(self._fd, offset, os.SEEK_DATA)
-        except OSError as exc:
-            if exc.errno != errno.ENXIO:  # ENXIO: no data from offset to the end
-                self.write_holes = False  # e.g. a file system without SEEK_DATA
+        with self._fd_lock:
+            if self._fd < 0 or self._fd_closing:
                 return False
-            data = self.pool_size
-        if data < offset + nbytes:
-            return False  # some page under the target was written before: map it
-        _pwrite_all(self._fd, runs, offset)
-        return True
+            fd = self._fd
+            self._fd_users += 1
+        try:
+            try:
+                data = os.lseek(fd, offset, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno != errno.ENXIO:  # ENXIO: no data from offset to the end
+                    self.write_holes = False  # e.g. a file system without SEEK_DATA
+                    return False
+                data = self.pool_size
+            if data < offset + nbytes:
+                return False  # some page under the target was written before: map it
+            _pwrite_all(fd, runs, offset)
+            return True
+        finally:
+            with self._fd_lock:
+                self._fd_users -= 1
+                last = self._fd_closing and self._fd_users == 0 and self._fd >= 0
+                if last:
+                    fd, self._fd = self._fd, -1
+            if last:
+                os.close(fd)
 
     def all_mapped(self, tensors: Iterable[torch.Tensor]) -> bool:
         """Whether :meth:`populate` has mapped every granule under those of ``tensors``
@@ -212,8 +231,13 @@ class ShmPool:
         for hook in hooks:
             hook(self)
         self._base = None
-        fd, self._fd = self._fd, -1
-        os.close(fd)
+        with self._fd_lock:
+            self._fd_closing = True
+            fd = -1
+            if self._fd_users == 0:
+                fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)  # else the last write through it closes it
         # A view still alive somewhere keeps the mapping until it is collected.
         with contextlib.suppress(BufferError):
             self._mmap.close()

@@ -4,12 +4,16 @@ bitwise; slots with pages written before go through the mapping; a short write i
 from __future__ import annotations
 
 import os
+import threading
+import uuid
 from typing import Any
 
 import pytest
 import torch
 
 import lmcache_async as lmc
+from lmcache_async._shm import ShmPool
+from lmcache_async._wire import SlotDescriptor
 from lmcache_async.testing import EmbeddedServer
 from tests.helpers import peek
 
@@ -129,3 +133,45 @@ async def test_a_new_tensor_reuses_the_memory_of_a_retrieve_that_is_gone() -> No
             again = await c.retrieve(TOKENS)
             assert again is not None and again.data_ptr() == ptr
             assert torch.equal(again.view(torch.uint8), kv.view(torch.uint8))
+
+
+def test_closing_the_pool_during_a_write_closes_its_descriptor_after_the_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    size = 4 << 20
+    name = f"lmca_holes_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    real = os.pwritev
+    inside, go_on = threading.Event(), threading.Event()
+
+    def held(fd: int, buffers: Any, offset: int) -> int:
+        inside.set()
+        assert go_on.wait(30)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", held)
+    pool = ShmPool(name, size)
+    try:
+        pool_fd = pool._fd
+        target = pool.view(SlotDescriptor(0, 1 << 20, (1 << 20,), "uint8"), (1 << 20,), torch.uint8)
+        source = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+        writer = threading.Thread(target=pool.fill, args=([(target, source)],))
+        writer.start()
+        assert inside.wait(30)
+        pool.close()  # the write is running: its descriptor stays open
+        os.fstat(pool_fd)
+        go_on.set()
+        writer.join(30)
+        assert not writer.is_alive()
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            os.fstat(pool_fd)  # closed by the write, once done
+        with open(f"/dev/shm/{name}", "rb") as f:
+            assert f.read(1 << 20) == source.numpy().tobytes()
+        del target
+    finally:
+        pool.close()
+        os.unlink(f"/dev/shm/{name}")
