@@ -10,12 +10,15 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import lmcache_async as lmc
+from lmcache_async import _shm as shm
 from lmcache_async._shm import ShmPool
 from lmcache_async._wire import SlotDescriptor
 from lmcache_async.testing import EmbeddedServer
 from tests.helpers import peek
+from tests.plugins.hypothesis_budget import examples
 
 # 8 layers x 2 heads x 128, bf16: 2 MiB a 256-token chunk; 8 chunks = 16 MiB (a large store),
 # each chunk 32 runs of 128 KiB in the caller's [2, L, T, D] tensor.
@@ -173,5 +176,64 @@ def test_closing_the_pool_during_a_write_closes_its_descriptor_after_the_write(
             assert f.read(1 << 20) == source.numpy().tobytes()
         del target
     finally:
+        pool.close()
+        os.unlink(f"/dev/shm/{name}")
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(
+    mla=st.booleans(),
+    layers=st.integers(1, 5),
+    tokens=st.integers(1, 9),
+    hidden=st.integers(1, 17),
+    chunks=st.integers(1, 3),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.int8]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_descriptor_writes_are_bitwise_the_source_in_the_slot_layout(
+    mla: bool, layers: int, tokens: int, hidden: int, chunks: int, dtype: torch.dtype, seed: int
+) -> None:
+    """Every chunk of a [2, L, T, D] (or MLA [L, T, D]) tensor written into hole slots
+    through the descriptor, runs of any length (MIN_RUN lowered to one byte)."""
+    gen = torch.Generator().manual_seed(seed)
+    lead = (layers,) if mla else (2, layers)
+    raw = torch.randint(
+        0, 256, (*lead, tokens * chunks, hidden * dtype.itemsize), dtype=torch.uint8, generator=gen
+    )
+    kv = raw.view(dtype)
+    step = kv.narrow(len(lead), 0, tokens).numel() * dtype.itemsize
+    stride = -(-step // 4096) * 4096  # slots start on pages, as the server's do
+    size = chunks * stride + 4096
+    name = f"lmca_holes_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    pool = ShmPool(name, size)
+    real_min = shm.MIN_RUN
+    shm.MIN_RUN = 1
+    try:
+        shape = (*lead, tokens, hidden)
+        slots = [
+            pool.view(
+                SlotDescriptor(k * stride, step, shape, str(dtype).removeprefix("torch.")), shape, dtype
+            )
+            for k in range(chunks)
+        ]
+        pairs = [(slots[k], kv.narrow(len(lead), (chunks - 1 - k) * tokens, tokens)) for k in range(chunks)]
+        pool.fill(pairs)
+        assert pool.mapped_bytes == 0  # all written through the descriptor
+        with open(f"/dev/shm/{name}", "rb") as f:
+            data = f.read()
+        for k, (_, src) in enumerate(pairs):
+            assert (
+                data[k * stride : k * stride + step] == src.contiguous().view(torch.uint8).numpy().tobytes()
+            )
+            assert data[k * stride + step : (k + 1) * stride] == bytes(stride - step)  # nothing beyond
+        assert data[chunks * stride :] == bytes(size - chunks * stride)
+        del slots, pairs
+    finally:
+        shm.MIN_RUN = real_min
         pool.close()
         os.unlink(f"/dev/shm/{name}")
