@@ -200,7 +200,10 @@ def main() -> None:
     if args.json:
         print(json.dumps({"chunks": n, "rounds": args.rounds, "cases": out}, indent=1))
         return
-    print(f"{n} chunk(s) of 32 MiB into hole pages of a fresh segment, medians of {args.rounds}:")
+    where = (
+        "pages written before through another mapping" if args.allocated else "hole pages of a fresh segment"
+    )
+    print(f"{n} chunk(s) of 32 MiB into {where}, medians of {args.rounds}:")
     for c, o in out.items():
         print(
             f"  {c:15} {o['ms']:7.2f} ms  ({o['vs_warm']:.2f}x warm; range {o['range_ms'][0]}-{o['range_ms'][1]})"
