@@ -1,6 +1,6 @@
 """A store into pool pages nobody has written yet: where its time goes, by phase.
 
-    .venv/bin/python -m benchmarks.probes.bench_shm_holes [--chunks 1] [--rounds 7] [--json]
+    .venv/bin/python -m benchmarks.probes.bench_shm_holes [--chunks 1] [--rounds 7] [--allocated] [--json]
 
 A server started CPU-only creates its pool with ``ftruncate`` and never touches it: a slot
 that no store has used yet is a hole of the tmpfs segment, and the first write to each of
