@@ -13,10 +13,16 @@ JSON lines over stdin/stdout (framing: harness/_worker_loop.py):
   prompts to be stored already, ``store`` stores one random KV under each.
 * ``fresh`` {url, http_url, model_name, start, tokens} -> {connect_s, first_s, second_s}
   a new context (``kvcache.connect``), two timed retrieves of stored tokens, closed again.
+* ``untouched`` {url, http_url, model_name, op: "store" | "retrieve", starts, tokens}
+  -> {times: [s, ...], faults: [n, ...]} a new context (a fresh mapping of the pool), one
+  timed operation per start (``store``: a random KV under fresh tokens; ``retrieve``:
+  tokens stored before, into the new tensor the SDK returns, dropped before the next),
+  with this process's minor page faults during each; closed again.
 """
 
 from __future__ import annotations
 
+import resource
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -130,6 +136,31 @@ def fresh(req: dict[str, Any]) -> dict[str, Any]:
     return {"connect_s": t1 - t0, "first_s": t2 - t1, "second_s": t4 - t3}
 
 
+def untouched(req: dict[str, Any]) -> dict[str, Any]:
+    n = int(req["tokens"])
+    kv = _kv(n) if req["op"] == "store" else None
+    ctx = kvcache.connect(req["url"], req["http_url"], req["model_name"], timeout=60.0)
+    times: list[float] = []
+    faults: list[int] = []
+    try:
+        for start in req["starts"]:
+            tokens = list(range(int(start), int(start) + n))
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t0 = time.perf_counter()
+            if kv is not None:
+                ok = ctx.store(kv, tokens)
+            else:
+                got = ctx.retrieve(tokens)
+                ok = got is not None and got.shape[2] == n
+            times.append(time.perf_counter() - t0)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+            assert ok
+            got = None
+    finally:
+        ctx.close()
+    return {"times": times, "faults": faults}
+
+
 def quit_(req: dict[str, Any]) -> dict[str, Any]:
     raise WorkerExit({})
 
@@ -137,6 +168,14 @@ def quit_(req: dict[str, Any]) -> dict[str, Any]:
 send(PROTO, ready_line("sdk-bench"))
 sys.exit(
     serve(
-        PROTO, {"connect": connect, "bench": bench, "concurrent": concurrent, "fresh": fresh, "quit": quit_}
+        PROTO,
+        {
+            "connect": connect,
+            "bench": bench,
+            "concurrent": concurrent,
+            "fresh": fresh,
+            "untouched": untouched,
+            "quit": quit_,
+        },
     )
 )

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Final
 
 import torch
 
-from lmcache_async._host_copy import copy_host
+from lmcache_async._host_copy import POOL_COPY_BYTES, copy_host, copy_in_parts
 
 if TYPE_CHECKING:
     from lmcache_async._shm import ShmPool
@@ -40,10 +40,21 @@ def fill_slots(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pool: ShmPool
     """Copy each ``(target, source)`` pair: chunks into reserved SHM slots (store), or
     source slots into target slots (SHM remap). ``pool``: map its pages under the
     target slots first (:meth:`~lmcache_async._shm.ShmPool.populate`); slots that are
-    only read are left to fault (see there)."""
+    only read are left to fault (see there).
+
+    From :data:`~lmcache_async._host_copy.POOL_COPY_BYTES` on, into slots of ``pool`` not
+    all mapped here yet, the bytes are cut into parts copied by several threads
+    (:func:`~lmcache_async._host_copy.copy_in_parts`), each through
+    :meth:`~lmcache_async._shm.ShmPool.fill`: pages nobody has written yet are written
+    through the segment's descriptor, the others mapped by the thread that copies them
+    (see there and docs/internals/design.md). Slots already mapped (a client storing
+    into slots it used before) are copied with ``Tensor.copy_`` as before."""
+    total = sum(t.numel() * t.element_size() for t, _ in pairs)
+    if total >= POOL_COPY_BYTES and pool is not None and not pool.all_mapped(t for t, _ in pairs):
+        copy_in_parts(pairs, pool.fill)
+        return
     if pool is not None:
         pool.populate(target for target, _ in pairs)
-    total = sum(t.numel() * t.element_size() for t, _ in pairs)
     for target, source in pairs:
         copy_host(target, source, total)
 

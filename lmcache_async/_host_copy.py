@@ -14,29 +14,29 @@ strided loops over bytes; numpy releases the GIL for them); the same bytes as ``
 that numpy cannot view (another device, a dtype change, a last dimension that is not
 contiguous) go through ``Tensor.copy_`` as before.
 
-:func:`empty_host` allocates the tensor a retrieve fills with transparent huge pages
-where the kernel offers them: the first touch of fresh memory is what a retrieve into a
-new tensor mostly pays for. On the project's 2-vCPU VM (``python -m
-benchmarks.probes.bench_host_copy``, load ~2): a new 32 MiB tensor filled in 8.5-8.8 ms with huge
-pages, 22-23 ms with 4 KiB ones (medians); 128 MiB 15-19 vs 46-49 ms; 512 MiB 129-273 vs
-182-185 ms. The tail is the other way round on such a VM: a huge page the hypervisor has
-to back afresh (free memory handed back to it) cost the worst call 1.2 s against 0.3 s
-at 512 MiB, 0.6 vs 0.2 s at 128 MiB. Kept for the medians; where the tail matters more,
-retrieve into a tensor you allocate once (``out=``).
+:func:`empty_host` allocates the tensor a retrieve fills: above a few MiB over memory kept
+from the retrieves before it (:mod:`lmcache_async._host_memory`), so that the first
+touch of fresh memory, what a retrieve into a new tensor mostly paid for and what made its
+time vary, is paid once and not on every call.
 """
 
 from __future__ import annotations
 
 import ctypes
-import mmap
+import math
+import os
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
 import numpy as np
 import torch
 
-__all__ = ["HUGE_PAGE", "POOL_COPY_BYTES", "copy_host", "copy_into", "empty_host", "madvise"]
+from lmcache_async._host_memory import MIN_BYTES, host_buffer
+
+__all__ = ["HUGE_PAGE", "POOL_COPY_BYTES", "copy_host", "copy_in_parts", "copy_into", "empty_host", "madvise"]
 
 #: From this size on, :func:`copy_host` uses ``Tensor.copy_``: its threads share the page
 #: faults of fresh memory and the memory bandwidth, which pays off on large copies
@@ -46,7 +46,6 @@ POOL_COPY_BYTES: Final = 8 << 20
 
 #: The transparent huge page size of x86-64 and of arm64 with 4 KiB base pages.
 HUGE_PAGE: Final = 2 << 20
-_MADV_HUGEPAGE: Final = getattr(mmap, "MADV_HUGEPAGE", 14)
 
 
 def _load_madvise() -> Callable[[int, int, int], int] | None:
@@ -67,21 +66,17 @@ madvise: Final = _load_madvise()
 
 
 def empty_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(shape, dtype=dtype)`` on the CPU, its memory advised
-    ``MADV_HUGEPAGE`` before anything touches it (from two huge pages on; the 2 MiB-aligned
-    part of it). Where the kernel's transparent huge pages are set to ``madvise`` or
-    ``always`` its first touch then maps 2 MiB at a time instead of 4 KiB; elsewhere
-    (``never``, not Linux) the advice is refused and ignored: a plain ``torch.empty``.
+    """``torch.empty(shape, dtype=dtype)`` on the CPU (undefined content). From
+    :data:`~lmcache_async._host_memory.MIN_BYTES` on, over a mapping of
+    :func:`~lmcache_async._host_memory.host_buffer`: the memory of an earlier tensor of
+    the same size that is gone (warm: its first touch faults nothing), else a new
+    mapping advised ``MADV_HUGEPAGE`` (where transparent huge pages are ``madvise`` or
+    ``always`` its first touch maps 2 MiB at a time; elsewhere 4 KiB pages).
     """
-    t = torch.empty(shape, dtype=dtype)
-    nbytes = t.numel() * t.element_size()
-    if madvise is not None and nbytes >= 2 * HUGE_PAGE:
-        ptr = t.data_ptr()
-        start = (ptr + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
-        end = (ptr + nbytes) & ~(HUGE_PAGE - 1)
-        if end > start:
-            madvise(start, end - start, _MADV_HUGEPAGE)  # a refusal leaves 4 KiB pages
-    return t
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < MIN_BYTES or not sys.platform.startswith("linux"):
+        return torch.empty(shape, dtype=dtype)
+    return host_buffer(nbytes, madvise).view(dtype).view(shape)
 
 
 _memmove: Final = ctypes.memmove
@@ -131,6 +126,89 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
                 np.copyto(d, s, casting="no")
                 return
     dst.copy_(src)
+
+
+def _cut(dst: torch.Tensor, src: torch.Tensor, parts: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``(dst, src)`` as up to ``parts`` lists of pairs of views, cut along dimension 0 when
+    it has ``parts`` indices or more (or is the only one), else along dimension 1 under
+    each index of dimension 0 (``[2, L, T, D]``: K and V, each cut by layers)."""
+    n0 = dst.shape[0]
+    if n0 >= parts or dst.dim() == 1:
+        bounds = [(n0 * k // parts, n0 * (k + 1) // parts) for k in range(parts)]
+        return [[(dst[lo:hi], src[lo:hi])] for lo, hi in bounds if hi > lo]
+    n1 = dst.shape[1]
+    bounds = [(n1 * k // parts, n1 * (k + 1) // parts) for k in range(parts)]
+    return [[(dst[i, lo:hi], src[i, lo:hi]) for i in range(n0)] for lo, hi in bounds if hi > lo]
+
+
+_workers: ThreadPoolExecutor | None = None
+_workers_lock = threading.Lock()
+
+
+def _copy_workers() -> ThreadPoolExecutor:
+    global _workers
+    with _workers_lock:
+        if _workers is None:
+            _workers = ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="lmcache-copy")
+        return _workers
+
+
+def copy_in_parts(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    copy_part: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
+    parts: int | None = None,
+) -> None:
+    """``dst.copy_(src)`` for each ``(dst, src)`` pair of host tensors of one shape, the
+    bytes cut into ``parts`` parts (default: ``torch.get_num_threads()``, the threads
+    ``Tensor.copy_`` would use), each part copied in a thread of its own: the first by
+    the calling thread, the others by this module's worker threads. A part is a list of
+    pairs of views; ``copy_part(part)`` copies it (default: :func:`copy_into` on each
+    pair). The SHM pool's :meth:`~lmcache_async._shm.ShmPool.fill` is one: the first
+    touch of pool pages nobody has used yet allocates them, and that work is shared by
+    the threads as the copy is. Pairs of other kinds (shapes that differ, another
+    device, 0-d) are copied whole in the calling thread (``copy_part`` too, else
+    :func:`copy_host`).
+
+    Blocking; no timeout (memcpy). Every part is waited for, also when one fails; the
+    first failure is then raised. Not to be called from one of those worker threads.
+    """
+    n = parts if parts is not None else torch.get_num_threads()
+    cut: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(max(1, n))]
+    whole: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for dst, src in pairs:
+        if n > 1 and dst.shape == src.shape and dst.dim() > 0 and dst.is_cpu and src.is_cpu:
+            for k, part in enumerate(_cut(dst, src, n)):
+                cut[k].extend(part)
+        else:
+            whole.append((dst, src))
+
+    def run(part: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if copy_part is not None:
+            copy_part(part)
+            return
+        for d, s in part:
+            copy_into(d, s)
+
+    busy = [part for part in cut if part]
+    futures = [_copy_workers().submit(run, part) for part in busy[1:]]
+    first: BaseException | None = None
+    try:
+        if busy:
+            run(busy[0])
+        if whole and copy_part is not None:
+            copy_part(whole)
+        elif whole:
+            total = sum(s.numel() * s.element_size() for _, s in whole)
+            for d, s in whole:
+                copy_host(d, s, total)
+    except BaseException as exc:
+        first = exc
+    for fut in futures:
+        failed = fut.exception()  # waits
+        if failed is not None and first is None:
+            first = failed
+    if first is not None:
+        raise first
 
 
 def copy_host(dst: torch.Tensor, src: torch.Tensor, nbytes: int | None = None) -> None:

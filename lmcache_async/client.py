@@ -201,7 +201,9 @@ class AsyncClient:
             first time a copy writes them, in the copying thread, instead of faulting
             page by page during the copy; slots only read fault in during the copy
             (cheaper there); the cost follows the slots this client touches, never the
-            pool's size (see :meth:`lmcache_async._shm.ShmPool.populate`).
+            pool's size (see :meth:`lmcache_async._shm.ShmPool.populate`). Slots whose
+            pages nobody has written yet are written through the segment's descriptor
+            instead, either way (:meth:`lmcache_async._shm.ShmPool.fill`).
         api_key: sent as ``Authorization: Bearer KEY`` on every HTTP call (servers
             started with an API key answer 401 without it); default: the
             ``LMCACHE_API_KEY`` environment variable. The ZMQ side has no keys.

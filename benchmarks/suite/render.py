@@ -6,14 +6,14 @@ and the hand-written notes.
 
 (``make bench`` runs it after the suite; ``make bench-render`` runs it alone.) Reads every
 ``<results>/*.json`` written by the suite (``rtt``, ``facade``, ``concurrent``, ``single_shm``,
-``single_pickle``, ``fresh``, ``remap``; ``*-0.5.7.json`` for the next server generation) and
+``single_pickle``, ``fresh``, ``untouched``, ``remap``; ``*-0.5.7.json`` for the next server generation) and
 any ``cuda*.json`` (from ``benchmarks/probes/bench_cuda.py``, rendered generically as
 tables). A section whose JSON is missing is listed as not measured.
 
 The page is generated whole: nothing in it is edited by hand, and the same JSON and notes
 render it again byte for byte. The prose a human wrote lives in ``<notes>/<key>.md``, one
 file per section (``intro``, ``single_shm``, ``single_pickle``, ``single_shm-0.5.7``, ...,
-``concurrent``, ``fresh``, ``remap``, ``facade``, ``rtt``, ``cuda``), placed at the end of
+``concurrent``, ``fresh``, ``untouched``, ``remap``, ``facade``, ``rtt``, ``cuda``), placed at the end of
 that section; a section where lmcache_async is behind and that has no notes says that its
 "why" is still to be written, and where. A notes file that no section on the page uses is
 named on stderr.
@@ -50,6 +50,7 @@ COMMANDS = {
     "single_shm": ".venv/bin/python -m benchmarks.suite.bench_client --mode shm",
     "single_pickle": ".venv/bin/python -m benchmarks.suite.bench_client --mode pickle",
     "fresh": ".venv/bin/python -m benchmarks.suite.bench_fresh",
+    "untouched": ".venv/bin/python -m benchmarks.suite.bench_untouched",
     "remap": ".venv/bin/python -m benchmarks.suite.bench_remap_batch",
     "compose": ".venv/bin/python -m benchmarks.suite.bench_compose",
     "observe": ".venv/bin/python -m benchmarks.suite.bench_observe",
@@ -438,6 +439,68 @@ class Page:
             f"{f_sdk:.2f}x the SDK, {f_copy:.2f}x copy_",
             f_sdk >= 2 and f_copy <= 1.3,
         )
+
+    # ------------------------------------------------------------ untouched pool pages
+    def untouched(self, doc: dict[str, Any] | None) -> None:
+        self.add("\n## Pool pages nobody has used yet (a large pool, new prompts)\n\n")
+        if doc is None:
+            self.add(f"Not measured in this run (`{COMMANDS['untouched']}`).\n")
+            self.notes("untouched")
+            self.target(
+                "store into untouched slots ≥ 1.0x the SDK; retrieve, 4 chunks ≥ 1.2x in every round",
+                "",
+                None,
+            )
+            return
+        res = doc["result"]
+        self.add(stamp_line(doc) + "\n")
+        self.add(
+            f"Geometry: {res['geometry']}. Each side opens a new client (a fresh mapping of the pool) per "
+            f"round and makes {res['iters']} calls; store: fresh prompts into slots whose pages nobody has "
+            "written (the pool's pages are given back to the kernel between sides); retrieve: prompts another "
+            "process stored, into a new tensor. Medians of "
+            f"{res['rounds']} round(s) (ranges over rounds); SDK / ours per round, and over every single call; "
+            "minor page faults of each side's process per call (medians).\n\n"
+        )
+        rows, behind = [], []
+        for r in res["rows"]:
+            case = f"{r['op']}, {r['chunks']} chunk{'s' * (r['chunks'] > 1)} ({mib(r['bytes'])})"
+            rows.append(
+                [
+                    case,
+                    ms(r["sdk_s"]),
+                    ms(r["ours_s"]),
+                    ratio(r["ratio"]),
+                    ratio(r["ratio_all"], mark=False),
+                    f"{r['sdk_faults']['median']:.0f} / {r['ours_faults']['median']:.0f}",
+                ]
+            )
+            if r["ratio"]["median"] < 1.0:
+                behind.append(f"{case} at {r['ratio']['median']:.2f}x")
+        self.add(
+            table(
+                ["case", "official SDK", "lmcache_async", "SDK / ours", "every call", "faults SDK / ours"],
+                rows,
+            )
+        )
+        self.why("untouched", behind)
+        self.notes("untouched")
+        stores = [r for r in res["rows"] if r["op"] == "store"]
+        four = [r for r in res["rows"] if r["op"] == "retrieve" and r["chunks"] == 4]
+        if stores:
+            w = min(stores, key=lambda r: r["ratio"]["median"])
+            self.target(
+                "store into untouched slots (1, 4, 16 chunks) ≥ 1.0x the SDK",
+                f"worst: {w['chunks']} chunk(s) {w['ratio']['median']:.2f}x",
+                w["ratio"]["median"] >= 1.0,
+            )
+        if four:
+            lo = four[0]["ratio"]["min"]
+            self.target(
+                "retrieve of KV another process stored, 4 chunks, new tensor: ≥ 1.2x the SDK in every round",
+                f"lowest round {lo:.2f}x",
+                lo >= 1.2,
+            )
 
     # ------------------------------------------------------------ remap
     def remap(self, doc: dict[str, Any] | None) -> None:
@@ -890,6 +953,7 @@ def render(results: Path, notes: Path, img_dir: Path) -> str:
         )
     page.concurrent(docs.get("concurrent"))
     page.fresh(docs.get("fresh"))
+    page.untouched(docs.get("untouched"))
     page.remap(docs.get("remap"))
     page.compose(docs.get("compose"))
     page.observe(docs.get("observe"))

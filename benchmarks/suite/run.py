@@ -1,7 +1,7 @@
 """The whole benchmark suite in one command: ``make bench`` (or ``make bench-quick``).
 
     .venv/bin/python -m benchmarks.suite [--quick] [--generation 0.5.6|0.5.7]
-        [--sections rtt facade concurrent single_shm fresh remap compose observe single_pickle] [--no-render]
+        [--sections rtt facade concurrent single_shm fresh untouched remap compose observe single_pickle] [--no-render]
         [--out DIR]
 
 ``BENCH_QUICK=1`` in the environment is the same as ``--quick``. Starts the real LMCache
@@ -24,6 +24,8 @@ Sections (module, what):
 * ``single_shm`` / ``single_pickle`` (bench_client.py): store, retrieve, retrieve into
   ``out=`` at 1/4/16 chunks of 32 MiB, plus the store + retrieve of a tiny (16 KiB) chunk;
 * ``fresh`` (bench_fresh.py): the 16-chunk retrieve into ``out=`` right after connect;
+* ``untouched`` (bench_untouched.py): stores into pool pages nobody has written yet, and
+  retrieves of KV another process stored, each side through a fresh mapping;
 * ``remap`` (bench_remap_batch.py): ``remap_many`` vs the SDK's retrieve + store loop;
 * ``compose`` (bench_compose.py): ``compose`` of a 16-chunk target from two parts vs a
   ``remap`` of the same size plus the rotation alone (no SDK counterpart);
@@ -59,10 +61,21 @@ from benchmarks.suite import (
     bench_observe,
     bench_remap_batch,
     bench_rtt,
+    bench_untouched,
 )
 from harness.real_server import RealLMCacheServer
 
-SHM_SECTIONS = ("rtt", "facade", "concurrent", "single_shm", "fresh", "remap", "compose", "observe")
+SHM_SECTIONS = (
+    "rtt",
+    "facade",
+    "concurrent",
+    "single_shm",
+    "fresh",
+    "untouched",
+    "remap",
+    "compose",
+    "observe",
+)
 ALL_SECTIONS = (*SHM_SECTIONS, "single_pickle")
 GEN057_SECTIONS = ("single_shm", "single_pickle")
 
@@ -82,6 +95,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "single": {"chunks": [1, 4], "iters": 2, "rounds": 1},
         "single_pickle": {"chunks": [1], "iters": 2, "rounds": 1},
         "fresh": {"reps": 2, "settle": 0.0},
+        "untouched": {"chunks": [1, 4], "iters": 2, "rounds": 1},
         "remap": {"pairs": 8, "rounds": 1},
         "compose": {"layers": 8, "iters": 3, "rounds": 1},
         "observe": {"prompts": 256, "rounds": 1, "concurrency": [8, 64]},
@@ -101,6 +115,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "single": {"chunks": [1, 4, 16], "iters": 8, "rounds": 3},
         "single_pickle": {"chunks": [1, 4, 16], "iters": 4, "rounds": 3},  # inline 512 MiB: seconds a call
         "fresh": {"reps": 5, "settle": 6.0},
+        "untouched": {"chunks": [1, 4, 16], "iters": 3, "rounds": 3},
         "remap": {"pairs": 64, "rounds": 3},
         "compose": {"layers": 32, "iters": 4, "rounds": 3},
         "observe": {"prompts": 256, "rounds": 5, "concurrency": [8, 64]},
@@ -124,6 +139,8 @@ def _run_section(name: str, shm: RealLMCacheServer | None, pickle: RealLMCacheSe
         return bench_concurrent.section(shm, python=python, **prof["concurrent"])
     if name == "fresh":
         return bench_fresh.section(shm, python=python, l1_gb=prof["shm_l1_gb"], **prof["fresh"])
+    if name == "untouched":
+        return bench_untouched.section(shm, python=python, **prof["untouched"])
     if name == "remap":
         return bench_remap_batch.section(shm, python=python, l1_gb=prof["shm_l1_gb"], **prof["remap"])
     if name == "compose":

@@ -128,6 +128,26 @@ async def test_retrieve_into_out(client: AsyncClient) -> None:
         await client.retrieve(tokens, out=torch.zeros(2, 2, 3 * CS, 16))
 
 
+async def test_a_large_store_is_read_back_bitwise_by_another_client(server: Any) -> None:
+    """16 MiB in 32 chunks (above the size whose copy is cut into parts and, into pool pages
+    nobody has written, written through the segment's descriptor), then read by a new client
+    into a new tensor and into ``out=``, and stored again into slots the first client mapped."""
+    geometry = KVGeometry(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
+    model = unique_model()
+    tokens = fresh_tokens(32 * CS)
+    kv = random_kv(geometry, len(tokens))
+    async with AsyncClient(server.url, server.http_url, model, geometry=geometry, timeout=60) as writer:
+        assert await writer.store(kv, tokens) is True
+        again = [t + 1 for t in tokens]  # other prompts: fresh slots or recycled ones
+        assert await writer.store(kv.flip(2), again) is True
+    async with AsyncClient(server.url, server.http_url, model, geometry=geometry, timeout=60) as reader:
+        got = await reader.retrieve(tokens)
+        assert got is not None and torch.equal(got.view(torch.uint8), kv.view(torch.uint8))
+        out = torch.zeros_like(kv)
+        got = await reader.retrieve(again, out=out)
+        assert got is not None and torch.equal(out.view(torch.uint8), kv.flip(2).view(torch.uint8))
+
+
 async def test_remap(client: AsyncClient) -> None:
     source = fresh_tokens(4 * CS)
     target = [1, 2, 3] + source[3:]

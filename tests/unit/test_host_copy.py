@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from lmcache_async import _host_copy as host_copy
+from lmcache_async import _host_copy as host_copy, _host_memory as host_memory
 from lmcache_async._host_copy import copy_into
 from tests.plugins.hypothesis_budget import examples
 
@@ -183,7 +183,10 @@ def _anon_huge_bytes(ptr: int) -> int:
 @pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
 def test_empty_host_memory_is_mapped_with_huge_pages() -> None:
     """A retrieve's new tensor: its aligned part is backed by 2 MiB pages once touched
-    (the first touch maps 512x fewer pages); same shape, dtype and bytes as torch.empty."""
+    (the first touch maps 512x fewer pages); same shape, dtype and bytes as torch.empty.
+    A new mapping (none kept from earlier tests: those may have been made without advice)."""
+    with host_memory._lock:
+        host_memory._kept.clear()
     t = host_copy.empty_host((2, 4, 64, 32768), torch.bfloat16)  # 32 MiB
     assert t.shape == (2, 4, 64, 32768) and t.dtype == torch.bfloat16 and t.is_contiguous()
     t.fill_(1.5)
