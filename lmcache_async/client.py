@@ -709,7 +709,10 @@ class AsyncClient:
             timeout: deadline in seconds (default: the client's).
 
         Returns:
-            ``[2, L, T_hit, D]`` (on ``device``, or ``out``'s), or ``None`` on a miss.
+            ``[2, L, T_hit, D]`` (on ``device``, or ``out``'s), or ``None`` on a miss. A
+            new CPU tensor of 4 MiB or more reuses the memory of an earlier one of its
+            size that is gone (at most 1 GiB is kept for that): its storage cannot be
+            resized (``resize_`` raises); copy it to resize.
 
         Raises:
             ValueError/TypeError: bad arguments (nothing is sent).
