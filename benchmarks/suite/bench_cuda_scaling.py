@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 import lmcache_async as lmc
+from benchmarks.probes.bench_cuda import Tokens, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,28 +53,6 @@ SINGLE_CHUNKS = (1, 4, 16)
 CONCURRENCY = (1, 2, 4, 8)
 CALLS = 16
 CALL_CHUNKS = 4
-
-
-def start_server(size: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    cmd = [sys.executable, "-m", "lmcache_async", "serve", "--port", "0", "--http-port", "0"]
-    cmd += ["--chunk-size", str(CS), "--mode", "shm", "--size", size, "--prefault", "--json"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        proc.kill()
-        raise RuntimeError(f"the embedded server did not start: {cmd}")
-    return proc, json.loads(line)
-
-
-class Tokens:
-    def __init__(self, base: int) -> None:
-        self.next = base
-
-    def fresh(self, n: int) -> list[int]:
-        t = list(range(self.next, self.next + n))
-        self.next += n
-        return t
 
 
 def sync(device: torch.device) -> None:
@@ -226,7 +205,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     calls = CALLS
     scaling_bytes = calls * CALL_CHUNKS * GEOM.bytes_per_token * CS
-    proc, ep = start_server(args.pool)
+    proc, ep = start_server("shm", args.pool)
     res: dict[str, Any] = {
         "geometry": "40 layers x 8 KV heads x 128, fp16, chunk 256 (40 MiB a chunk)",
         "reps": args.reps,
