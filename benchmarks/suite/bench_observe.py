@@ -17,7 +17,10 @@ clients open side by side on the same server:
   in-memory reader (every span and every metric recorded; none sent anywhere). Its
   observer also times its own two callbacks (``time.thread_time``): their CPU per
   operation, a direct figure that the noise of a busy machine disturbs less than the
-  difference of two whole-process figures.
+  difference of two whole-process figures;
+* ``otel_sampled``: the same with the tracer sampling one trace in ten
+  (``ParentBased(TraceIdRatioBased(0.1))``, as a service would run it; the metrics
+  stay complete).
 
 Client CPU per operation = ``time.process_time()`` of this process over the run / prompts
 (every thread of it, the span processor's included; the server is another process). The
@@ -42,6 +45,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
 import lmcache_async as lmc
 from benchmarks.harness import server_python, settle, spread
@@ -50,7 +54,9 @@ from harness.real_server import RealLMCacheServer
 from lmcache_async.otel import OpenTelemetryObserver
 
 MODEL = "bench-observe"
-RUNS = ("off", "hook", "otel")
+RUNS = ("off", "hook", "otel", "otel_sampled")
+#: The sampled run keeps one trace in ten (its metrics stay complete).
+SAMPLED_RATIO = 0.1
 
 
 class _Nothing:
@@ -104,13 +110,19 @@ async def _measure(srv: RealLMCacheServer, prompts: int, rounds: int, conc: list
     tracer_provider.add_span_processor(BatchSpanProcessor(_Drop()))
     reader = InMemoryMetricReader()
     meter_provider = MeterProvider(metric_readers=[reader])
+    sampled_provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(SAMPLED_RATIO)))
+    sampled_provider.add_span_processor(BatchSpanProcessor(_Drop()))
+    sampled_meter = MeterProvider(metric_readers=[InMemoryMetricReader()])
     opts: dict[str, Any] = {"geometry": GEOM, "timeout": 300}
     timed = _Timed(tracer_provider, meter_provider)
+    timed_sampled = _Timed(sampled_provider, sampled_meter)
     callbacks: dict[int, list[float]] = {c: [] for c in conc}
+    callbacks_sampled: dict[int, list[float]] = {c: [] for c in conc}
     clients = {
         "off": lmc.AsyncClient(srv.url, srv.http_url, MODEL, **opts),
         "hook": lmc.AsyncClient(srv.url, srv.http_url, MODEL, observers=[_Nothing()], **opts),
         "otel": lmc.AsyncClient(srv.url, srv.http_url, MODEL, observers=[timed], **opts),
+        "otel_sampled": lmc.AsyncClient(srv.url, srv.http_url, MODEL, observers=[timed_sampled], **opts),
     }
     try:
         for client in clients.values():
@@ -122,20 +134,23 @@ async def _measure(srv: RealLMCacheServer, prompts: int, rounds: int, conc: list
             order = RUNS[rnd % len(RUNS) :] + RUNS[: rnd % len(RUNS)]
             for c in conc:
                 for run in order:
-                    before, calls = timed.cpu, timed.calls
+                    observer, into = (
+                        (timed, callbacks) if run == "otel" else (timed_sampled, callbacks_sampled)
+                    )
+                    before, calls = observer.cpu, observer.calls
                     _elapsed, cpu = await ours(clients[run], "retrieve", stored, kv, c)
                     if rnd:
                         raw[c][run].append(cpu / prompts)
-                        if run == "otel":
-                            assert timed.calls - calls == prompts, (timed.calls - calls, prompts)
-                            callbacks[c].append((timed.cpu - before) / prompts)
+                        if run in ("otel", "otel_sampled"):
+                            assert observer.calls - calls == prompts, (observer.calls - calls, prompts)
+                            into[c].append((observer.cpu - before) / prompts)
             print(f"  observe: round {rnd}{' (warm-up)' if rnd == 0 else ''} done", file=sys.stderr)
         server_version = srv.get_json("/lmc_version")
     finally:
         for client in clients.values():
             await client.aclose()
-        tracer_provider.shutdown()
-        meter_provider.shutdown()
+        for provider in (tracer_provider, meter_provider, sampled_provider, sampled_meter):
+            provider.shutdown()
     rows = []
     for c in conc:
         data = raw[c]
@@ -149,6 +164,13 @@ async def _measure(srv: RealLMCacheServer, prompts: int, rounds: int, conc: list
                 "otel_vs_off": spread(
                     [t / o for t, o in zip(data["otel"], data["off"], strict=True)], digits=3
                 ),
+                "otel_sampled_vs_off": spread(
+                    [t / o for t, o in zip(data["otel_sampled"], data["off"], strict=True)], digits=3
+                ),
+                "otel_sampled_callbacks_cpu_us_per_op": spread(callbacks_sampled[c], scale=1e6, digits=1),
+                "otel_sampled_callbacks_vs_off": spread(
+                    [b / o for b, o in zip(callbacks_sampled[c], data["off"], strict=True)], digits=3
+                ),
                 "otel_callbacks_cpu_us_per_op": spread(callbacks[c], scale=1e6, digits=1),
                 "otel_callbacks_vs_off": spread(
                     [b / o for b, o in zip(callbacks[c], data["off"], strict=True)], digits=3
@@ -161,6 +183,7 @@ async def _measure(srv: RealLMCacheServer, prompts: int, rounds: int, conc: list
         "prompts": prompts,
         "rounds": rounds,
         "prefault_wait_s": settled,
+        "sampled_ratio": SAMPLED_RATIO,
         "rows": rows,
     }
 
@@ -192,7 +215,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         cpu = "  ".join(f"{k}: {r[f'{k}_cpu_us_per_op']['median']} µs" for k in RUNS)
         print(f"  c{r['concurrency']:<3} CPU/op  {cpu}")
         print(f"        OpenTelemetry callbacks alone: {r['otel_callbacks_cpu_us_per_op']['median']} µs/op")
-        for k in ("hook_vs_off", "otel_vs_off", "otel_callbacks_vs_off"):
+        for k in (
+            "hook_vs_off",
+            "otel_vs_off",
+            "otel_callbacks_vs_off",
+            "otel_sampled_vs_off",
+            "otel_sampled_callbacks_vs_off",
+        ):
             s = r[k]
             print(f"        {k}: {s['median']}x [{s['min']} .. {s['max']}]")
 

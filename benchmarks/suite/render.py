@@ -613,6 +613,14 @@ class Page:
                     f"{us('otel_cpu_us_per_op')}, {x('otel_vs_off')}",
                     f"{us('otel_callbacks_cpu_us_per_op')}, {x('otel_callbacks_vs_off')}",
                 ]
+                + (
+                    [
+                        f"{us('otel_sampled_cpu_us_per_op')}, {x('otel_sampled_vs_off')}",
+                        f"{us('otel_sampled_callbacks_cpu_us_per_op')}, {x('otel_sampled_callbacks_vs_off')}",
+                    ]
+                    if "otel_sampled_vs_off" in r
+                    else []
+                )
             )
             self.target(
                 f"OpenTelemetry spans + metrics <= 1.05x client CPU/op, concurrency {r['concurrency']}",
@@ -620,6 +628,9 @@ class Page:
                 r["otel_vs_off"]["median"] <= 1.05,
             )
         heads = ["in flight", "off", "hook only", "OpenTelemetry", "its callbacks alone"]
+        if res["rows"] and "otel_sampled_vs_off" in res["rows"][0]:
+            pct = f"{res.get('sampled_ratio', 0.1):.0%}"
+            heads += [f"OpenTelemetry, {pct} of traces sampled", "its callbacks alone"]
         self.add(table(heads, rows))
         self.notes("observe")
 
