@@ -589,9 +589,10 @@ class Page:
         res = doc["result"]
         self.add(stamp_line(doc) + "\n")
         self.add(
-            f"{res['case']}: {res['prompts']} prompts retrieved per run by one client, three clients side by "
+            f"{res['case']}: {res['prompts']} prompts retrieved per run by one client, clients side by "
             "side (no observer; a do-nothing observer; OpenTelemetry SDK providers recording every span "
-            f"and metric, exported nowhere), {res['rounds']} round(s) in rotating order. Client CPU per "
+            "and metric, exported nowhere; the same with one trace in ten sampled), "
+            f"{res['rounds']} round(s) in rotating order. Client CPU per "
             "operation (this process, every thread); ratios per round against no observer, median "
             "(range); the OpenTelemetry callbacks alone timed inside them.\n\n"
         )
