@@ -416,13 +416,13 @@ async def gather(
 
 
 def slot_filler(
-    the_plan: Plan, geometry: KVGeometry, chunk_size: int, order: Sequence[tuple[tuple[int, ...], str]]
+    the_plan: Plan, geometry: KVGeometry, chunk_size: int, index: Mapping[tuple[tuple[int, ...], str], int]
 ) -> Fill:
     """For the in-pool composition on SHM: a function that writes target chunk ``j`` into
-    the slot ``dst`` from the sources' chunk views (``sources[i][c]``: chunk ``c`` of the
-    source ``order[i]``), each part's values copied and its keys rotated by its shift (or
-    copied), a part split where it crosses a source chunk."""
-    index = {key: i for i, key in enumerate(order)}
+    the slot ``dst`` from the sources' chunk views (``sources[i][c]``: chunk ``c`` of
+    source ``i``; ``index`` gives each (source tokens, salt) of the plan its ``i``), each
+    part's values copied and its keys rotated by its shift (or copied), a part split where
+    it crosses a source chunk."""
     axis, heads, cs = geometry.token_axis, geometry.num_kv_heads, chunk_size
 
     def fill(sources: Sequence[Sequence[torch.Tensor]], j: int, dst: torch.Tensor) -> None:
@@ -486,13 +486,21 @@ async def compose(
     (cached tokens per source, stored_new)), used instead of retrieve + assemble + store."""
     the_plan = plan(target_tokens, parts, rope, cache_salt, client.geometry, client.chunk_size)
     if in_pool is not None:
-        reads = the_plan.reads()
-        order = list(reads)
-        sources = [(list(src[:read]), read, salt) for (src, salt), read in reads.items()]
-        fill = slot_filler(the_plan, client.geometry, client.chunk_size, order)
+        # One read per distinct key: sources that differ only past the chunks read give one
+        # source (the server keeps one pending read per client and key).
+        index: dict[tuple[tuple[int, ...], str], int] = {}
+        first: dict[tuple[tuple[int, ...], str], int] = {}
+        sources: list[tuple[list[int], int, str]] = []
+        for (src, salt), read in the_plan.reads().items():
+            key = (src[:read], salt)
+            if key not in first:
+                first[key] = len(sources)
+                sources.append((list(key[0]), read, salt))
+            index[(src, salt)] = first[key]
+        fill = slot_filler(the_plan, client.geometry, client.chunk_size, index)
         target = list(the_plan.target[: the_plan.stored])
         cached, new = await in_pool(sources, target, the_plan.stored, the_plan.salt, fill, timeout)
-        return result(the_plan, Gathered({}, dict(zip(order, cached, strict=True))), new)
+        return result(the_plan, Gathered({}, {key: cached[i] for key, i in index.items()}), new)
     start = time.monotonic()
     target_kv = empty_host(client.geometry.kv_shape(the_plan.stored), client.geometry.dtype)
     gathered = await gather(client, the_plan, timeout, target_kv)

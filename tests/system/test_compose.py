@@ -103,6 +103,41 @@ async def test_one_source_used_twice_at_two_offsets(client: AsyncClient) -> None
     assert torch.equal(got, expected([(kv_a, CS, 2 * CS, 0), (kv_a, 0, CS, CS)]))
 
 
+async def test_two_sources_that_share_the_chunks_read(
+    client: AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two prompts with one cached prefix and different tails, each giving that prefix:
+    on SHM the chunks are read once, in the pool (two pending reads of one key by one
+    client would share one entry on the server, which keys them by client and key)."""
+    from lmcache_async._ops.base import OperationsBase
+    from lmcache_async._wire import Op
+
+    real = OperationsBase.call
+    sent: list[Op] = []
+
+    async def spy(self: Any, op: Any, opcode: Op, *args: Any) -> Any:
+        sent.append(opcode)
+        return await real(self, op, opcode, *args)
+
+    shared, kv = await stored_source(client, 2 * CS)
+    a, b = shared + fresh_tokens(5), shared + fresh_tokens(7)
+    target = fresh_tokens(4 * CS)
+    monkeypatch.setattr(OperationsBase, "call", spy)
+    res = await client.compose(target, [KVPart(a, 0, 2 * CS), KVPart(b, 0, 2 * CS)], rope=ROPE)
+    monkeypatch.undo()
+    if client.transfer == "shm":
+        assert (sent.count(Op.PREPARE_RETRIEVE), sent.count(Op.PREPARE_STORE)) == (1, 1)
+    assert (res.stored_tokens, res.stored_new, res.missed) == (4 * CS, True, ())
+    assert [(p.hit, p.shift, p.cached_tokens) for p in res.parts] == [
+        (True, 0, 2 * CS),
+        (True, 2 * CS, 2 * CS),
+    ]
+    got = await client.retrieve(target)
+    assert got is not None
+    assert torch.equal(got, expected([(kv, 0, 2 * CS, 0), (kv, 0, 2 * CS, 2 * CS)]))
+    assert await client.drain(timeout=30)
+
+
 async def test_a_missed_part_stores_nothing_and_is_named(client: AsyncClient) -> None:
     a, _ = await stored_source(client, 2 * CS)
     half, _ = await stored_source(client, CS)  # only its first chunk is cached

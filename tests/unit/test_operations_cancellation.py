@@ -189,7 +189,7 @@ def _compose(
     the_plan = plan(target, [KVPart(toks, CS, 2 * CS), KVPart(toks, 0, 2 * CS)], rope, "", SMALL_GEOMETRY, CS)
     reads = the_plan.reads()
     sources = [(list(src[:n]), n, salt) for (src, salt), n in reads.items()]
-    fill = slot_filler(the_plan, SMALL_GEOMETRY, CS, list(reads))
+    fill = slot_filler(the_plan, SMALL_GEOMETRY, CS, {key: i for i, key in enumerate(reads)})
     return lambda ops, op: ops.compose_in_pool(op, sources, target[:END], END, "", fill)
 
 
