@@ -63,12 +63,13 @@ import logging
 import time
 import traceback
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
 import torch
 
+from lmcache_async._compose import ComposeClient
 from lmcache_async._defaults import DEFAULT, DefaultType, resolve_timeout
 from lmcache_async._host_copy import empty_host
 from lmcache_async._wire import validate_cache_salt, validate_tokens
@@ -98,42 +99,17 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class BulkClient(Protocol):
-    """What the bulk jobs use of a client: an open
+class BulkClient(ComposeClient, Protocol):
+    """What the bulk jobs use of a client: what a composition uses
+    (:class:`~lmcache_async._compose.ComposeClient`: ``chunk_size``, ``geometry``,
+    ``store``, ``retrieve``) and the members below. An open
     :class:`~lmcache_async.client.AsyncClient` is one (the jobs take any object that has
     these, so this module never imports the client)."""
 
     timeout: float | None
 
     @property
-    def chunk_size(self) -> int: ...
-
-    @property
-    def geometry(self) -> KVGeometry: ...
-
-    @property
     def transfer(self) -> Literal["shm", "pickle"]: ...
-
-    async def store(
-        self,
-        kv: torch.Tensor,
-        tokens: Sequence[int],
-        cache_salt: str = "",
-        *,
-        request_configs: Mapping[str, Any] | None = None,
-        timeout: float | DefaultType | None = DEFAULT,
-    ) -> bool: ...
-
-    async def retrieve(
-        self,
-        tokens: Sequence[int],
-        cache_salt: str = "",
-        out: torch.Tensor | None = None,
-        *,
-        device: torch.device | str | None = None,
-        request_configs: Mapping[str, Any] | None = None,
-        timeout: float | DefaultType | None = DEFAULT,
-    ) -> torch.Tensor | None: ...
 
     async def remap(
         self,
