@@ -245,6 +245,8 @@ class Connection:
         self.max_in_flight = max_in_flight
         self._busy = 0  # calls holding a place (registered, or about to be)
         self._place_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        #: Cleanup calls waiting for a place: served before any new request (see :meth:`call`).
+        self._urgent_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         #: The server generation's wire: which trailing argument frames requests get.
         self.wire = wire
         self.generation = 0  # increases each time the peer (re)connects after a loss
@@ -486,13 +488,20 @@ class Connection:
 
     # ------------------------------------------------------------------ calls
 
-    async def call(self, op: Op, args: Sequence[Any] = (), *, timeout: float | None) -> Reply:
+    async def call(
+        self, op: Op, args: Sequence[Any] = (), *, timeout: float | None, urgent: bool = False
+    ) -> Reply:
         """Send one request and wait for its reply.
 
         Args:
             op: the operation.
             args: its arguments (Python values or :class:`~lmcache_async._wire.PreEncoded`).
             timeout: seconds until the call fails; ``None`` waits forever.
+            urgent: a cleanup (``free_lookup_locks``, ``end_session``, ...): it takes the
+                next free place before every non-urgent call waiting for one, so a
+                backlog of new requests (thousands of concurrent operations on one
+                client) never holds back the requests that end the server sessions and
+                release the locks of the operations already answered.
 
         Raises:
             LMCacheTimeoutError: no reply in time (also a ``TimeoutError``); the request
@@ -502,14 +511,15 @@ class Connection:
 
         Backpressure: at most ``max_in_flight`` requests are in flight; a call beyond that
         waits for a free place, under its deadline (a timeout then names no request id:
-        nothing was sent).
+        nothing was sent). Places go to the urgent waiters first, then to the others, each
+        in arrival order.
 
         Cancellation: the entry is removed; a later reply is dropped.
         """
         self._check_sendable(op)
         start = time.monotonic()
-        if self._busy >= self.max_in_flight or self._place_waiters:
-            await self._wait_for_place(op, start, timeout)
+        if self._must_wait(urgent):
+            await self._wait_for_place(op, start, timeout, urgent)
             try:
                 self._check_sendable(op)  # the connection may have changed meanwhile
             except BaseException:
@@ -551,7 +561,7 @@ class Connection:
         ``timeout`` seconds (``None``: never), with :class:`LMCacheConnectionError` on a lost connection
         and with :class:`ClientClosedError` on close; cancelling it discards the reply.
         """
-        if not self.usable or self._busy >= self.max_in_flight or self._place_waiters:
+        if not self.usable or self._must_wait(False):
             return None
         assert self._loop is not None
         start = time.monotonic()
@@ -584,9 +594,16 @@ class Connection:
         if not fut.cancelled():
             fut.exception()  # retrieved: nobody may be waiting for it
 
-    async def _wait_for_place(self, op: Op, start: float, timeout: float | None) -> None:
+    def _must_wait(self, urgent: bool) -> bool:
+        """Whether a new call must wait for a place (none is free, or others wait first)."""
+        if self._busy >= self.max_in_flight or self._urgent_waiters:
+            return True
+        return not urgent and bool(self._place_waiters)
+
+    async def _wait_for_place(self, op: Op, start: float, timeout: float | None, urgent: bool = False) -> None:
         """Wait (under the call's deadline) until fewer than ``max_in_flight`` calls hold
-        a place, then take one. First come, first served.
+        a place, then take one. Urgent calls first, then the others; first come, first
+        served within each.
 
         Raises:
             LMCacheTimeoutError: the deadline passed first (nothing was sent).
@@ -595,7 +612,8 @@ class Connection:
         """
         assert self._loop is not None
         waiter: asyncio.Future[None] = self._loop.create_future()
-        self._place_waiters.append(waiter)
+        waiters = self._urgent_waiters if urgent else self._place_waiters
+        waiters.append(waiter)
         try:
             remaining = None if timeout is None else timeout - (time.monotonic() - start)
             async with asyncio.timeout(remaining):
@@ -608,15 +626,17 @@ class Connection:
             raise
         finally:
             with contextlib.suppress(ValueError):
-                self._place_waiters.remove(waiter)
+                waiters.remove(waiter)
 
     def _release_place(self) -> None:
-        """Give a place back: to the first waiter still waiting, or to the pool."""
-        while self._place_waiters:
-            waiter = self._place_waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)  # the place passes on: _busy is unchanged
-                return
+        """Give a place back: to the first urgent waiter still waiting, else to the first
+        other waiter, else to the pool."""
+        for waiters in (self._urgent_waiters, self._place_waiters):
+            while waiters:
+                waiter = waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)  # the place passes on: _busy is unchanged
+                    return
         self._busy -= 1
 
     def _check_sendable(self, op: Op) -> None:

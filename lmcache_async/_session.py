@@ -82,6 +82,14 @@ class ConnectionChannel:
         reply = await self._conn.call(opcode, args, timeout=timeout)
         return reply.value()
 
+    async def call_urgent(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> Any:
+        """:meth:`call` for a cleanup: it takes the next free place on the connection
+        before any new request (see :meth:`~lmcache_async._connection.Connection.call`)."""
+        if self.retired:
+            raise ServerReplacedError(replaced_message(opcode, self._conn.url))
+        reply = await self._conn.call(opcode, args, timeout=timeout, urgent=True)
+        return reply.value()
+
     def post(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> asyncio.Future[Any] | None:
         """Send a request now and return the future of its reply (a
         :class:`~lmcache_async._wire.Reply`) without waiting; ``None`` when it cannot be

@@ -294,6 +294,10 @@ class OperationsBase:
         self._post: Callable[[Op, Sequence[Any], float | None], asyncio.Future[Any] | None] | None = getattr(
             channel, "post", None
         )
+        #: The channel's ``call_urgent`` (a cleanup goes before new requests), if it has one.
+        self._call_urgent: Callable[[Op, Sequence[Any], float | None], Awaitable[Any]] = getattr(
+            channel, "call_urgent", channel.call
+        )
         self._track = track
         self.reg = reg
         self.cleanup_grace = cleanup_grace
@@ -382,11 +386,17 @@ class OperationsBase:
         await self.cleanup_call(opcode, *args)
 
     async def cleanup_call(self, opcode: Op, *args: Any) -> Any:
-        """A cleanup RPC: its own short deadline; errors are logged, not raised."""
+        """A cleanup RPC: its own short deadline; errors are logged, not raised.
+
+        Over a channel with ``call_urgent`` (the client's connection) it takes the next
+        free place before any new request: a backlog of operations queued on the client
+        (more than ``max_in_flight`` requests) delays it only by the requests already in
+        flight, never by those queued after it, so it is not lost to its deadline.
+        """
         if not self.channel.usable:
             return None
         try:
-            return await self.channel.call(opcode, args, self.cleanup_grace)
+            return await self._call_urgent(opcode, args, self.cleanup_grace)
         except LMCacheError as exc:
             _cleanup_failed(opcode, _request_of(args), exc)
             return None
