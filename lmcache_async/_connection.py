@@ -600,7 +600,9 @@ class Connection:
             return True
         return not urgent and bool(self._place_waiters)
 
-    async def _wait_for_place(self, op: Op, start: float, timeout: float | None, urgent: bool = False) -> None:
+    async def _wait_for_place(
+        self, op: Op, start: float, timeout: float | None, urgent: bool = False
+    ) -> None:
         """Wait (under the call's deadline) until fewer than ``max_in_flight`` calls hold
         a place, then take one. Urgent calls first, then the others; first come, first
         served within each.

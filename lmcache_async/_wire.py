@@ -32,7 +32,7 @@ import re
 import struct
 import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Literal
 
@@ -55,6 +55,7 @@ __all__ = [
     "MAX_BIN",
     "MAX_SALT_LEN",
     "MAX_TOKEN",
+    "MAX_TOKENS",
     "CacheKey",
     "Op",
     "PreEncoded",
@@ -80,6 +81,12 @@ __all__ = [
 ]
 
 MAX_TOKEN: Final = 2**32  # token ids are hashed as uint32
+#: The most token ids one token list may have (2**22 = 4,194,304), in every operation of
+#: the library and the command line alike: a longer list is refused, before it is walked,
+#: with a ValueError naming this bound. 2**22 ids are about 150 MB as a list and their
+#: conversion holds the event loop for about a second; without a bound,
+#: ``lookup(range(2**40))`` never returned and froze every other call of the process.
+MAX_TOKENS: Final = 1 << 22
 MAX_SALT_LEN: Final = 128
 MAX_BIN: Final = 2**32 - 1  # msgpack bin32
 _BAD_SALT_CHARS: Final = ("@", "/", "\\", "\x00")
@@ -354,12 +361,25 @@ _TOKEN_IDS: Final = list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_TOKEN)]]
 _convert: Final = msgspec.convert
 
 
+def _check_length(tokens: Sized, name: str) -> None:
+    """Refuse more than :data:`MAX_TOKENS` ids, from ``len()`` alone (nothing is walked)."""
+    try:
+        count = len(tokens)
+    except OverflowError:  # range(2**70): its length is no Py_ssize_t
+        count = None
+    if count is None or count > MAX_TOKENS:
+        shown = f"{count} tokens" if count is not None else "more tokens than fit in an index"
+        raise ValueError(f"{name} has {shown}; at most {MAX_TOKENS} (2**22) are accepted")
+
+
 def validate_tokens(tokens: object, name: str = "tokens") -> list[int]:
     """Return ``tokens`` as a list of ints, each in ``[0, 2**32)``.
 
-    Accepts any sequence of ints (a list, a tuple, a 1-D integer tensor or array via
-    ``tolist()``; numpy integers too). Refused: str, bytes, bytearray and memoryview
-    (bytes are not token ids), bools (``True`` is not token 1), non-integers.
+    Accepts any sequence of ints (a list, a tuple, a ``range``, a 1-D integer tensor or
+    array via ``tolist()``; numpy integers too) of at most :data:`MAX_TOKENS` ids.
+    Refused: str, bytes, bytearray and memoryview (bytes are not token ids), bools
+    (``True`` is not token 1), non-integers, and a longer sequence (from its ``len()``,
+    before any id is read).
     """
     if isinstance(tokens, str | bytes | bytearray | memoryview) or tokens is None:
         raise TypeError(f"{name} must be a sequence of ints, got {type(tokens).__name__}")
@@ -369,7 +389,11 @@ def validate_tokens(tokens: object, name: str = "tokens") -> list[int]:
             raise ValueError(f"{name} is a tensor on the 'meta' device, which holds no values")
         if getattr(tokens, "ndim", 1) != 1:
             raise ValueError(f"{name} must be one-dimensional")
+        if isinstance(tokens, Sized):
+            _check_length(tokens, name)
         tokens = tolist()
+    if isinstance(tokens, Sized):
+        _check_length(tokens, name)
     if isinstance(tokens, list | tuple):
         try:
             # C speed, one pass: a new list of exact ints in range (bools refused).

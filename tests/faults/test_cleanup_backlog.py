@@ -53,7 +53,9 @@ async def test_thousands_of_concurrent_lookups_leave_no_session_or_lock(
         took = time.monotonic() - start
         assert await c.drain(30)
         left = _leftovers(srv)
-        print(f"\n{CALLS} concurrent lookups in {took:.1f} s; sessions, read locks, reservations left: {left}")
+        print(
+            f"\n{CALLS} concurrent lookups in {took:.1f} s; sessions, read locks, reservations left: {left}"
+        )
         assert hits == [2 * CS] * CALLS
         assert left == (0, 0, 0)
         # The server is not behind either: the next store and retrieve work at once.

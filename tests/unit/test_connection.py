@@ -304,8 +304,19 @@ async def test_an_urgent_call_takes_the_next_place_before_queued_calls() -> None
             assert conn.send_nowait(Op.END_SESSION, ("posted",), timeout=5) is None
             got = [(await t).value() for t in (first, cleanup, *queued)]
             assert got == ["first", "cleanup", "q0", "q1", "q2"]
-            assert [msgpack.unpackb(r.args[0]) for r in router.requests] == ["first", "cleanup", "q0", "q1", "q2"]
-            assert (conn.in_flight, conn._busy, len(conn._place_waiters), len(conn._urgent_waiters)) == (0, 0, 0, 0)
+            assert [msgpack.unpackb(r.args[0]) for r in router.requests] == [
+                "first",
+                "cleanup",
+                "q0",
+                "q1",
+                "q2",
+            ]
+            assert (conn.in_flight, conn._busy, len(conn._place_waiters), len(conn._urgent_waiters)) == (
+                0,
+                0,
+                0,
+                0,
+            )
         finally:
             await conn.close()
 
