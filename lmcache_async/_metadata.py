@@ -178,6 +178,8 @@ class Metadata:
             return status, json.loads(body)
         except ValueError as exc:
             raise ProtocolError(f"GET {url}: invalid JSON") from exc
+        except RecursionError:  # a hostile document nested thousands deep
+            raise ProtocolError(f"GET {url}: invalid JSON (nested too deeply)") from None
 
     async def healthcheck(self, timeout: float | None = 5.0) -> bool:
         """True when ``/healthcheck`` answers 200."""

@@ -48,7 +48,7 @@ from lmcache_async.errors import (
     ServerReplacedError,
     TransferError,
 )
-from lmcache_async.geometry import KVGeometry, dtype_name
+from lmcache_async.geometry import KVGeometry, check_server_geometry, dtype_name
 
 __all__ = ["UNREGISTER_TIMEOUT", "Session", "TransferMode"]
 
@@ -242,6 +242,7 @@ class Session:
         if self.geometry is None:
             status = await self.meta.status(max_age=0, timeout=remaining())
             self.geometry = KVGeometry.from_status(status, self.model_name)
+            check_server_geometry(self.geometry, self.chunk_size)
         if self.chunk_size % self.geometry.block_size:
             raise ServerError(
                 f"chunk size {self.chunk_size} is not a multiple of the block size {self.geometry.block_size}"
