@@ -110,8 +110,9 @@ def check_zmq_url(url: object, name: str = "url") -> str:
 
     Raises:
         TypeError: ``url`` is not a str.
-        ValueError: anything else (no scheme, another scheme, no host, no port, a port
-            out of range, a path or query after the port); the message says which.
+        ValueError: anything else (no scheme, another scheme, no host, a host that is
+            not a valid host name, no port, a port out of range, more than one ':' after
+            the host, a path or query after the port); the message says which.
     """
     if not isinstance(url, str):
         raise TypeError(f"{name} must be a str like tcp://host:port, got {type(url).__name__}")
@@ -132,6 +133,11 @@ def check_zmq_url(url: object, name: str = "url") -> str:
     parts = urllib.parse.urlsplit(url)
     if parts.path or parts.query or parts.fragment or "@" in parts.netloc:
         raise ValueError(f"{name} {url!r} must be tcp://host:port and nothing else")
+    if not parts.netloc.startswith("[") and parts.netloc.count(":") > 1:
+        raise ValueError(
+            f"{name} {url!r} has more than one ':' after the host (tcp://host:port; an IPv6 "
+            "address goes in brackets, tcp://[::1]:5555)"
+        )
     try:
         port = parts.port
     except ValueError:
@@ -143,7 +149,16 @@ def check_zmq_url(url: object, name: str = "url") -> str:
         raise ValueError(f"{name} {url!r} has no port (tcp://host:port; the server's --port, often 5555)")
     if port == 0:
         raise ValueError(f"{name} {url!r}: port 0 is not a port to connect to (1..65535)")
-    return parts.hostname
+    host = parts.hostname
+    if not _is_ip_address(host):
+        try:
+            host.encode("idna")  # what name resolution does with it
+        except UnicodeError:
+            raise ValueError(
+                f"{name} {url!r}: {host[:40]!r}{'...' if len(host) > 40 else ''} is not a host name "
+                "(at most 253 characters, in dot-separated labels of 1 to 63)"
+            ) from None
+    return host
 
 
 def _is_ip_address(host: str) -> bool:

@@ -44,6 +44,32 @@ BAD_URLS = [
         "tcp://host:port (the HTTP endpoint is http_url)",
     ),
     ("localhost:5555", "url must look like tcp://host:port, got 'localhost:5555'"),
+    # QA-4 n4: a second port read as "port '1' is not a port number".
+    (
+        "tcp://127.0.0.1:5555:1",
+        "url 'tcp://127.0.0.1:5555:1' has more than one ':' after the host (tcp://host:port; "
+        "an IPv6 address goes in brackets, tcp://[::1]:5555)",
+    ),
+    (
+        "tcp://::1:5555",
+        "url 'tcp://::1:5555' has more than one ':' after the host (tcp://host:port; "
+        "an IPv6 address goes in brackets, tcp://[::1]:5555)",
+    ),
+    # QA-4 n4: a 300-character host was a raw UnicodeError (idna: label too long) at open.
+    (
+        f"tcp://{'a' * 300}:5555",
+        f"url 'tcp://{'a' * 300}:5555': {'a' * 40!r}... is not a host name "
+        "(at most 253 characters, in dot-separated labels of 1 to 63)",
+    ),
+    (
+        f"tcp://{'b' * 64}.example:5555",
+        f"url 'tcp://{'b' * 64}.example:5555': {'b' * 40!r}... is not a host name "
+        "(at most 253 characters, in dot-separated labels of 1 to 63)",
+    ),
+    (
+        "tcp://a..b:5555",
+        "url 'tcp://a..b:5555': 'a..b' is not a host name (at most 253 characters, in dot-separated labels of 1 to 63)",
+    ),
 ]
 
 
