@@ -52,9 +52,7 @@ def _resolved(roots: list[Requirement]) -> dict[str, str]:
         seen[key] = dist.version
         for text in dist.requires or []:
             req = Requirement(text)
-            if req.marker is None or any(
-                req.marker.evaluate({"extra": e}) for e in (extras or {""})
-            ):
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in (extras or {""})):
                 todo.append((req.name, set(req.extras)))
     return seen
 

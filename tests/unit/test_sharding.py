@@ -29,7 +29,7 @@ from lmcache_async.cli.sharding import (
         (" 2 / 3 ", 2, 3),
         ("10/12", 10, 12),
         ("4194304/4194304", 4194304, 4194304),
-    ],  # fmt: skip
+    ],
 )
 def test_parse_shard(text: str, index: int, count: int) -> None:
     shard = parse_shard(text)
