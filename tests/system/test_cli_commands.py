@@ -920,6 +920,8 @@ def test_remap_batch_lines_past_the_bounds_or_not_utf8_fail_alone(
         not_utf8,  # line 5
         b"# a comment in Latin-1: caf\xe9 (ignored like any comment)",
         json.dumps({"source": {"start": 4294967290, "count": 16}, "target": "16:32"}).encode(),
+        b"[" * 5000,  # line 8: nested past the recursion limit (QA-4 n1)
+        b'{"source": "0:16", "target": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5001,
     ]
     pairs, report = tmp_path / "pairs.jsonl", tmp_path / "report.jsonl"
     pairs.write_bytes(b"\n".join(text) + b"\n")
@@ -930,14 +932,19 @@ def test_remap_batch_lines_past_the_bounds_or_not_utf8_fail_alone(
         4: "invalid pair: target: 5000000 tokens; at most 4194304 are accepted",
         5: f"invalid pair: 'utf-8' codec can't decode byte 0xe9 in position {at}: invalid continuation byte",
         7: outside,
+        8: "invalid pair: JSON nested too deeply",
+        9: "invalid pair: JSON nested too deeply",
     }
     code, out, err = run_main(capsys, "remap-batch", str(pairs), "--url", srv.url, "--http-url", srv.http_url,
                               "--timeout", "30", *GEOMETRY_FLAGS, "--model-name", model, "--report", str(report),
                               "--json")  # fmt: skip
     assert code == 1
     summary = json.loads(out)
-    assert (summary["pairs"], summary["hits"], summary["misses"], summary["failures"]) == (6, 1, 0, 5)
-    assert err == "".join(f"{PROG} remap-batch: failed: line {n}: {e}\n" for n, e in errors.items())
+    assert (summary["pairs"], summary["hits"], summary["misses"], summary["failures"]) == (8, 1, 0, 7)
+    first = list(errors.items())[:5]  # stderr names the first five, the report has them all
+    assert err == "".join(f"{PROG} remap-batch: failed: line {n}: {e}\n" for n, e in first) + (
+        f"{PROG} remap-batch: ... and 2 more failures (see the report)\n"
+    )
     rows = {}
     for raw in report.read_text().splitlines():
         row = json.loads(raw)
@@ -984,9 +991,13 @@ def test_outputs_that_cannot_be_written_are_one_line_errors(
         ["retrieve", *server, "--model-name", model, "--tokens", f"{tokens[0]}:{tokens[0] + 32}", "--output",
          "/dev/full"],
     ):  # fmt: skip
-        code, out, err = run_main(capsys, *argv)
-        assert (code, out) == (1, ""), argv
-        assert err.startswith(f"{PROG} {argv[0]}: error: /dev/full: cannot write: ") and err.count("\n") == 1
+        error = f"{PROG} {argv[0]}: error: /dev/full: cannot write: No space left on device\n"
+        assert run_main(capsys, *argv) == (1, "", error), argv
+    # A file that opens but refuses the write (QA-4 n6: was torch's "basic_ios::clear: iostream
+    # error"); /proc/version opens for root and fails the write, and refuses the open otherwise.
+    why = "Input/output error" if os.geteuid() == 0 else "Permission denied"
+    error = f"{PROG} make-package: error: /proc/version: cannot write: {why}\n"
+    assert run_main(capsys, *make, "--output", "/proc/version") == (1, "", error)
 
 
 def test_a_file_that_is_not_a_package_is_told_what_a_package_is(
