@@ -21,7 +21,6 @@ from lmcache_async import _copies as copies
 from lmcache_async._runner import OpState
 from lmcache_async._shm import ShmPool
 from lmcache_async._wire import (
-    OP_NAMES,
     CacheKey,
     Op,
     WireGeneration,
@@ -53,17 +52,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Configs = dict[str, Any] | None
-
-#: The phase each request of an operation is part of (observers' ``Operation.phases``).
-PHASES: Final[dict[int, str]] = {
-    Op.LOOKUP: "lookup",
-    Op.QUERY_PREFETCH_STATUS: "prefetch wait",
-    Op.WAIT_PREFETCH_STATUS: "prefetch wait",
-    Op.PREPARE_STORE: "prepare",
-    Op.PREPARE_RETRIEVE: "prepare",
-    Op.COMMIT_STORE: "commit",
-    Op.COMMIT_RETRIEVE: "commit",
-}
 
 #: Longest single wait_prefetch_status: it blocks one of the server's CPU workers.
 PREFETCH_WAIT_SLICE: Final = 0.05
@@ -313,9 +301,7 @@ class OperationsBase:
         try:
             return await self.channel.call(opcode, args, op.remaining())
         finally:
-            record.phases.append(
-                (PHASES.get(opcode, OP_NAMES.get(opcode, str(opcode))), start, time.time_ns())
-            )
+            record.phases.append((opcode.phase, start, time.time_ns()))
 
     async def pipeline(self, op: OpState, *calls: tuple[Any, ...]) -> list[Any]:
         """Send several requests back to back (in order) and wait for all replies.
@@ -332,7 +318,7 @@ class OperationsBase:
         try:
             return await self._pipeline(op, calls)
         finally:
-            op.phase(PHASES.get(calls[0][0], OP_NAMES.get(calls[0][0], "pipeline")), start)
+            op.phase(calls[0][0].phase, start)
 
     async def _pipeline(self, op: OpState, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
         post = self._post
