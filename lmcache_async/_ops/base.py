@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, TypeGuard, TypeVar
 import torch
 
 from lmcache_async import _copies as copies
+from lmcache_async._cuda import hooks as cuda_hooks
 from lmcache_async._runner import OpState
 from lmcache_async._shm import ShmPool
 from lmcache_async._wire import (
@@ -509,10 +510,8 @@ class OperationsBase:
         self, target: torch.Tensor, chunks: Sequence[torch.Tensor], mark: Mark | None = None
     ) -> None:
         if mark is not None:  # CUDA target: side streams ordered after the caller's
-            from lmcache_async._cuda import copies as cuda
-
             pairs = [(self._chunk(target, i), c) for i, c in enumerate(chunks)]
-            await cuda.to_device(pairs, mark, self.reg.pool, staged=self.reg.pool is None)
+            await cuda_hooks.to_device(pairs, mark, self.reg.pool, staged=self.reg.pool is None)
             return
         total = sum(c.numel() for c in chunks) * target.element_size()
         axis, size = self.reg.geometry.token_axis, self.reg.chunk_size

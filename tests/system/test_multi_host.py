@@ -337,7 +337,9 @@ async def test_remote_client_of_an_shm_server_is_told_at_connect_and_retrieve_fa
     )
     with caplog.at_level(logging.WARNING, logger="lmcache_async._session"):
         async with client_of(cluster.a, model) as remote_a:
-            assert [r.getMessage() for r in caplog.records if r.name == "lmcache_async._session"] == [expected]
+            assert [r.getMessage() for r in caplog.records if r.name == "lmcache_async._session"] == [
+                expected
+            ]
             assert remote_a.transfer == "pickle"
             # A miss fails too, before anything is sent: never a silent miss.
             with pytest.raises(TransferError) as info:
