@@ -19,6 +19,8 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any, Final
 
+from lmcache_async import errors as _errors
+
 if TYPE_CHECKING:
     from lmcache_async._defaults import (
         DEFAULT as DEFAULT,
@@ -99,31 +101,8 @@ _EXPORTS: Final[dict[str, tuple[str, ...]]] = {
         "DEFAULT",
         "DefaultType",
     ),
-    "lmcache_async.errors": (
-        "AuthenticationError",
-        "ClientClosedError",
-        "ClientNotOpenError",
-        "ClientStateError",
-        "ForkedClientError",
-        "ForkedSyncClientError",
-        "HTTPStatusError",
-        "LMCacheConnectionError",
-        "LMCacheError",
-        "LMCacheTimeoutError",
-        "LayoutMismatchError",
-        "LoopThreadCallError",
-        "ModelNotRegisteredError",
-        "ProtocolError",
-        "ServerError",
-        "ServerReplacedError",
-        "SyncUsageError",
-        "TransferError",
-        "UnfilledReservationError",
-        "UnknownServerVersionWarning",
-        "UnsafePayloadError",
-        "UnsupportedServerVersionError",
-        "WrongEventLoopError",
-    ),
+    # The error tree is errors.__all__ (errors imports nothing else, so this costs no torch).
+    "lmcache_async.errors": tuple(_errors.__all__),
     "lmcache_async.geometry": ("KVGeometry",),
     "lmcache_async.rope": ("RopeLayer", "RopeScaling", "RopeSpec"),
     "lmcache_async.client": (

@@ -52,7 +52,7 @@ from lmcache_async.geometry import KVGeometry, check_server_geometry, dtype_name
 
 __all__ = ["UNREGISTER_TIMEOUT", "Session", "TransferMode"]
 
-log = logging.getLogger("lmcache_async.client")
+log = logging.getLogger(__name__)
 
 TransferMode = Literal["auto", "shm", "pickle"]
 

@@ -78,24 +78,7 @@ __all__ = [
 URL_ENV: Final = "LMCACHE_ASYNC_URL"
 HTTP_URL_ENV: Final = "LMCACHE_ASYNC_HTTP_URL"
 
-#: The output schema, one row per input pair:
-#:
-#: * ``key``: the pair's identity (as ``remap-batch --report``);
-#: * ``id``: the input's ``id`` (null when the input has none);
-#: * ``status``: ``"hit"`` (the source's KV was found and stored under the target),
-#:   ``"miss"`` (nothing to remap) or ``"error"``;
-#: * ``retrieved_tokens`` / ``stored_tokens``: tokens moved;
-#: * ``bytes``: bytes moved (retrieved + stored tokens, times the bytes per token);
-#: * ``stored_new``: the store added at least one chunk;
-#: * ``already_cached``: a hit whose target was entirely on the server already (a retried
-#:   batch, a rerun, or a duplicate pair);
-#: * ``error_type`` / ``error``: the exception's class name and message (null on success);
-#: * ``server``: the ZMQ URL of the server the pair went to.
-OUTPUT_COLUMNS: Final = (
-    "key", "id", "status", "retrieved_tokens", "stored_tokens", "bytes", "stored_new",
-    "already_cached", "error_type", "error", "server",
-)  # fmt: skip
-
+# The output table's columns and types; OUTPUT_COLUMNS (below) documents them.
 _SCHEMA: Final = pa.schema(
     [
         ("key", pa.string()),
@@ -111,6 +94,20 @@ _SCHEMA: Final = pa.schema(
         ("server", pa.string()),
     ]
 )
+#: The output schema, one row per input pair:
+#:
+#: * ``key``: the pair's identity (as ``remap-batch --report``);
+#: * ``id``: the input's ``id`` (null when the input has none);
+#: * ``status``: ``"hit"`` (the source's KV was found and stored under the target),
+#:   ``"miss"`` (nothing to remap) or ``"error"``;
+#: * ``retrieved_tokens`` / ``stored_tokens``: tokens moved;
+#: * ``bytes``: bytes moved (retrieved + stored tokens, times the bytes per token);
+#: * ``stored_new``: the store added at least one chunk;
+#: * ``already_cached``: a hit whose target was entirely on the server already (a retried
+#:   batch, a rerun, or a duplicate pair);
+#: * ``error_type`` / ``error``: the exception's class name and message (null on success);
+#: * ``server``: the ZMQ URL of the server the pair went to.
+OUTPUT_COLUMNS: Final[tuple[str, ...]] = tuple(_SCHEMA.names)
 _DONE: Final = ("hit", "miss")
 
 #: The CPUs each actor asks Ray for by default: an actor mostly waits for its server, and

@@ -40,9 +40,12 @@ __all__ = ["register"]
 
 T = TypeVar("T")
 
-#: ``--protocol``'s choices: :data:`lmcache_async.testing.PROTOCOLS` (tests/test_cli_startup.py
-#: checks they are equal), named here because importing lmcache_async.testing imports torch.
-PROTOCOLS: Final = ("0.5.6", "0.5.7")
+#: ``--generation``'s choices: :data:`lmcache_async.testing.GENERATIONS` (tests/system/
+#: test_cli_startup.py checks they are equal), named here because importing
+#: lmcache_async.testing imports torch.
+GENERATIONS: Final = ("0.5.6", "0.5.7")
+#: The earlier name of :data:`GENERATIONS`.
+PROTOCOLS: Final = GENERATIONS
 
 DEFAULT_MODEL = "lmcache-async-demo"
 _VOCAB = 32000
@@ -56,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=(
             "Run the embedded LMCache-compatible MP server (ZMQ + HTTP) until SIGINT/SIGTERM. "
             "It serves the engine-driven protocol of the LMCache 0.5.6 MP server, or of the "
-            "0.5.7 generation with --protocol 0.5.7; see docs/guides/testing-your-code.md for the "
+            "0.5.7 generation with --generation 0.5.7; see docs/guides/testing-your-code.md for the "
             "differences."
         ),
     )
@@ -66,10 +69,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (default 256)")
     serve.add_argument("--mode", choices=("shm", "pickle"), default="shm", help="transfer mode (default shm)")
     serve.add_argument(
+        "--generation",
         "--protocol",
-        choices=PROTOCOLS,
+        dest="generation",
+        choices=GENERATIONS,
         default="0.5.6",
-        help="LMCache server generation whose wire to speak (default 0.5.6)",
+        help="LMCache server generation whose wire to speak (default 0.5.6; --protocol is its alias)",
     )
     serve.add_argument(
         "--size", default="1GB", help="L1 byte budget, e.g. 1073741824, 512MB, 2GB (default 1GB)"
@@ -173,7 +178,7 @@ def _serve(args: argparse.Namespace) -> int:
             models=models,
             instance_id=args.instance_id,
             prefault=args.prefault,
-            protocol=args.protocol,
+            generation=args.generation,
         )
     except ValueError as exc:
         return _usage(str(exc))
@@ -213,7 +218,8 @@ def _print_endpoints(server: EmbeddedServer, args: argparse.Namespace) -> None:
         "url": server.url,
         "http_url": server.http_url,
         "mode": server.mode,
-        "protocol": server.protocol,
+        "generation": server.generation,
+        "protocol": server.generation,  # the earlier name, kept for scripts that read it
         "chunk_size": server.chunk_size,
         "size_bytes": server.size_bytes,
         "shm_segment": server.shm_segment,
@@ -223,7 +229,7 @@ def _print_endpoints(server: EmbeddedServer, args: argparse.Namespace) -> None:
         print(json.dumps(info), flush=True)
         return
     lines = [
-        f"lmcache-async embedded server: protocol {server.protocol}, mode {server.mode}, "
+        f"lmcache-async embedded server: generation {server.generation}, mode {server.mode}, "
         f"chunk size {server.chunk_size}, L1 {_mib(server.size_bytes)}",
         f"  url:       {server.url}",
         f"  http_url:  {server.http_url}",

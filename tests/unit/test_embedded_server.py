@@ -116,7 +116,7 @@ class Raw:
         """Request frames: via :func:`wire.encode_request` for a well-formed request with a
         legacy id, by hand otherwise (names, wrong arity, unknown ids)."""
         self.uid += 1
-        if isinstance(op, Op) and len(args) == wire.OP_ARITY[op]:
+        if isinstance(op, Op) and len(args) == op.arity:
             return [bytes(f) for f in wire.encode_request(self.uid, op, args)]
         return [packb(self.uid), packb(op), *(packb(a) for a in args)]
 
