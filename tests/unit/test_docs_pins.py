@@ -58,7 +58,7 @@ def _resolved(roots: list[Requirement]) -> dict[str, str]:
 
 
 def test_the_docs_extra_is_what_the_build_needs() -> None:
-    names = {canonicalize_name(r.name): r for r in _docs_extra()}
+    names: dict[str, Requirement] = {str(canonicalize_name(r.name)): r for r in _docs_extra()}
     assert set(names) == {"mkdocs", "mkdocstrings"}
     assert names["mkdocstrings"].extras == {"python"}
 
