@@ -57,7 +57,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "serve",
         help="run the embedded LMCache-compatible server in the foreground",
         description=(
-            "Run the embedded LMCache-compatible MP server (ZMQ + HTTP) until SIGINT/SIGTERM. "
+            "Run the embedded LMCache-compatible MP server (ZMQ + HTTP) until SIGINT/SIGTERM "
+            "(a serve started with & by a non-interactive shell ignores SIGINT: stop it with SIGTERM). "
             "It serves the engine-driven protocol of the LMCache 0.5.6 MP server, or of the "
             "0.5.7 generation with --generation 0.5.7; see docs/guides/testing-your-code.md for the "
             "differences."
