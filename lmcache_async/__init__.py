@@ -78,9 +78,11 @@ if TYPE_CHECKING:
         Observer as Observer,
         Operation as Operation,
         add_observer as add_observer,
+        remove_observer as remove_observer,
     )
     from lmcache_async.otel import (
         instrument as instrument,
+        uninstrument as uninstrument,
     )
     from lmcache_async.rope import (
         RopeLayer as RopeLayer,
@@ -127,8 +129,9 @@ _EXPORTS: Final[dict[str, tuple[str, ...]]] = {
         "Observer",
         "Operation",
         "add_observer",
+        "remove_observer",
     ),
-    "lmcache_async.otel": ("instrument",),
+    "lmcache_async.otel": ("instrument", "uninstrument"),
 }
 _HOME: Final[dict[str, str]] = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -57,15 +57,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "serve",
         help="run the embedded LMCache-compatible server in the foreground",
         description=(
-            "Run the embedded LMCache-compatible MP server (ZMQ + HTTP) until SIGINT/SIGTERM. "
+            "Run the embedded LMCache-compatible MP server (ZMQ + HTTP) until SIGINT/SIGTERM "
+            "(a serve started with & by a non-interactive shell ignores SIGINT: stop it with SIGTERM). "
             "It serves the engine-driven protocol of the LMCache 0.5.6 MP server, or of the "
             "0.5.7 generation with --generation 0.5.7; see docs/guides/testing-your-code.md for the "
             "differences."
         ),
     )
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=5555, help="ZMQ port (0: a free one; default 5555)")
-    serve.add_argument("--http-port", type=int, default=8080, help="HTTP port (0: a free one; default 8080)")
+    serve.add_argument("--port", type=_port, default=5555, help="ZMQ port (0: a free one; default 5555)")
+    serve.add_argument(
+        "--http-port", type=_port, default=8080, help="HTTP port (0: a free one; default 8080)"
+    )
     serve.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (default 256)")
     serve.add_argument("--mode", choices=("shm", "pickle"), default="shm", help="transfer mode (default shm)")
     serve.add_argument(
@@ -138,6 +141,18 @@ def _model_args(parser: argparse.ArgumentParser, *, model_default: str | None) -
     parser.add_argument("--head-dim", type=int, default=128, help="head size (default 128)")
     parser.add_argument("--block-size", type=int, default=16, help="engine block size (default 16)")
     parser.add_argument("--dtype", default="bfloat16", help="KV dtype (default bfloat16)")
+
+
+def _port(text: str) -> int:
+    """A port number in 0..65535 (0: a free one), checked while parsing (argparse's error
+    names the subcommand and the option; nothing heavy is imported first)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number in 0..65535 (0: a free one)")
+    return value
 
 
 def _usage(message: str) -> int:
@@ -273,10 +288,18 @@ def _demo(args: argparse.Namespace) -> int:
     try:
         report = asyncio.run(_demo_async(args, dtype))
     except (LMCacheError, OSError, RuntimeError, ValueError) as exc:
+        message = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, LMCacheError) and args.url is not None:
+            import aiohttp
+
+            from lmcache_async.cli.runner import _unreachable
+
+            if isinstance(exc.__cause__, aiohttp.ClientConnectorError):
+                message = _unreachable(args, exc)  # as `status` says it: "connection refused"
         if args.json:
-            print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
+            print(json.dumps({"ok": False, "error": message}))
         else:
-            print(f"lmcache-async demo: {type(exc).__name__}: {exc}", file=sys.stderr)
+            print(f"lmcache-async demo: {message}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(report, indent=2))

@@ -45,7 +45,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Final, Literal, TypedDict, Unpack
+from typing import Any, Final, Literal, NoReturn, TypedDict, Unpack
 
 import zmq
 import zmq.asyncio
@@ -245,6 +245,12 @@ class ServerOptions(TypedDict, total=False):
     api_key: str | None
 
 
+_NO_SYNC_WITH: Final = (
+    "EmbeddedServer is asynchronous: use `async with EmbeddedServer(...)` in a coroutine, "
+    "or `EmbeddedServer.start_in_thread(...)` (a context manager) from blocking code"
+)
+
+
 class EmbeddedServer:
     """An LMCache-compatible MP server running on the current event loop.
 
@@ -429,6 +435,22 @@ class EmbeddedServer:
             raise RuntimeError("the server has not been started")
 
     # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> NoReturn:
+        """Refuse ``with``: the server is asynchronous.
+
+        Raises:
+            TypeError: always, with the hint to use ``async with EmbeddedServer(...)`` or,
+                from blocking code, ``EmbeddedServer.start_in_thread(...)``. Nothing is
+                started.
+        """
+        raise TypeError(_NO_SYNC_WITH)
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Never reached (``__enter__`` raises); present so that type checkers see the protocol."""
+        raise TypeError(_NO_SYNC_WITH)
 
     async def __aenter__(self) -> EmbeddedServer:
         await self.start()

@@ -1214,3 +1214,59 @@ def test_an_api_keyed_server_needs_the_key_from_the_environment(
     assert json.loads(done.stdout)["stored_tokens"] == 32
     got = asyncio.run(_retrieve(srv, model, dst, "", api_key=KEY))
     assert got is not None and torch.equal(got, kv)
+
+
+def test_a_negative_looking_value_gets_the_equals_hint(capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(["lookup", *NOWHERE, "--model-name", "m", "--tokens", "-5:3"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"{PROG} lookup: error: argument --tokens: expected one argument (a value that starts "
+        "with '-' is read as an option: write --tokens=-5:3)"
+    )
+    with pytest.raises(SystemExit):  # a missing value that is not a negative number: no hint
+        main(["lookup", *NOWHERE, "--model-name", "m", "--tokens", "--json"])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"{PROG} lookup: error: argument --tokens: expected one argument"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--port", "99999"], "argument --port: 99999 is not a port number in 0..65535 (0: a free one)"),
+        (["--http-port", "-1"], "argument --http-port: -1 is not a port number in 0..65535 (0: a free one)"),
+        (["--port", "x"], "argument --port: 'x' is not a port number"),
+    ],
+)
+def test_serve_refuses_a_bad_port_while_parsing(argv: list[str], message: str) -> None:
+    """In a fresh interpreter: the error names the subcommand, and torch is not imported."""
+    code = (
+        "import sys\n"
+        "from lmcache_async.cli import main\n"
+        "try:\n"
+        f"    main(['serve', *{argv!r}])\n"
+        "except SystemExit as exc:\n"
+        "    print('exit', exc.code, 'torch' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.stdout == "exit 2 False\n"
+    assert proc.stderr.splitlines()[-1] == f"{PROG} serve: error: {message}"
+
+
+def test_demo_says_connection_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["demo", "--url", "tcp://127.0.0.1:9", "--http-url", "http://127.0.0.1:9", "--timeout", "5"]
+    assert run_main(capsys, *args) == (
+        1,
+        "",
+        f"{PROG} demo: cannot reach the LMCache server at http://127.0.0.1:9: connection refused\n",
+    )
+    code, out, err = run_main(capsys, *args, "--json")
+    assert (code, json.loads(out), err) == (
+        1,
+        {"ok": False, "error": "cannot reach the LMCache server at http://127.0.0.1:9: connection refused"},
+        "",
+    )

@@ -582,6 +582,18 @@ def test_start_in_thread_from_sync_code() -> None:
         EmbeddedServer.start_in_thread(mode="tcp")  # type: ignore[arg-type]
 
 
+def test_plain_with_is_refused_with_the_hint() -> None:
+    server = EmbeddedServer(chunk_size=CS, size_bytes=1 << 16)
+    with pytest.raises(TypeError) as info:
+        with server:
+            pass  # pragma: no cover
+    assert str(info.value) == (
+        "EmbeddedServer is asynchronous: use `async with EmbeddedServer(...)` in a coroutine, "
+        "or `EmbeddedServer.start_in_thread(...)` (a context manager) from blocking code"
+    )
+    assert server.shm_segment is not None and not os.path.exists(server.shm_segment)  # nothing started
+
+
 # --------------------------------------------------------------------------- the client
 
 
