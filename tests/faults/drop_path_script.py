@@ -64,7 +64,7 @@ def _show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> N
 
 
 def _sockets_open() -> int:
-    return sum(isinstance(o, zmq.Socket) and not o.closed for o in gc.get_objects())
+    return sum(issubclass(type(o), zmq.Socket) and not o.closed for o in gc.get_objects())
 
 
 def _fds() -> int:
@@ -117,7 +117,6 @@ def _prelude(path: str, url: str, http_url: str) -> int:
     _warm_up(url, http_url)
     if path in SYNC_PATHS:
         lmc.Client(url, http_url, MODEL, geometry=GEOMETRY, timeout=10).close()
-    _sockets_open()  # whatever the walk over every object imports lazily, imported now
     return _fds()
 
 
