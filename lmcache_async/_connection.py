@@ -44,9 +44,11 @@ import functools
 import ipaddress
 import itertools
 import logging
+import os
 import socket
 import time
 import urllib.parse
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +60,7 @@ from zmq.utils.monitor import parse_monitor_message
 from lmcache_async import _trace
 from lmcache_async._runner import Expired, cancel_and_wait, expire
 from lmcache_async._wire import GEN_0_5_6, Op, Reply, WireGeneration, decode_reply, encode_request, op_name
+from lmcache_async._zmq_context import monitor_address, process_context
 from lmcache_async.errors import (
     ClientClosedError,
     LMCacheConnectionError,
@@ -81,6 +84,9 @@ DEFAULT_MAX_IN_FLIGHT = 1024
 RECONNECT_WAIT_S = 1.5
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 1000
+#: How long a socket closed after a last request (:meth:`Connection.abandon`) keeps
+#: trying to send it, in libzmq's I/O thread (nothing waits for it).
+FAREWELL_LINGER_MS = 1000
 #: Replies routed per readable callback before the loop gets a turn (fairness).
 READ_BATCH = 256
 #: Frames up to this size are sent and received as copies (cheaper than a zero-copy
@@ -169,16 +175,24 @@ def _is_ip_address(host: str) -> bool:
     return True
 
 
-def _release(ctx: zmq.Context[Any], sock: zmq.Socket[Any] | None, monitor: zmq.Socket[Any] | None) -> None:
-    """Close the DEALER (its monitor stopped first) and the monitor's socket, linger 0,
-    then the context. Never blocks: the context is terminated once every socket is closed."""
+def _release(sock: zmq.Socket[Any] | None, monitor: zmq.Socket[Any] | None, linger: int = 0) -> None:
+    """Close the DEALER (its monitor stopped first) and the monitor's socket. Never blocks
+    (closing a socket does not, whatever its linger; only a context's ``term()`` would,
+    and the process context is never terminated: :mod:`lmcache_async._zmq_context`).
+    Safe from a finalizer on any thread once nothing else uses the sockets."""
     if sock is not None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # closed already
             sock.disable_monitor()
-        sock.close(linger=0)
+        sock.close(linger=linger)
     if monitor is not None:
         monitor.close(linger=0)
-    ctx.destroy(linger=0)
+
+
+def _release_unclosed(pid: int, sock: zmq.Socket[Any], monitor: zmq.Socket[Any]) -> None:
+    """The finalizer of a :class:`Connection` collected unclosed (in its own process only:
+    a forked child must not touch the parent's sockets)."""
+    if os.getpid() == pid:
+        _release(sock, monitor)
 
 
 @dataclass
@@ -267,7 +281,8 @@ class Connection:
         self.generation = 0  # increases each time the peer (re)connects after a loss
         self.connected = False
         self._table = PendingTable()
-        self._ctx: zmq.Context[Any] | None = None
+        self._ctx: zmq.Context[Any] | None = None  # the process context, while open
+        self._sockets_finalizer: weakref.finalize[Any, Any] | None = None
         self._sock: zmq.Socket[Any] | None = None
         self._monitor: zmq.Socket[Any] | None = None
         self._fds: list[int] = []  # descriptors watched with loop.add_reader
@@ -302,7 +317,7 @@ class Connection:
         self._first_connect = asyncio.Event()
         self.reconnected = asyncio.Event()
         await self._resolve(timeout)
-        ctx: zmq.Context[Any] = zmq.Context()
+        ctx = process_context()
         sock: zmq.Socket[Any] | None = None
         monitor: zmq.Socket[Any] | None = None
         try:
@@ -317,17 +332,21 @@ class Connection:
             # replayed on the server that comes back.
             sock.setsockopt(zmq.IMMEDIATE, 1)
             monitor = sock.get_monitor_socket(
-                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED,
+                monitor_address(),
             )
             sock.connect(self.url)
         except BaseException as exc:
-            # A context left to the garbage collector with sockets it no longer tracks
-            # blocks in term() when collected, freezing whichever thread collects it.
-            _release(ctx, sock, monitor)
+            _release(sock, monitor)
             if isinstance(exc, zmq.ZMQError):
                 raise LMCacheConnectionError(f"cannot open a ZMQ connection to {self.url}: {exc}") from exc
             raise
         self._ctx, self._sock, self._monitor = ctx, sock, monitor
+        # A connection collected unclosed (its loop gone before its client's close ran)
+        # closes its sockets then: no event loop needed. Not at exit (the process's end
+        # closes them; the clients' own exit closes need them until then).
+        self._sockets_finalizer = weakref.finalize(self, _release_unclosed, os.getpid(), sock, monitor)
+        self._sockets_finalizer.atexit = False
         try:
             self._watch(sock, self._on_readable)
             self._watch(monitor, self._on_monitor)
@@ -434,15 +453,19 @@ class Connection:
             await cancel_and_wait(tasks, "a connection task")
         finally:  # also when the closer is cancelled: the socket is closed all the same
             self._unwatch()
-            if self._ctx is not None:
-                _release(self._ctx, self._sock, self._monitor)
-            self._sock = self._monitor = self._ctx = None
+            self._release_sockets()
 
-    def abandon(self) -> None:
-        """Close the socket, its monitor and the context now, without awaiting anything:
-        for a connection whose event loop is closed or not running (a client closed from
-        another loop, or collected unclosed). Must not be called from another thread while
-        the loop runs. Idempotent.
+    def abandon(self, farewell: tuple[Op, Sequence[Any]] | None = None, farewell_wait: float = 0.0) -> None:
+        """Close the socket and its monitor now, without awaiting anything: for a
+        connection whose event loop is closed or not running (a client closed from another
+        loop, or collected unclosed), or from the loop's own thread (a client collected
+        there). Must not be called from another thread while the loop runs. Idempotent.
+
+        ``farewell``: one last request (the unregister of a collected client), sent if the
+        peer is connected and ready, its reply not awaited; the socket then lingers up to
+        :data:`FAREWELL_LINGER_MS` for it in libzmq's I/O thread (the close itself does not
+        wait). With ``farewell_wait`` (interpreter exit: the process would end before the
+        I/O thread sent it) the reply is waited for, at most that many seconds, blocking.
 
         Calls still pending are failed with :class:`ClientClosedError` where their loop can
         still take the news; the tasks are cancelled where it can run them.
@@ -457,8 +480,43 @@ class Connection:
                 task.cancel()
         self._tasks = []
         self._unwatch()
-        if self._ctx is not None:
-            _release(self._ctx, self._sock, self._monitor)
+        linger = 0
+        if farewell is not None and self._sock is not None and self.connected:
+            op, args = farewell
+            frames = encode_request(next(self._table._uids), op, args, self.wire)
+            last = len(frames) - 1
+            try:
+                for i, frame in enumerate(frames):
+                    _zsend(self._sock, frame, _NOBLOCK if i == last else _SNDMORE_NOBLOCK, True, False)
+                linger = FAREWELL_LINGER_MS
+            except zmq.ZMQError as exc:  # not ready (zmq.Again: nothing was queued) or gone
+                log.debug("%s not sent on %s: %s", op_name(op), self.url, exc)
+            else:
+                if farewell_wait > 0:
+                    self._wait_reply_blocking(frames[0], farewell_wait)
+        self._release_sockets(linger)
+
+    def _wait_reply_blocking(self, uid_frame: Any, wait_s: float) -> None:
+        """Block (no event loop) until the reply whose uid frame is ``uid_frame`` arrives,
+        at most ``wait_s`` seconds; other replies are dropped."""
+        sock = self._sock
+        assert sock is not None
+        end = time.monotonic() + wait_s
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        with contextlib.suppress(zmq.ZMQError):
+            while (left := end - time.monotonic()) > 0:
+                if not poller.poll(max(1, int(left * 1000))):
+                    return
+                with contextlib.suppress(zmq.Again):
+                    if sock.recv_multipart(zmq.NOBLOCK)[0] == bytes(uid_frame):
+                        return
+
+    def _release_sockets(self, linger: int = 0) -> None:
+        if self._sockets_finalizer is not None:
+            self._sockets_finalizer.detach()
+            self._sockets_finalizer = None
+        _release(self._sock, self._monitor, linger)
         self._sock = self._monitor = self._ctx = None
 
     def drop_inherited(self) -> None:
@@ -469,6 +527,9 @@ class Connection:
         them either."""
         self._closed = True
         self._reader_alive = False
+        if self._sockets_finalizer is not None:
+            self._sockets_finalizer.detach()
+            self._sockets_finalizer = None
         for obj in (self._sock, self._monitor, self._ctx):
             if obj is not None:
                 with contextlib.suppress(AttributeError, TypeError):

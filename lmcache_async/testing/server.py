@@ -52,6 +52,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from lmcache_async._version import __version__
+from lmcache_async._zmq_context import process_context
 from lmcache_async.geometry import KVGeometry, dtype_from_name
 from lmcache_async.testing.dialect import (
     LMC_VERSIONS,
@@ -500,7 +501,10 @@ class EmbeddedServer:
             else:
                 self._core = make_core()
             self._send_lock = asyncio.Lock()
-            self._ctx = zmq.asyncio.Context()
+            # A shadow of the process's context, never terminated (as the clients' own:
+            # lmcache_async._zmq_context): a server dropped unstopped cannot hang the
+            # process when the collector finds its context.
+            self._ctx = zmq.asyncio.Context.shadow(process_context())
             sock = self._ctx.socket(zmq.ROUTER)
             self._sock = sock
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -572,9 +576,7 @@ class EmbeddedServer:
             if self._sock is not None:
                 self._sock.close(linger=0)
                 self._sock = None
-            if self._ctx is not None:
-                self._ctx.term()
-                self._ctx = None
+            self._ctx = None  # a shadow: nothing to terminate
             if self._runner is not None:
                 runner, self._runner = self._runner, None
                 await runner.cleanup()
