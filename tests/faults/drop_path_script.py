@@ -5,9 +5,12 @@ runs each under a deadline and compares its run with a properly closed client's)
 
 ``PATH`` is one of :data:`PATHS`. The script prints, one per line:
 
-* ``imported=T``: ``time.monotonic()`` once the imports are done (the parent times the run
-  from there to the process's end: the same clock on Linux);
+* ``imported=T``: ``time.monotonic()`` once the imports are done;
 * ``instance_id=N``: the registration of each client opened;
+* ``opened=T``: ``time.monotonic()`` once that client has served its lookup: the parent
+  times the run from there to the process's end (the same clock on Linux), so that what
+  it compares is the drop, the collection and the exit, not the start-up and the connect,
+  whose times vary with the machine's load;
 * ``warning=Category: message``: each warning issued, whenever it is (also at exit);
 * ``sockets_open=N`` / ``fds_leaked=N``: after the drop and a collection, the ZMQ sockets
   still open and the file descriptors this process holds beyond what it held before the
@@ -75,6 +78,7 @@ async def _opened(url: str, http_url: str, **kw: Any) -> lmc.AsyncClient:
     client = await lmc.connect(url, http_url, MODEL, geometry=GEOMETRY, timeout=10, **kw)
     print(f"instance_id={client.instance_id}", flush=True)
     assert await client.lookup(TOKENS) == 0
+    print(f"opened={time.monotonic()}", flush=True)
     return client
 
 
@@ -124,6 +128,7 @@ def _sync_client(url: str, http_url: str) -> lmc.Client:
     client = lmc.Client(url, http_url, MODEL, geometry=GEOMETRY, timeout=10)
     print(f"instance_id={client.instance_id}", flush=True)
     assert client.lookup(TOKENS) == 0
+    print(f"opened={time.monotonic()}", flush=True)
     return client
 
 

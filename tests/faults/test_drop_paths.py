@@ -1,6 +1,7 @@
 """Clients left unclosed in every way a user can, each in a process of its own under a
 deadline (``drop_path_script.py``): the process never hangs, and ends within a second of
-the same process with the client properly closed, measured in the same test; with
+the same process with the client properly closed (each timed from its client's first
+answered call to the process's end), measured in the same test; with
 ``-X dev`` too.
 
 The defect this guards against: a ZMQ context per client, terminated by pyzmq's
@@ -38,6 +39,8 @@ SCRIPT = Path(__file__).with_name("drop_path_script.py")
 RUN_DEADLINE_S = 60.0
 #: How much longer than the properly closed client's run a drop path may take.
 SLACK_S = 1.0
+#: How many times a run over its bound is run again before it counts as too slow.
+RETRIES = 2
 #: How long the server may take to process a client's last unregister.
 UNREGISTER_WAIT_S = 10.0
 NOISE = (
@@ -121,9 +124,12 @@ def _run(srv: Any, path: str, dev: bool) -> Run:
     imported = next((float(line.partition("=")[2]) for line in lines if line.startswith("imported=")), None)
     assert imported is not None, f"{path}: rc {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
     values = dict(line.split("=", 1) for line in lines if "=" in line and not line.startswith("warning="))
+    # Timed from the first client's first answered call: the drop, the collection and the
+    # exit are what is compared (start-up and connect times vary with the machine's load).
+    opened = next((float(line.partition("=")[2]) for line in lines if line.startswith("opened=")), imported)
     return Run(
         path=path,
-        seconds=ended - imported,
+        seconds=ended - opened,
         returncode=proc.returncode,
         ids=[int(line.partition("=")[2]) for line in lines if line.startswith("instance_id=")],
         # Only ours and the resource ones: a library's DeprecationWarning is not this test's.
@@ -172,7 +178,10 @@ def _problems(srv: Any, run: Run, warns: str, reports_leaks: bool) -> list[str]:
     noise = [n for n in NOISE if n in run.stderr]
     if noise:
         problems.append(f"noise {noise} in stderr:\n{run.stderr[-3000:]}")
-    if reports_leaks and (run.values.get("sockets_open"), run.values.get("fds_leaked")) != ("0", "0"):
+    # Fewer descriptors than before is no leak: one the warm-up's client left to the
+    # collector (an HTTP connection) can close during the run.
+    leaked = run.values.get("fds_leaked")
+    if reports_leaks and (run.values.get("sockets_open") != "0" or leaked is None or int(leaked) > 0):
         problems.append(
             f"sockets open {run.values.get('sockets_open')}, descriptors leaked {run.values.get('fds_leaked')}"
         )
@@ -197,9 +206,21 @@ def _check_paths(srv: Any, dev: bool, paths: list[DropPath]) -> None:
         print(f"{name}: {', '.join(f'{r.seconds:.2f}' for r in pair)} s")
     for path, run in runs:
         bound = max(r.seconds for r in baselines[path.baseline]) + SLACK_S
-        print(f"{path.name}: {run.seconds:.2f} s (bound {bound:.2f} s)")
-        if run.seconds > bound:
-            problems.append(f"{path.name}: ran {run.seconds:.2f} s, more than {bound:.2f} s")
+        times = [run.seconds]
+        # A run over the bound is run again (at most RETRIES times, each checked like the
+        # first) and the fastest counts: what a drop path costs (a hang, a wait for a dead
+        # loop) is in every run; a busy machine's pause is not.
+        while min(times) > bound and len(times) <= RETRIES:
+            again = _run(srv, path.name, dev)
+            times.append(again.seconds)
+            problems += [
+                f"{path.name} (again): {p}" for p in _problems(srv, again, path.warns, path.reports_leaks)
+            ]
+            if path.unregistered:
+                must_unregister.update(dict.fromkeys(again.ids, path.name))
+        print(f"{path.name}: {', '.join(f'{t:.2f}' for t in times)} s (bound {bound:.2f} s)")
+        if min(times) > bound:
+            problems.append(f"{path.name}: ran {min(times):.2f} s at best, more than {bound:.2f} s")
         problems += [f"{path.name}: {p}" for p in _problems(srv, run, path.warns, path.reports_leaks)]
         if path.unregistered:
             must_unregister.update(dict.fromkeys(run.ids, path.name))
@@ -208,9 +229,9 @@ def _check_paths(srv: Any, dev: bool, paths: list[DropPath]) -> None:
     assert not problems, "\n".join(problems)
 
 
-#: A run may take up to RUN_DEADLINE_S: room for a hang's report (the 12 runs of a server
+#: A run may take up to RUN_DEADLINE_S: room for a hang's report and the retries (the 12 runs of a server
 #: take 10-30 s when nothing hangs).
-CHECK_TIMEOUT = pytest.mark.timeout(12 * RUN_DEADLINE_S + UNREGISTER_WAIT_S + 60)
+CHECK_TIMEOUT = pytest.mark.timeout((12 + 2 * 8) * RUN_DEADLINE_S + UNREGISTER_WAIT_S + 60)
 DEV = pytest.mark.parametrize("dev", [False, True], ids=["plain", "X-dev"])
 
 
