@@ -6,8 +6,8 @@
 >>> await client.store(kv, tokens)
 >>> kv = await client.retrieve(tokens)
 
-The public modules are ``client``, ``sync_client``, ``bulk``, ``geometry``, ``rope``, ``errors``,
-``kvcache`` (the official SDK's drop-in), ``hf`` (transformers), ``testing`` (the embedded
+The public modules are ``client``, ``sync_client``, ``bulk``, ``results``, ``geometry``, ``rope``,
+``errors``, ``kvcache`` (the official SDK's drop-in), ``hf`` (transformers), ``testing`` (the embedded
 server), ``observe`` (the operation hook), ``otel`` (OpenTelemetry) and ``cli``; modules
 whose name starts with ``_`` are the implementation, with no promise. The names below are
 re-exported here from their public homes.
@@ -39,9 +39,6 @@ if TYPE_CHECKING:
     )
     from lmcache_async.client import (
         AsyncClient as AsyncClient,
-        ComposeResult as ComposeResult,
-        KVPart as KVPart,
-        RemapResult as RemapResult,
         connect as connect,
     )
     from lmcache_async.errors import (
@@ -79,6 +76,12 @@ if TYPE_CHECKING:
     )
     from lmcache_async.otel import (
         instrument as instrument,
+    )
+    from lmcache_async.results import (
+        ComposeResult as ComposeResult,
+        KVPart as KVPart,
+        PartResult as PartResult,
+        RemapResult as RemapResult,
     )
     from lmcache_async.rope import (
         RopeLayer as RopeLayer,
@@ -126,11 +129,14 @@ _EXPORTS: Final[dict[str, tuple[str, ...]]] = {
     ),
     "lmcache_async.geometry": ("KVGeometry",),
     "lmcache_async.rope": ("RopeLayer", "RopeScaling", "RopeSpec"),
-    "lmcache_async.client": (
-        "AsyncClient",
+    "lmcache_async.results": (
         "ComposeResult",
         "KVPart",
+        "PartResult",
         "RemapResult",
+    ),
+    "lmcache_async.client": (
+        "AsyncClient",
         "connect",
     ),
     "lmcache_async.sync_client": ("Client",),

@@ -24,9 +24,11 @@ the *parent* of one record per operation its items run). A remap on the pickle t
 runs a retrieve and a store: they are its children. Arguments refused before anything is
 sent (a ``ValueError`` for bad tokens) are not operations and are not observed.
 
-Phases: an observer with a true ``wants_phases`` attribute makes the client note the
+Phases: an observer whose :attr:`Observer.wants_phases` is true makes the client note the
 phases of each operation in :attr:`Operation.phases` (a few clock reads per operation);
 without one, nothing is noted.
+
+Profiling the blocking client's hand-overs between threads: :func:`set_trace_hook`.
 
 Privacy: a record holds no token ids and no cache salt; only counts, and the salt as a
 short hash (:attr:`Operation.cache_salt_hash`).
@@ -45,10 +47,23 @@ operation goes on with in the background is not part of it.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-__all__ = ["Observer", "Operation", "Outcome", "add_observer", "observers", "remove_observer", "salt_hash"]
+from lmcache_async import _trace
+
+__all__ = [
+    "Observer",
+    "Operation",
+    "Outcome",
+    "add_observer",
+    "observers",
+    "remove_observer",
+    "salt_hash",
+    "set_trace_hook",
+    "wants_phases",
+]
 
 #: How an operation ended, as the caller saw it: ``"ok"`` (a result; a store or remap that
 #: found everything cached included), ``"miss"`` (a lookup or retrieve found nothing,
@@ -134,7 +149,15 @@ class Observer(Protocol):
     Both methods run on the event loop in the caller's task and must not block; what
     ``operation_started`` returns is kept in ``op.state[observer]`` for the end (and for
     the operation's children, which can read their parent's).
+
+    Attributes:
+        wants_phases: true: the client notes the phases of each operation in
+            :attr:`Operation.phases` for every observer (a class that subclasses
+            ``Observer`` inherits ``False``; an observer without the attribute counts as
+            ``False``).
     """
+
+    wants_phases: bool = False
 
     def operation_started(self, op: Operation) -> Any:
         """An operation starts (nothing sent yet)."""
@@ -165,6 +188,31 @@ def remove_observer(observer: Observer) -> None:
 def observers() -> tuple[Observer, ...]:
     """The observers :func:`add_observer` gave, in order."""
     return _installed
+
+
+def wants_phases(observer: Observer) -> bool:
+    """Whether ``observer`` asks for the phases (its :attr:`Observer.wants_phases`; an
+    object without the attribute does not)."""
+    return bool(getattr(observer, "wants_phases", False))
+
+
+def set_trace_hook(hook: Callable[[str], None] | None) -> None:
+    """Have ``hook(point)`` called at each hand-over point a blocking call passes, for
+    profiling (``benchmarks/suite/bench_facade.py --trace`` times the phases of a call with it);
+    ``None`` turns it off. The points, in a call's order:
+
+    * ``"submit"``: in the caller's thread, as the call is handed to the loop thread;
+    * ``"start"``: on the loop thread, as the call's coroutine is created;
+    * ``"send"`` / ``"sent"``: on the loop thread, around each request's send on the socket
+      (any client's, the async ones' too);
+    * ``"finish"``: on the loop thread, as the call is done;
+    * ``"wake"``: on the loop thread, as it wakes the callers whose calls finished, before
+      it waits for I/O again.
+
+    The hook runs inline at these points: it must be fast and must not raise. One hook per
+    process; a new one replaces the old.
+    """
+    _trace.hook = hook
 
 
 def salt_hash(cache_salt: str) -> str | None:
