@@ -321,9 +321,16 @@ def _imports(tree: ast.Module) -> dict[str, str]:
     return found
 
 
-def generate() -> str:
-    client_tree = ast.parse(CLIENT.read_text(), str(CLIENT))
-    sync_tree = ast.parse(SYNC_CLIENT.read_text(), str(SYNC_CLIENT))
+def generate(client_source: str | None = None, sync_source: str | None = None) -> str:
+    """The module's text, from ``client.py`` and ``sync_client.py`` (or the sources given).
+
+    Raises:
+        GenerationError: a public ``AsyncClient`` method without a ``FACADE`` row (or a row
+            without a method), a signature the twins cannot take, an annotation naming
+            something ``client.py`` does not import.
+    """
+    client_tree = ast.parse(CLIENT.read_text() if client_source is None else client_source, str(CLIENT))
+    sync_tree = ast.parse(SYNC_CLIENT.read_text() if sync_source is None else sync_source, str(SYNC_CLIENT))
     facade = read_facade(sync_tree)
     cls = _class(client_tree, "AsyncClient")
     written = {
