@@ -68,7 +68,7 @@ class SyncMethods:
         return self._async.geometry
 
     @property
-    def transfer(self) -> Literal["shm", "pickle"]:
+    def transfer(self) -> Literal['shm', 'pickle']:
         """``"shm"`` or ``"pickle"``: how tensors travel."""
         self._check_process()
         return self._async.transfer
@@ -99,277 +99,86 @@ class SyncMethods:
         """Read locks a lookup reserves per object."""
         return self._async.num_kv_readers
 
-    def lookup(
-        self,
-        tokens: Sequence[int],
-        cache_salt: str = "",
-        *,
-        request_configs: Mapping[str, Any] | None = None,
-        timeout: float | DefaultType | None = DEFAULT,
-    ) -> int:
+    def lookup(self, tokens: Sequence[int], cache_salt: str = "", *, request_configs: Mapping[str, Any] | None = None, timeout: float | DefaultType | None = DEFAULT) -> int:
         """Length in tokens of the longest cached chunk-aligned prefix of ``tokens``.
 
-        Blocking :meth:`AsyncClient.lookup <lmcache_async.AsyncClient.lookup>`; the caller waits
-        at most ``timeout + cleanup_grace``.
-
-        Releases the read locks the lookup took and ends its session before returning.
-        ``request_configs`` (LMCache request configs, e.g. ``{"lmcache.skip_load":
-        True}`` on 0.5.7) travel in the key, as the official SDK sends them.
-
-        Raises:
-            ValueError/TypeError: bad arguments (nothing is sent).
-            LMCacheTimeoutError: no answer within ``timeout``.
-
-        Cancellation/timeout: the prefetch result is consumed, locks released and the
-        session ended in the background.
+        Blocking :meth:`AsyncClient.lookup <lmcache_async.AsyncClient.lookup>` (its arguments,
+        result, errors and cancellation); the caller waits at most ``timeout + cleanup_grace``.
         """
         deadline = self._deadline(timeout)
-        return self._run(
-            "lookup",
-            self._bound(deadline),
-            lambda: self._async.lookup(tokens, cache_salt, request_configs=request_configs, timeout=deadline),
-        )
+        return self._run("lookup", self._bound(deadline), lambda: self._async.lookup(tokens, cache_salt, request_configs=request_configs, timeout=deadline))
 
-    def retrieve(
-        self,
-        tokens: Sequence[int],
-        cache_salt: str = "",
-        out: torch.Tensor | None = None,
-        *,
-        device: torch.device | str | None = None,
-        request_configs: Mapping[str, Any] | None = None,
-        timeout: float | DefaultType | None = DEFAULT,
-    ) -> torch.Tensor | None:
+    def retrieve(self, tokens: Sequence[int], cache_salt: str = "", out: torch.Tensor | None = None, *, device: torch.device | str | None = None, request_configs: Mapping[str, Any] | None = None, timeout: float | DefaultType | None = DEFAULT) -> torch.Tensor | None:
         """The KV of the longest cached chunk-aligned prefix of ``tokens``, or ``None``.
 
-        Blocking :meth:`AsyncClient.retrieve <lmcache_async.AsyncClient.retrieve>`; the caller
-        waits at most ``timeout + cleanup_grace``. A CUDA ``out``/``device`` is ordered after
-        this thread's current stream, captured before the call is handed over; on timeout or
-        KeyboardInterrupt nothing more is copied into ``out`` once the call has returned, except
-        a large copy already running.
-
-        Args:
-            tokens: token ids; only whole chunks are looked up.
-            cache_salt: the namespace the KV was stored under.
-            out: optional preallocated tensor (CPU, pinned or CUDA) of shape
-                ``[2, L, T, D]`` (``[L, T, D]`` for MLA) with ``T >=`` the chunk-aligned
-                token count; it is filled without any other allocation of that size and
-                a view of its first ``T_hit`` tokens is returned.
-            device: where a tensor allocated without ``out`` lives (default: the CPU);
-                a CUDA device allocates on the GPU. With ``out``, it must name its device.
-                A CUDA ``out``/``device`` is written on side streams ordered after the
-                caller's current stream, and complete when the call returns
-                (``docs/internals/design.md``, "CUDA tensors").
-            request_configs: LMCache request configs carried in the keys of the lookup
-                and the retrieve (str keys, msgpack-encodable values), as the official
-                SDK sends them; e.g. ``{"lmcache.skip_load": True}`` makes a 0.5.7
-                server report a miss.
-            timeout: deadline in seconds (default: the client's).
-
-        Returns:
-            ``[2, L, T_hit, D]`` (on ``device``, or ``out``'s), or ``None`` on a miss. A
-            new CPU tensor of 4 MiB or more reuses the memory of an earlier one of its
-            size that is gone (at most 1 GiB is kept for that): its storage cannot be
-            resized (``resize_`` raises); copy it to resize.
-
-        Raises:
-            ValueError/TypeError: bad arguments (nothing is sent).
-            LMCacheTimeoutError: no answer within ``timeout``.
-            TransferError: the server keeps KV in SHM this client cannot map (a client on
-                another host): raised by every retrieve, hit or miss, before anything is sent.
-
-        Cancellation/timeout: nothing more is copied into ``out`` once the caller has
-        left (a copy already running finishes); read locks, SHM reads and the session
-        are released in the background.
+        Blocking :meth:`AsyncClient.retrieve <lmcache_async.AsyncClient.retrieve>` (its
+        arguments, result, errors and cancellation); the caller waits at most ``timeout +
+        cleanup_grace``. A CUDA ``out``/``device`` is ordered after this thread's current
+        stream, captured before the call is handed over; on timeout or KeyboardInterrupt nothing
+        more is copied into ``out`` once the call has returned, except a large copy already
+        running.
         """
         deadline = self._deadline(timeout)
         device = caller_device(device)
-        return self._run(
-            "retrieve",
-            self._bound(deadline),
-            on_caller_streams(
-                lambda: self._async.retrieve(
-                    tokens, cache_salt, out, device=device, request_configs=request_configs, timeout=deadline
-                ),
-                [out, device],
-            ),
-        )
+        return self._run("retrieve", self._bound(deadline), on_caller_streams(lambda: self._async.retrieve(tokens, cache_salt, out, device=device, request_configs=request_configs, timeout=deadline), [out, device]))
 
-    def store(
-        self,
-        kv: torch.Tensor,
-        tokens: Sequence[int],
-        cache_salt: str = "",
-        *,
-        request_configs: Mapping[str, Any] | None = None,
-        timeout: float | DefaultType | None = DEFAULT,
-    ) -> bool:
+    def store(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "", *, request_configs: Mapping[str, Any] | None = None, timeout: float | DefaultType | None = DEFAULT) -> bool:
         """Store ``kv`` (``[2, L, T, D]``, or ``[L, T, D]`` for MLA) under ``tokens``.
 
-        Blocking :meth:`AsyncClient.store <lmcache_async.AsyncClient.store>`; the caller waits
-        at most ``timeout + cleanup_grace``. A CUDA ``kv`` is read as seen from this thread's
-        current stream when the call is made; a store whose slots were reserved is completed on
-        the loop after a timeout or KeyboardInterrupt: ``kv`` must not be modified until then.
-
-        ``tokens`` may be longer than the KV's ``T`` tokens: the KV is then stored under
-        ``tokens[:T]`` (so ``store(retrieve(source), target)`` works for prompts of any
-        length, although a retrieve returns whole chunks only); fewer tokens than ``T``
-        raise ``ValueError``. Tokens beyond the last whole chunk are ignored (as in the
-        official SDK). Chunks already cached are not sent again. ``request_configs``
-        travel in the keys of the store's requests (as in the official SDK); the
-        client's own check of which chunks are cached runs without them.
-
-        Returns:
-            True if at least one chunk was added; False exactly when every chunk was
-            already cached (or there is no whole chunk).
-
-        Raises:
-            ValueError/TypeError: bad arguments (nothing is sent).
-            LMCacheTimeoutError: no answer within ``timeout``; the store may still
-                complete on its own (see cancellation).
-            TransferError: the server refused the commit.
-
-        Cancellation/timeout: once the server has reserved the slots, the store is
-        completed in the background (all chunks or none are committed); its session is
-        ended either way.
+        Blocking :meth:`AsyncClient.store <lmcache_async.AsyncClient.store>` (its arguments,
+        result, errors and cancellation); the caller waits at most ``timeout + cleanup_grace``.
+        A CUDA ``kv`` is read as seen from this thread's current stream when the call is made; a
+        store whose slots were reserved is completed on the loop after a timeout or
+        KeyboardInterrupt: ``kv`` must not be modified until then.
         """
         deadline = self._deadline(timeout)
-        return self._run(
-            "store",
-            self._bound(deadline),
-            on_caller_streams(
-                lambda: self._async.store(
-                    kv, tokens, cache_salt, request_configs=request_configs, timeout=deadline
-                ),
-                [kv],
-            ),
-        )
+        return self._run("store", self._bound(deadline), on_caller_streams(lambda: self._async.store(kv, tokens, cache_salt, request_configs=request_configs, timeout=deadline), [kv]))
 
-    def remap(
-        self,
-        source_tokens: Sequence[int],
-        target_tokens: Sequence[int],
-        cache_salt: str = "",
-        target_cache_salt: str | None = None,
-        *,
-        timeout: float | DefaultType | None = DEFAULT,
-    ) -> RemapResult:
+    def remap(self, source_tokens: Sequence[int], target_tokens: Sequence[int], cache_salt: str = "", target_cache_salt: str | None = None, *, timeout: float | DefaultType | None = DEFAULT) -> RemapResult:
         """Retrieve the KV of ``source_tokens`` and store it under ``target_tokens``.
 
-        Blocking :meth:`AsyncClient.remap <lmcache_async.AsyncClient.remap>`; the caller waits
-        at most ``timeout + cleanup_grace``.
-
-        Only the source prefix the target's whole chunks can take is read. On SHM the
-        source's slots are copied straight into the target's reserved slots (one copy,
-        no buffer in this process); on pickle the KV makes the round trip through here.
-        ``target_cache_salt`` defaults to ``cache_salt``. The deadline covers both halves.
-
-        Cancellation/timeout: as for :meth:`retrieve` and :meth:`store`.
+        Blocking :meth:`AsyncClient.remap <lmcache_async.AsyncClient.remap>` (its arguments,
+        result, errors and cancellation); the caller waits at most ``timeout + cleanup_grace``.
         """
         deadline = self._deadline(timeout)
-        return self._run(
-            "remap",
-            self._bound(deadline),
-            lambda: self._async.remap(
-                source_tokens, target_tokens, cache_salt, target_cache_salt, timeout=deadline
-            ),
-        )
+        return self._run("remap", self._bound(deadline), lambda: self._async.remap(source_tokens, target_tokens, cache_salt, target_cache_salt, timeout=deadline))
 
-    def compose(
-        self,
-        target_tokens: Sequence[int],
-        parts: Sequence[KVPart],
-        *,
-        rope: RopeSpec | None = None,
-        cache_salt: str = "",
-        timeout: float | DefaultType | None = DEFAULT,
-    ) -> ComposeResult:
+    def compose(self, target_tokens: Sequence[int], parts: Sequence[KVPart], *, rope: RopeSpec | None = None, cache_salt: str = "", timeout: float | DefaultType | None = DEFAULT) -> ComposeResult:
         """Store under ``target_tokens`` the KV of cached ranges placed one after another.
 
-        Blocking :meth:`AsyncClient.compose <lmcache_async.AsyncClient.compose>`; the caller
-        waits at most ``timeout + cleanup_grace``.
-
-        Each :class:`KVPart` is ``source_tokens[start:end]``'s KV from the cache, placed
-        next in the target (the first at position 0), its keys rotated by (its position
-        in the target - ``start``) with ``rope`` (:class:`~lmcache_async.RopeSpec`);
-        values are copied. The parts may be shorter than the target; the target's whole
-        chunks they cover are stored, as :meth:`store` does. On SHM the composition runs
-        inside the server's pool, as :meth:`remap` does: the sources' slots are read
-        (each distinct source once, as far as its parts reach) straight into the
-        target's reserved slots, keys rotated on the way, one commit. Otherwise each
-        distinct source is retrieved once, all concurrently, and the target is stored
-        with one store. ``cache_salt`` is the target's namespace and the default
-        of the parts' ``cache_salt``. :meth:`remap` is the case of one unshifted part.
-
-        Returns:
-            A :class:`~lmcache_async.ComposeResult`: per part its offset, shift, hit
-            and tokens placed; the tokens stored and whether a chunk was added.
-
-        Raises:
-            ValueError/TypeError: bad arguments, parts longer than the target, a shifted
-                part without ``rope``, a part reaching past its source's whole chunks
-                (all before anything is sent).
-            LMCacheTimeoutError: no answer within ``timeout`` (one deadline for the
-                retrieves and the store).
-
-        A part whose range is not cached makes the call store nothing: the result says
-        which (:attr:`ComposeResult.missed`). Cancellation/timeout: before the target's
-        slots are reserved nothing is stored (read locks, pending reads and sessions are
-        released in the background); after, as :meth:`store` (the chunks are written and
-        all of them committed).
+        Blocking :meth:`AsyncClient.compose <lmcache_async.AsyncClient.compose>` (its arguments,
+        result, errors and cancellation); the caller waits at most ``timeout + cleanup_grace``.
         """
         deadline = self._deadline(timeout)
-        return self._run(
-            "compose",
-            self._bound(deadline),
-            lambda: self._async.compose(
-                target_tokens, parts, rope=rope, cache_salt=cache_salt, timeout=deadline
-            ),
-        )
+        return self._run("compose", self._bound(deadline), lambda: self._async.compose(target_tokens, parts, rope=rope, cache_salt=cache_salt, timeout=deadline))
 
     def noop(self, *, timeout: float | DefaultType | None = DEFAULT) -> float:
         """Round-trip a ``noop``; returns the round-trip time in seconds.
 
-        Blocking :meth:`AsyncClient.noop <lmcache_async.AsyncClient.noop>`; the caller waits at
-        most ``timeout + cleanup_grace``. The time is measured on the loop, without the facade's
-        own hand-over.
+        Blocking :meth:`AsyncClient.noop <lmcache_async.AsyncClient.noop>` (its arguments,
+        result, errors and cancellation); the caller waits at most ``timeout + cleanup_grace``.
+        The time is measured on the loop, without the facade's own hand-over.
         """
         deadline = self._deadline(timeout)
         return self._run("noop", self._bound(deadline), lambda: self._async.noop(timeout=deadline))
 
-    def status(
-        self, *, max_age: float | None = None, timeout: float | DefaultType | None = DEFAULT
-    ) -> dict[str, Any]:
+    def status(self, *, max_age: float | None = None, timeout: float | DefaultType | None = DEFAULT) -> dict[str, Any]:
         """The server's ``/status`` document (cached for ``metadata_ttl`` seconds).
 
-        Blocking :meth:`AsyncClient.status <lmcache_async.AsyncClient.status>`; the caller waits
-        at most ``timeout + cleanup_grace``.
-
-        A fresh fetch first waits (within ``timeout``) for the ``end_session`` messages
-        that operations which already returned sent in the background, so that the
-        server's session counts reflect every operation that returned before this call.
-
-        Cancellation: a fetch shared with other callers keeps running for them.
+        Blocking :meth:`AsyncClient.status <lmcache_async.AsyncClient.status>` (its arguments,
+        result, errors and cancellation); the caller waits at most ``timeout + cleanup_grace``.
         """
         deadline = self._deadline(timeout)
-        return self._run(
-            "status", self._bound(deadline), lambda: self._async.status(max_age=max_age, timeout=deadline)
-        )
+        return self._run("status", self._bound(deadline), lambda: self._async.status(max_age=max_age, timeout=deadline))
 
-    def config(
-        self, *, max_age: float | None = None, timeout: float | DefaultType | None = DEFAULT
-    ) -> dict[str, Any]:
+    def config(self, *, max_age: float | None = None, timeout: float | DefaultType | None = DEFAULT) -> dict[str, Any]:
         """The server's ``/config`` document (cached for ``metadata_ttl`` seconds).
 
-        Blocking :meth:`AsyncClient.config <lmcache_async.AsyncClient.config>`; the caller waits
-        at most ``timeout + cleanup_grace``.
-
-        Cancellation: a fetch shared with other callers keeps running for them.
+        Blocking :meth:`AsyncClient.config <lmcache_async.AsyncClient.config>` (its arguments,
+        result, errors and cancellation); the caller waits at most ``timeout + cleanup_grace``.
         """
         deadline = self._deadline(timeout)
-        return self._run(
-            "config", self._bound(deadline), lambda: self._async.config(max_age=max_age, timeout=deadline)
-        )
+        return self._run("config", self._bound(deadline), lambda: self._async.config(max_age=max_age, timeout=deadline))
 
     def drain(self, timeout: float | DefaultType | None = DEFAULT) -> bool:
         """Wait until operations abandoned by a timeout or a cancellation have finished
@@ -377,99 +186,55 @@ class SyncMethods:
         ``end_session`` messages of operations that returned (sent in the background,
         see docs/internals/design.md) are answered.
 
-        Blocking :meth:`AsyncClient.drain <lmcache_async.AsyncClient.drain>`; the caller waits
-        at most ``timeout + cleanup_grace``.
-
-        Returns True when none is left, False if ``timeout`` passed first. Cancelling
-        the wait does not cancel the cleanups.
+        Blocking :meth:`AsyncClient.drain <lmcache_async.AsyncClient.drain>` (its arguments,
+        result, errors and cancellation); the caller waits at most ``timeout + cleanup_grace``.
         """
         deadline = self._deadline(timeout)
         return self._run("drain", self._bound(deadline), lambda: self._async.drain(deadline))
 
-    def remap_many(
-        self, pairs: Iterable[RemapPair | Sequence[Any]], **options: Unpack[BatchOptions]
-    ) -> BatchResult:
+    def remap_many(self, pairs: Iterable[RemapPair | Sequence[Any]], **options: Unpack[BatchOptions]) -> BatchResult:
         """Remap many (source, target) pairs concurrently: see :func:`lmcache_async.bulk.remap_many`.
 
-        Blocking :meth:`AsyncClient.remap_many <lmcache_async.AsyncClient.remap_many>`; the
-        caller waits as long as it runs (``timeout`` is per item), and Ctrl-C cancels it.
-
-        ``pairs`` are :class:`~lmcache_async.bulk.RemapPair` objects or tuples
-        ``(source_tokens, target_tokens[, cache_salt[, target_cache_salt]])``; the options,
-        :class:`~lmcache_async.bulk.BatchOptions` (``timeout`` is per item).
-
-        Returns:
-            A :class:`~lmcache_async.bulk.BatchResult` (per-item results in input order and
-            a summary). A failed item carries its exception unless ``return_exceptions`` is
-            False, in which case the first failure cancels the batch and is raised.
-
-        Cancellation: every in-flight item is cancelled and releases its server session,
-        locks and reservations in the background; ``CancelledError`` is re-raised.
+        Blocking :meth:`AsyncClient.remap_many <lmcache_async.AsyncClient.remap_many>` (its
+        arguments, result, errors and cancellation); the caller waits as long as it runs
+        (``timeout`` is per item), and Ctrl-C cancels it.
         """
         options["timeout"] = self._deadline(options.get("timeout", DEFAULT))
         return self._run("remap_many", None, lambda: self._async.remap_many(pairs, **options))
 
-    def store_many(
-        self, items: Iterable[StoreItem | Sequence[Any]], **options: Unpack[BatchOptions]
-    ) -> BatchResult:
+    def store_many(self, items: Iterable[StoreItem | Sequence[Any]], **options: Unpack[BatchOptions]) -> BatchResult:
         """Store many ``(kv, tokens[, cache_salt])`` items concurrently: see
         :func:`lmcache_async.bulk.store_many` (options: :class:`~lmcache_async.bulk.BatchOptions`).
 
-        Blocking :meth:`AsyncClient.store_many <lmcache_async.AsyncClient.store_many>`; the
-        caller waits as long as it runs (``timeout`` is per item), and Ctrl-C cancels it.
-
-        Cancellation/timeout: as for :meth:`store`, per item; ``CancelledError`` is re-raised.
+        Blocking :meth:`AsyncClient.store_many <lmcache_async.AsyncClient.store_many>` (its
+        arguments, result, errors and cancellation); the caller waits as long as it runs
+        (``timeout`` is per item), and Ctrl-C cancels it.
         """
         options["timeout"] = self._deadline(options.get("timeout", DEFAULT))
-        return self._run(
-            "store_many", None, on_caller_streams(lambda: self._async.store_many(items, **options), None)
-        )
+        return self._run("store_many", None, on_caller_streams(lambda: self._async.store_many(items, **options), None))
 
-    def retrieve_many(
-        self,
-        token_lists: Iterable[RetrieveItem | Sequence[Any]],
-        *,
-        device: torch.device | str | None = None,
-        **options: Unpack[BatchOptions],
-    ) -> BatchResult:
+    def retrieve_many(self, token_lists: Iterable[RetrieveItem | Sequence[Any]], *, device: torch.device | str | None = None, **options: Unpack[BatchOptions]) -> BatchResult:
         """Retrieve many prompts concurrently (token lists or ``(tokens, cache_salt)``): see
         :func:`lmcache_async.bulk.retrieve_many` (options:
         :class:`~lmcache_async.bulk.BatchOptions`). Each result's ``kv`` holds the tensor,
         on ``device`` (default: the CPU).
 
-        Blocking :meth:`AsyncClient.retrieve_many <lmcache_async.AsyncClient.retrieve_many>`;
-        the caller waits as long as it runs (``timeout`` is per item), and Ctrl-C cancels it.
-
-        Cancellation/timeout: as for :meth:`retrieve`, per item; ``CancelledError`` is
-        re-raised.
+        Blocking :meth:`AsyncClient.retrieve_many <lmcache_async.AsyncClient.retrieve_many>`
+        (its arguments, result, errors and cancellation); the caller waits as long as it runs
+        (``timeout`` is per item), and Ctrl-C cancels it.
         """
         options["timeout"] = self._deadline(options.get("timeout", DEFAULT))
         device = caller_device(device)
-        return self._run(
-            "retrieve_many",
-            None,
-            on_caller_streams(
-                lambda: self._async.retrieve_many(token_lists, device=device, **options),
-                None if device is None else [device],
-            ),
-        )
+        return self._run("retrieve_many", None, on_caller_streams(lambda: self._async.retrieve_many(token_lists, device=device, **options), None if device is None else [device]))
 
-    def compose_many(
-        self,
-        items: Iterable[ComposeItem | Sequence[Any]],
-        *,
-        rope: RopeSpec | None = None,
-        **options: Unpack[BatchOptions],
-    ) -> BatchResult:
+    def compose_many(self, items: Iterable[ComposeItem | Sequence[Any]], *, rope: RopeSpec | None = None, **options: Unpack[BatchOptions]) -> BatchResult:
         """Run many :meth:`compose` calls (``(target_tokens, parts[, cache_salt])``)
         concurrently: see :func:`lmcache_async.bulk.compose_many` (options:
         :class:`~lmcache_async.bulk.BatchOptions`).
 
-        Blocking :meth:`AsyncClient.compose_many <lmcache_async.AsyncClient.compose_many>`; the
-        caller waits as long as it runs (``timeout`` is per item), and Ctrl-C cancels it.
-
-        Cancellation/timeout: as for :meth:`compose`, per item; ``CancelledError`` is
-        re-raised.
+        Blocking :meth:`AsyncClient.compose_many <lmcache_async.AsyncClient.compose_many>` (its
+        arguments, result, errors and cancellation); the caller waits as long as it runs
+        (``timeout`` is per item), and Ctrl-C cancels it.
         """
         options["timeout"] = self._deadline(options.get("timeout", DEFAULT))
         return self._run("compose_many", None, lambda: self._async.compose_many(items, rope=rope, **options))

@@ -96,9 +96,8 @@ log = logging.getLogger(__name__)
 
 
 class BulkClient(ComposeClient, Protocol):
-    """What the bulk jobs use of a client: what a composition uses
-    (:class:`~lmcache_async._compose.ComposeClient`: ``chunk_size``, ``geometry``,
-    ``store``, ``retrieve``) and the members below. An open
+    """What the bulk jobs use of a client: what a composition uses (``chunk_size``,
+    ``geometry``, ``store``, ``retrieve``) and the members below. An open
     :class:`~lmcache_async.client.AsyncClient` is one (the jobs take any object that has
     these, so this module never imports the client)."""
 

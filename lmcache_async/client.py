@@ -9,12 +9,11 @@ holds and ends its session. A store whose slots were reserved is completed (all 
 chunks are committed, never some); a retrieve no longer copies into the caller's tensor.
 So a timeout or a cancellation never leaves sessions, locks or reservations behind.
 
-Layers: this module holds the public API, the argument checks and the client's
-lifecycle; :class:`lmcache_async._session.Session` holds what the client has of the
-server (generation, configuration, registration, keep-alive, re-registration after a
-restart) and its half of running an operation; each operation's RPC sequence lives once
-in :mod:`lmcache_async._ops`, over a small channel interface; what differs between server
-generations is data in :class:`lmcache_async._wire.WireGeneration`.
+Layers (docs/internals/design.md): this module holds the public API, the argument checks
+and the client's lifecycle; a private session holds what the client has of the server
+(generation, configuration, registration, keep-alive, re-registration after a restart)
+and its half of running an operation; each operation's RPC sequence lives once, over a
+small channel interface; what differs between server generations is data.
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ by every :class:`Client` of the process::
   :class:`~lmcache_async.ForkedSyncClientError` (a :class:`SyncUsageError` and a
   :class:`~lmcache_async.ForkedClientError`; its ``close()`` is a no-op there); a new
   :class:`Client` in the child starts a loop thread of its own.
-* ``timeout`` arguments are checked by :func:`lmcache_async._defaults.check_timeout` in
-  the calling thread, before anything is submitted to the loop.
+* ``timeout`` arguments are checked (as ``AsyncClient`` checks them) in the calling
+  thread, before anything is submitted to the loop.
 * Closing is explicit (``close()`` or ``with``). A client that is garbage-collected
   unclosed, or still open at interpreter exit, is closed by a :func:`weakref.finalize`
   callback with a :class:`ResourceWarning`; there is no ``__del__``. A collected client

@@ -155,18 +155,30 @@ def _names(node: ast.AST | None, out: Output) -> None:
 
 
 def _docstring(fn: ast.AsyncFunctionDef | ast.FunctionDef, blocking: str) -> list[str]:
+    """The twin's docstring: the async one's summary, then ``blocking`` (a method's refers
+    to the async method for the rest, a property's is the async one whole)."""
     text = ast.get_docstring(fn, clean=True) or ""
-    summary, _, rest = text.partition("\n\n")
-    parts = [p for p in (summary, textwrap.fill(blocking, 88, break_on_hyphens=False), rest) if p]
+    if blocking:
+        text = text.partition("\n\n")[0]
+    parts = [p for p in (text, textwrap.fill(blocking, 88, break_on_hyphens=False)) if p]
     body = "\n\n".join(parts)
     if '"""' in body:
         raise GenerationError(f"{fn.name}: a docstring with triple quotes")
     body = body.replace("\\", "\\\\")
     lines = body.split("\n")
+    if len(lines) == 1:
+        return [f'        """{lines[0]}"""']
     out = [f'        """{lines[0]}']
     out += [f"        {ln}".rstrip() for ln in lines[1:]]
     out.append('        """')
     return out
+
+
+def _source(node: ast.expr) -> str:
+    """``node`` as source, a string in double quotes (as the project writes them)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and not set(node.value) & set('"\\\n'):
+        return f'"{node.value}"'
+    return ast.unparse(node)
 
 
 def _signature(fn: ast.AsyncFunctionDef, returns: str, out: Output) -> str:
@@ -185,7 +197,7 @@ def _signature(fn: ast.AsyncFunctionDef, returns: str, out: Output) -> str:
         if arg.annotation is not None:
             text += f": {ast.unparse(arg.annotation)}"
         if default is not None:
-            text += f" = {ast.unparse(default)}" if arg.annotation is not None else f"={ast.unparse(default)}"
+            text += f" = {_source(default)}" if arg.annotation is not None else f"={_source(default)}"
         return text
 
     for arg, default in zip(plain, defaults, strict=True):
@@ -239,7 +251,8 @@ def method(fn: ast.AsyncFunctionDef, twin: Twin, out: Output) -> None:
 
     kind = "iterate" if item is not None else "call"
     blocking = (
-        f"Blocking :meth:`AsyncClient.{fn.name} <lmcache_async.AsyncClient.{fn.name}>`"
+        f"Blocking :meth:`AsyncClient.{fn.name} <lmcache_async.AsyncClient.{fn.name}>` (its arguments, "
+        "result, errors and cancellation)"
         + (
             " (an iterator: each step is a blocking call; leaving it early closes the stream)"
             if kind == "iterate"
@@ -431,7 +444,9 @@ def generate(client_source: str | None = None, sync_source: str | None = None) -
 def _formatted(source: str) -> str:
     """``source`` with its imports sorted and formatted as the project's ruff does."""
     name = str(OUTPUT.relative_to(ROOT))
-    for args in (["check", "--select", "I,F401", "--fix", "--quiet"], ["format", "--quiet"]):
+    # Not ruff-formatted (pyproject excludes the file): a signature stays on one line, so
+    # that the file does not restate AsyncClient's signatures line by line.
+    for args in (["check", "--select", "I,F401", "--fix", "--quiet"],):
         done = subprocess.run(
             [sys.executable, "-m", "ruff", *args, "--stdin-filename", name, "-"],
             input=source,

@@ -505,4 +505,7 @@ def test_client_methods_mirror_the_module_functions() -> None:
             if pname != "timeout":
                 assert method.parameters[pname].default == func.parameters[pname].default
             assert method.parameters[pname].kind is func.parameters[pname].kind
-            assert method.parameters[pname].kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD)
+            assert method.parameters[pname].kind in (
+                inspect.Parameter.KEYWORD_ONLY,
+                inspect.Parameter.VAR_KEYWORD,
+            )
