@@ -25,7 +25,7 @@ the *parent* of one record per operation its items run). A remap on the pickle t
 runs a retrieve and a store: they are its children. Arguments refused before anything is
 sent (a ``ValueError`` for bad tokens) are not operations and are not observed.
 
-Phases: an observer whose :attr:`Observer.wants_phases` is true makes the client note the
+Phases: an observer whose optional ``wants_phases`` attribute is true makes the client note the
 phases of each operation in :attr:`Operation.phases` (a few clock reads per operation);
 without one, nothing is noted.
 
@@ -162,14 +162,11 @@ class Observer(Protocol):
     ``operation_started`` returns is kept in ``op.state[observer]`` for the end (and for
     the operation's children, which can read their parent's).
 
-    Attributes:
-        wants_phases: true: the client notes the phases of each operation in
-            :attr:`Operation.phases` for every observer (a class that subclasses
-            ``Observer`` inherits ``False``; an observer without the attribute counts as
-            ``False``).
+    An observer may also have a ``wants_phases`` attribute (optional, so not a member of
+    the protocol: an observer without it still satisfies it and counts as ``False``): true
+    makes the client note the phases of each operation in :attr:`Operation.phases` for
+    every observer (see :func:`wants_phases`).
     """
-
-    wants_phases: bool = False
 
     def operation_started(self, op: Operation) -> Any:
         """An operation starts (nothing sent yet)."""
@@ -214,8 +211,8 @@ def observers() -> tuple[Observer, ...]:
 
 
 def wants_phases(observer: Observer) -> bool:
-    """Whether ``observer`` asks for the phases (its :attr:`Observer.wants_phases`; an
-    object without the attribute does not)."""
+    """Whether ``observer`` asks for the phases (its optional ``wants_phases`` attribute,
+    see :class:`Observer`; an object without the attribute does not)."""
     return bool(getattr(observer, "wants_phases", False))
 
 

@@ -430,8 +430,6 @@ async def test_a_server_that_died_ends_the_span_with_its_error(otel: Telemetry) 
 
 
 class Recorder:
-    wants_phases = False  # the Observer protocol's member (no phases asked for)
-
     def __init__(self) -> None:
         self.events: list[tuple[str, Operation]] = []
 
