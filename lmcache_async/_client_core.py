@@ -1,7 +1,7 @@
 """The half of :class:`~lmcache_async.AsyncClient` that is not its public API: the
 operation runner (each operation in a task of its own, over the session, observed when the
 client has observers), the tracking of operation tasks and background replies, and the
-tensor checks the operations share.
+tensor checks the operations share; the release of a client collected unclosed.
 
 :class:`ClientCore` is :class:`~lmcache_async.AsyncClient`'s base; the client sets the
 attributes it declares (``__init__``) and keeps the lifecycle (``_require_open``,
@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
+import threading
+import warnings
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -32,19 +36,84 @@ if TYPE_CHECKING:
     from lmcache_async.results import ComposeResult
 
 __all__ = [
+    "EXIT_UNREGISTER_WAIT",
     "ClientCore",
     "align",
     "check_iterable",
     "check_kv",
     "check_out",
     "client_observers",
+    "collected_open",
     "finish_compose",
+    "running_loop",
     "weak_tracker",
 ]
 
 log = logging.getLogger("lmcache_async.client")
 
 T = TypeVar("T")
+
+
+#: At interpreter exit, how long the release of a client collected unclosed waits for the
+#: unregister's reply (the process would end before its socket sent it otherwise).
+EXIT_UNREGISTER_WAIT = 0.5
+
+
+def _release_collected(
+    loop: asyncio.AbstractEventLoop, session: Session, wait: float, done: threading.Event
+) -> None:
+    """Release a collected client's session (on its loop's thread, or with its loop not
+    running): background tasks cancelled, the unregister sent (its reply waited for at
+    most ``wait`` seconds), socket and HTTP session closed. Synchronous: nothing waits for
+    a loop that may never run again."""
+    try:
+        session.release_locally(loop, unregister=True, unregister_wait=wait)
+    finally:
+        done.set()
+
+
+def collected_open(loop: asyncio.AbstractEventLoop, session: Session, desc: str, pid: int) -> None:
+    """``weakref.finalize`` callback of an :class:`~lmcache_async.AsyncClient` collected
+    while open (or still open at interpreter exit): a :class:`ResourceWarning`, then the
+    release, at once (:func:`_release_collected`: nothing is awaited, no event loop needs
+    to run again).
+
+    It runs on whichever thread collects the client. On the client's loop's thread, or
+    with that loop not running, it releases here; with the loop running in another thread
+    (whose reader may be using the socket) it hands the release to that thread. At
+    interpreter exit the unregister's reply is waited for (at most
+    :data:`EXIT_UNREGISTER_WAIT` seconds; a hand-over, that and a second more). A release
+    handed to a loop that stops first is done by the connection's own finalizer when it is
+    collected (the socket; the HTTP session is then aiohttp's to warn about)."""
+    if os.getpid() != pid:
+        return  # inherited across fork: the parent owns the socket and the registration
+    warnings.warn(
+        f"{desc} was never closed; closing it now (use 'async with AsyncClient(...)' or "
+        "'await client.aclose()')",
+        ResourceWarning,
+        stacklevel=2,
+    )
+    # At exit (threading has shut down: atexit handlers, weakref's among them, run next).
+    exiting = sys.is_finalizing() or not threading.main_thread().is_alive()
+    wait = EXIT_UNREGISTER_WAIT if exiting else 0.0
+    done = threading.Event()
+    if loop.is_running() and running_loop() is not loop:
+        try:
+            loop.call_soon_threadsafe(_release_collected, loop, session, wait, done)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+        else:
+            if exiting:
+                done.wait(wait + 1.0)
+            return
+    _release_collected(loop, session, wait, done)
+
+
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class ClientCore:

@@ -66,10 +66,9 @@ from lmcache_async.errors import (
     LMCacheConnectionError,
     LMCacheTimeoutError,
     ProtocolError,
-    ServerReplacedError,
 )
 
-__all__ = ["Connection", "ConnectionChannel", "PendingTable", "check_zmq_url", "replaced_message"]
+__all__ = ["Connection", "PendingTable", "check_zmq_url"]
 
 log = logging.getLogger(__name__)
 
@@ -883,50 +882,3 @@ class Connection:
                 lambda op: LMCacheConnectionError(f"{op_name(op)}: connection to {self.url} lost")
             )
             log.warning("disconnected from %s; failed %d in-flight calls", self.url, n)
-
-
-class ConnectionChannel:
-    """The channel (:class:`~lmcache_async._ops.PostingChannel`) of a ZMQ connection, for
-    the operations of one server: when that server is found replaced, the channel is
-    retired (a new one serves the new server) and its operations' requests fail at once
-    with :class:`~lmcache_async.errors.ServerReplacedError`, cleanups included (nothing of
-    theirs exists there)."""
-
-    __slots__ = ("_conn", "retired")
-
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-        self.retired = False
-
-    @property
-    def usable(self) -> bool:
-        return not self.retired and self._conn.usable
-
-    async def call(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> Any:
-        if self.retired:
-            raise ServerReplacedError(replaced_message(opcode, self._conn.url))
-        reply = await self._conn.call(opcode, args, timeout=timeout)
-        return reply.value()
-
-    async def call_urgent(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> Any:
-        """:meth:`call` for a cleanup: it takes the next free place on the connection
-        before any new request (see :meth:`Connection.call`)."""
-        if self.retired:
-            raise ServerReplacedError(replaced_message(opcode, self._conn.url))
-        reply = await self._conn.call(opcode, args, timeout=timeout, urgent=True)
-        return reply.value()
-
-    def post(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> asyncio.Future[Any] | None:
-        """Send a request now and return the future of its reply (a
-        :class:`~lmcache_async._wire.Reply`) without waiting; ``None`` when it cannot be
-        sent at once (see :meth:`~lmcache_async._connection.Connection.send_nowait`)."""
-        if self.retired:
-            return None
-        return self._conn.send_nowait(opcode, args, timeout=timeout)
-
-
-def replaced_message(opcode: Op, url: str) -> str:
-    return (
-        f"{op_name(opcode)}: the LMCache server behind {url} was replaced (a new server instance, "
-        "with no visible disconnect); the client registers with the new one"
-    )

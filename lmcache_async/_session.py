@@ -24,7 +24,8 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, Literal, TypeVar
 
-from lmcache_async._connection import Connection, ConnectionChannel, replaced_message
+from lmcache_async._channel import ConnectionChannel, replaced_message
+from lmcache_async._connection import Connection
 from lmcache_async._metadata import Metadata
 from lmcache_async._ops import Operations, Registration
 from lmcache_async._replacement import ServerWatch

@@ -22,8 +22,6 @@ import asyncio
 import enum
 import logging
 import os
-import sys
-import threading
 import time
 import warnings
 import weakref
@@ -72,67 +70,6 @@ class _Lifecycle(enum.Enum):
     OPEN = "open"
     CLOSING = "closing"
     CLOSED = "closed"
-
-
-#: At interpreter exit, how long the release of a client collected unclosed waits for the
-#: unregister's reply (the process would end before its socket sent it otherwise).
-EXIT_UNREGISTER_WAIT = 0.5
-
-
-def _release_collected(
-    loop: asyncio.AbstractEventLoop, session: Session, wait: float, done: threading.Event
-) -> None:
-    """Release a collected client's session (on its loop's thread, or with its loop not
-    running): background tasks cancelled, the unregister sent (its reply waited for at
-    most ``wait`` seconds), socket and HTTP session closed. Synchronous: nothing waits for
-    a loop that may never run again."""
-    try:
-        session.release_locally(loop, unregister=True, unregister_wait=wait)
-    finally:
-        done.set()
-
-
-def _collected_open(loop: asyncio.AbstractEventLoop, session: Session, desc: str, pid: int) -> None:
-    """``weakref.finalize`` callback of an :class:`AsyncClient` collected while open (or
-    still open at interpreter exit): a :class:`ResourceWarning`, then the release, at once
-    (:func:`_release_collected`: nothing is awaited, no event loop needs to run again).
-
-    It runs on whichever thread collects the client. On the client's loop's thread, or
-    with that loop not running, it releases here; with the loop running in another thread
-    (whose reader may be using the socket) it hands the release to that thread. At
-    interpreter exit the unregister's reply is waited for (at most
-    :data:`EXIT_UNREGISTER_WAIT` seconds; a hand-over, that and a second more). A release
-    handed to a loop that stops first is done by the connection's own finalizer when it is
-    collected (the socket; the HTTP session is then aiohttp's to warn about)."""
-    if os.getpid() != pid:
-        return  # inherited across fork: the parent owns the socket and the registration
-    warnings.warn(
-        f"{desc} was never closed; closing it now (use 'async with AsyncClient(...)' or "
-        "'await client.aclose()')",
-        ResourceWarning,
-        stacklevel=2,
-    )
-    # At exit (threading has shut down: atexit handlers, weakref's among them, run next).
-    exiting = sys.is_finalizing() or not threading.main_thread().is_alive()
-    wait = EXIT_UNREGISTER_WAIT if exiting else 0.0
-    done = threading.Event()
-    if loop.is_running() and _running_loop() is not loop:
-        try:
-            loop.call_soon_threadsafe(_release_collected, loop, session, wait, done)
-        except RuntimeError:  # the loop closed meanwhile
-            pass
-        else:
-            if exiting:
-                done.wait(wait + 1.0)
-            return
-    _release_collected(loop, session, wait, done)
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 class ClientOptions(TypedDict, total=False):
@@ -382,7 +319,7 @@ class AsyncClient(core.ClientCore):
             await self._session.open(lambda: _remaining(deadline))
             self._finalizer = weakref.finalize(
                 self,
-                _collected_open,
+                core.collected_open,
                 self._loop,
                 self._session,
                 f"<lmcache_async.AsyncClient {self.model_name!r} at {self.url}>",

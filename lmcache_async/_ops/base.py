@@ -90,7 +90,7 @@ class Channel(Protocol):
 class PostingChannel(Channel, Protocol):
     """A :class:`Channel` that can also send a request without waiting for its reply: the
     cleanups (``end_session`` and the like) are then posted in the background instead of
-    awaited (:class:`~lmcache_async._connection.ConnectionChannel` is one)."""
+    awaited (:class:`~lmcache_async._channel.ConnectionChannel` is one)."""
 
     def post(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> asyncio.Future[Any] | None:
         """Send one request now and return the future of its reply (a
