@@ -7,8 +7,9 @@
 >>> kv = await client.retrieve(tokens)
 
 The public modules are ``client``, ``sync_client``, ``bulk``, ``results``, ``geometry``, ``rope``,
-``errors``, ``kvcache`` (the official SDK's drop-in), ``hf`` (transformers), ``testing`` (the embedded
-server), ``observe`` (the operation hook), ``otel`` (OpenTelemetry) and ``cli``; modules
+``errors``, ``defaults`` (``DEFAULT``, what a ``timeout=`` means), ``kvcache`` (the official SDK's
+drop-in), ``hf`` (transformers), ``ray`` (Ray Data), ``testing`` (the embedded server), ``observe``
+(the operation hook), ``otel`` (OpenTelemetry) and ``cli``; modules
 whose name starts with ``_`` are the implementation, with no promise. The names below are
 re-exported here from their public homes.
 """
@@ -22,10 +23,6 @@ from typing import TYPE_CHECKING, Any, Final
 from lmcache_async import errors as _errors
 
 if TYPE_CHECKING:
-    from lmcache_async._defaults import (
-        DEFAULT as DEFAULT,
-        DefaultType as DefaultType,
-    )
     from lmcache_async._version import (
         __version__ as __version__,
     )
@@ -42,6 +39,10 @@ if TYPE_CHECKING:
     from lmcache_async.client import (
         AsyncClient as AsyncClient,
         connect as connect,
+    )
+    from lmcache_async.defaults import (
+        DEFAULT as DEFAULT,
+        DefaultType as DefaultType,
     )
     from lmcache_async.errors import (
         AuthenticationError as AuthenticationError,
@@ -102,7 +103,7 @@ if TYPE_CHECKING:
 #: included -- does not import torch (~2-3 s) until a name needs it.
 _EXPORTS: Final[dict[str, tuple[str, ...]]] = {
     "lmcache_async._version": ("__version__",),
-    "lmcache_async._defaults": (
+    "lmcache_async.defaults": (
         "DEFAULT",
         "DefaultType",
     ),
