@@ -63,11 +63,12 @@ check: venv lint typecheck docs
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 2 --dist loadgroup --hypothesis-profile=check -m "not real_server"
 
 lint: venv
-	$(BIN)/ruff check lmcache_async harness tests benchmarks examples
+	$(BIN)/ruff check lmcache_async harness tests benchmarks examples tools
 	$(BIN)/lint-imports
-	$(BIN)/ruff format --check lmcache_async harness tests benchmarks examples
+	$(BIN)/ruff format --check lmcache_async harness tests benchmarks examples tools
+	$(BIN)/python tools/gen_sync_client.py --check
 
-# mypy strict over lmcache_async, harness and tests (pyproject.toml [tool.mypy]).
+# mypy strict over lmcache_async, harness, tests and tools (pyproject.toml [tool.mypy]).
 typecheck: venv
 	$(BIN)/mypy
 

@@ -6,9 +6,10 @@
 >>> await client.store(kv, tokens)
 >>> kv = await client.retrieve(tokens)
 
-The public modules are ``client``, ``sync_client``, ``bulk``, ``geometry``, ``rope``, ``errors``,
-``kvcache`` (the official SDK's drop-in), ``hf`` (transformers), ``testing`` (the embedded
-server), ``observe`` (the operation hook), ``otel`` (OpenTelemetry) and ``cli``; modules
+The public modules are ``client``, ``sync_client``, ``bulk``, ``results``, ``geometry``, ``rope``,
+``errors``, ``defaults`` (``DEFAULT``, what a ``timeout=`` means), ``kvcache`` (the official SDK's
+drop-in), ``hf`` (transformers), ``ray`` (Ray Data), ``testing`` (the embedded server), ``observe``
+(the operation hook), ``otel`` (OpenTelemetry) and ``cli``; modules
 whose name starts with ``_`` are the implementation, with no promise. The names below are
 re-exported here from their public homes.
 """
@@ -22,10 +23,6 @@ from typing import TYPE_CHECKING, Any, Final
 from lmcache_async import errors as _errors
 
 if TYPE_CHECKING:
-    from lmcache_async._defaults import (
-        DEFAULT as DEFAULT,
-        DefaultType as DefaultType,
-    )
     from lmcache_async._version import (
         __version__ as __version__,
     )
@@ -41,10 +38,11 @@ if TYPE_CHECKING:
     )
     from lmcache_async.client import (
         AsyncClient as AsyncClient,
-        ComposeResult as ComposeResult,
-        KVPart as KVPart,
-        RemapResult as RemapResult,
         connect as connect,
+    )
+    from lmcache_async.defaults import (
+        DEFAULT as DEFAULT,
+        DefaultType as DefaultType,
     )
     from lmcache_async.errors import (
         AuthenticationError as AuthenticationError,
@@ -84,6 +82,12 @@ if TYPE_CHECKING:
         instrument as instrument,
         uninstrument as uninstrument,
     )
+    from lmcache_async.results import (
+        ComposeResult as ComposeResult,
+        KVPart as KVPart,
+        PartResult as PartResult,
+        RemapResult as RemapResult,
+    )
     from lmcache_async.rope import (
         RopeLayer as RopeLayer,
         RopeScaling as RopeScaling,
@@ -99,7 +103,7 @@ if TYPE_CHECKING:
 #: included -- does not import torch (~2-3 s) until a name needs it.
 _EXPORTS: Final[dict[str, tuple[str, ...]]] = {
     "lmcache_async._version": ("__version__",),
-    "lmcache_async._defaults": (
+    "lmcache_async.defaults": (
         "DEFAULT",
         "DefaultType",
     ),
@@ -107,11 +111,14 @@ _EXPORTS: Final[dict[str, tuple[str, ...]]] = {
     "lmcache_async.errors": tuple(_errors.__all__),
     "lmcache_async.geometry": ("KVGeometry",),
     "lmcache_async.rope": ("RopeLayer", "RopeScaling", "RopeSpec"),
-    "lmcache_async.client": (
-        "AsyncClient",
+    "lmcache_async.results": (
         "ComposeResult",
         "KVPart",
+        "PartResult",
         "RemapResult",
+    ),
+    "lmcache_async.client": (
+        "AsyncClient",
         "connect",
     ),
     "lmcache_async.sync_client": ("Client",),

@@ -32,6 +32,7 @@ __all__ = [
     "LoopCall",
     "LoopThread",
     "bounded_aclose",
+    "ready",
     "refuse_on_loop_thread",
     "tls",
 ]
@@ -82,6 +83,12 @@ async def bounded_aclose(aclient: Closable, bound: float) -> None:
 
 
 tls = threading.local()
+
+
+async def ready(value: T) -> T:
+    """``value``, as a coroutine's result: what the facade's portal hands the loop for an
+    object made there without awaiting (an async generator)."""
+    return value
 
 
 def on_loop_thread() -> bool:

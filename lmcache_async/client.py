@@ -9,11 +9,11 @@ holds and ends its session. A store whose slots were reserved is completed (all 
 chunks are committed, never some); a retrieve no longer copies into the caller's tensor.
 So a timeout or a cancellation never leaves sessions, locks or reservations behind.
 
-Layers: this module holds the lifecycle (detect the server generation, load the
-configuration, register, keep alive, re-register after a restart) and validates every
-argument; each operation's RPC sequence lives once in :mod:`lmcache_async._ops`,
-over a small channel interface; what differs between server generations is data in
-:class:`lmcache_async._wire.WireGeneration`.
+Layers (docs/internals/design.md): this module holds the public API, the argument checks
+and the client's lifecycle; a private session holds what the client has of the server
+(generation, configuration, registration, keep-alive, re-registration after a restart)
+and its half of running an operation; each operation's RPC sequence lives once, over a
+small channel interface; what differs between server generations is data.
 """
 
 from __future__ import annotations
@@ -22,26 +22,22 @@ import asyncio
 import enum
 import logging
 import os
-import sys
-import threading
 import time
 import warnings
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence, Sized
-from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, Unpack
+from collections.abc import Awaitable, Iterable, Mapping, Sequence, Sized
+from typing import Any, Literal, TypedDict, Unpack
 
 import torch
 
-from lmcache_async import _observing as observing, observe
-from lmcache_async._compose import ComposeResult, Fill, KVPart, compose
+from lmcache_async import _client_core as core, _compose, _observing as observing, bulk, observe
+from lmcache_async._client_core import align
 from lmcache_async._connection import DEFAULT_MAX_IN_FLIGHT, check_zmq_url
-from lmcache_async._cuda.hooks import caller_order, kv_mark, target_mark
-from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
-from lmcache_async._ops import Operations, RemapResult
-from lmcache_async._ops.shm import Source
-from lmcache_async._runner import OpState, run_detached, wait_all
-from lmcache_async._session import Session, TransferMode
-from lmcache_async._tensor_checks import check_tensor_storage
+from lmcache_async._cuda.hooks import kv_mark, target_mark
+from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout
+from lmcache_async._ops import Operations
+from lmcache_async._runner import OpState, wait_all
+from lmcache_async._session import Session
 from lmcache_async._wire import (
     Op,
     validate_cache_salt,
@@ -49,44 +45,23 @@ from lmcache_async._wire import (
     validate_request_configs,
     validate_tokens,
 )
+from lmcache_async.bulk import BatchOptions, BatchResult, ComposeItem, RemapPair, RetrieveItem, StoreItem
 from lmcache_async.errors import (
     ClientClosedError,
     ClientNotOpenError,
     ClientStateError,
     ForkedClientError,
-    LMCacheTimeoutError,
     ProtocolError,
-    ServerReplacedError,
     TransferError,
     WrongEventLoopError,
 )
 from lmcache_async.geometry import KVGeometry
+from lmcache_async.results import ComposeResult, KVPart, RemapResult, TransferMode
 from lmcache_async.rope import RopeSpec
 
-if TYPE_CHECKING:  # bulk imports this module; its types are needed for annotations only
-    from lmcache_async.bulk import (
-        BatchProgress,
-        BatchResult,
-        ComposeItem,
-        RemapPair,
-        RetrieveItem,
-        StoreItem,
-    )
-
-__all__ = [
-    "AsyncClient",
-    "ClientOptions",
-    "ComposeResult",
-    "KVPart",
-    "RemapResult",
-    "TransferMode",
-    "connect",
-]
+__all__ = ["AsyncClient", "ClientOptions", "connect"]
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-Configs = dict[str, Any] | None
 
 
 class _Lifecycle(enum.Enum):
@@ -95,71 +70,6 @@ class _Lifecycle(enum.Enum):
     OPEN = "open"
     CLOSING = "closing"
     CLOSED = "closed"
-
-
-class _Abandoned(Exception):
-    """An operation whose caller left before it sent anything (never seen by callers)."""
-
-
-#: At interpreter exit, how long the release of a client collected unclosed waits for the
-#: unregister's reply (the process would end before its socket sent it otherwise).
-EXIT_UNREGISTER_WAIT = 0.5
-
-
-def _release_collected(
-    loop: asyncio.AbstractEventLoop, session: Session, wait: float, done: threading.Event
-) -> None:
-    """Release a collected client's session (on its loop's thread, or with its loop not
-    running): background tasks cancelled, the unregister sent (its reply waited for at
-    most ``wait`` seconds), socket and HTTP session closed. Synchronous: nothing waits for
-    a loop that may never run again."""
-    try:
-        session.release_locally(loop, unregister=True, unregister_wait=wait)
-    finally:
-        done.set()
-
-
-def _collected_open(loop: asyncio.AbstractEventLoop, session: Session, desc: str, pid: int) -> None:
-    """``weakref.finalize`` callback of an :class:`AsyncClient` collected while open (or
-    still open at interpreter exit): a :class:`ResourceWarning`, then the release, at once
-    (:func:`_release_collected`: nothing is awaited, no event loop needs to run again).
-
-    It runs on whichever thread collects the client. On the client's loop's thread, or
-    with that loop not running, it releases here; with the loop running in another thread
-    (whose reader may be using the socket) it hands the release to that thread. At
-    interpreter exit the unregister's reply is waited for (at most
-    :data:`EXIT_UNREGISTER_WAIT` seconds; a hand-over, that and a second more). A release
-    handed to a loop that stops first is done by the connection's own finalizer when it is
-    collected (the socket; the HTTP session is then aiohttp's to warn about)."""
-    if os.getpid() != pid:
-        return  # inherited across fork: the parent owns the socket and the registration
-    warnings.warn(
-        f"{desc} was never closed; closing it now (use 'async with AsyncClient(...)' or "
-        "'await client.aclose()')",
-        ResourceWarning,
-        stacklevel=2,
-    )
-    # At exit (threading has shut down: atexit handlers, weakref's among them, run next).
-    exiting = sys.is_finalizing() or not threading.main_thread().is_alive()
-    wait = EXIT_UNREGISTER_WAIT if exiting else 0.0
-    done = threading.Event()
-    if loop.is_running() and _running_loop() is not loop:
-        try:
-            loop.call_soon_threadsafe(_release_collected, loop, session, wait, done)
-        except RuntimeError:  # the loop closed meanwhile
-            pass
-        else:
-            if exiting:
-                done.wait(wait + 1.0)
-            return
-    _release_collected(loop, session, wait, done)
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 class ClientOptions(TypedDict, total=False):
@@ -178,8 +88,6 @@ class ClientOptions(TypedDict, total=False):
     api_key: str | None
     max_in_flight: int
     observers: Sequence[observe.Observer]
-    tracer_provider: Any
-    meter_provider: Any
 
 
 async def connect(
@@ -202,7 +110,7 @@ async def connect(
     return client
 
 
-class AsyncClient:
+class AsyncClient(core.ClientCore):
     """An asyncio client of one LMCache MP server for one model.
 
     One ZMQ DEALER socket carries all operations, any number concurrently; one aiohttp
@@ -217,7 +125,8 @@ class AsyncClient:
             requires an inference engine (vLLM) to have registered the model.
         timeout: default deadline in seconds of every operation (``None``: no deadline).
         transfer: ``"auto"`` (SHM when the server offers it and the segment maps),
-            ``"shm"`` or ``"pickle"`` to insist.
+            ``"shm"`` or ``"inline"`` to insist (``"pickle"``: the older name of
+            ``"inline"``; :attr:`transfer` reports ``"pickle"`` for both).
         num_kv_readers: read locks a lookup reserves per object (>= 1).
         ping_interval: seconds between keep-alive refreshes of the registration (<= 30);
             a refresh is also made at once when the connection comes back after a loss.
@@ -226,14 +135,11 @@ class AsyncClient:
             the connection").
         cleanup_grace: extra seconds an abandoned operation may spend cleaning up.
         metadata_ttl: seconds ``/config`` and ``/status`` stay cached.
-        prefault_shm: map the pages of each SHM slot this client writes (a store's,
-            a remap's targets) into this process (one ``madvise`` per 2 MiB run) the
-            first time a copy writes them, in the copying thread, instead of faulting
-            page by page during the copy; slots only read fault in during the copy
-            (cheaper there); the cost follows the slots this client touches, never the
-            pool's size (see :meth:`lmcache_async._shm.ShmPool.populate`). Slots whose
-            pages nobody has written yet are written through the segment's descriptor
-            instead, either way (:meth:`lmcache_async._shm.ShmPool.fill`).
+        prefault_shm: map the pages of each SHM slot this client writes (a store's, a
+            remap's targets) into this process (one ``madvise`` per 2 MiB run) the first
+            time a copy writes them, instead of faulting page by page during the copy; the
+            cost follows the slots this client touches, never the pool's size. Slots
+            nobody has written yet are written through the segment's descriptor instead.
         api_key: sent as ``Authorization: Bearer KEY`` on every HTTP call (servers
             started with an API key answer 401 without it); default: the
             ``LMCACHE_API_KEY`` environment variable. The ZMQ side has no keys.
@@ -242,12 +148,9 @@ class AsyncClient:
             unanswering server makes calls time out instead of growing the pending table.
         observers: told when each operation starts and ends
             (:class:`~lmcache_async.observe.Observer`), besides those
-            :func:`~lmcache_async.observe.add_observer` gave every client.
-        tracer_provider: an OpenTelemetry ``TracerProvider``: the client's operations
-            become spans there (:mod:`lmcache_async.otel`; needs the ``otel`` extra).
-            Neither this nor ``meter_provider`` given: OpenTelemetry is not imported.
-        meter_provider: an OpenTelemetry ``MeterProvider``: the client's operations
-            become metrics there (the same extra).
+            :func:`~lmcache_async.observe.add_observer` gave every client; for
+            OpenTelemetry spans and metrics, an
+            :class:`~lmcache_async.otel.OpenTelemetryObserver` (the ``otel`` extra).
     """
 
     def __init__(
@@ -267,8 +170,6 @@ class AsyncClient:
         api_key: str | None = None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         observers: Sequence[observe.Observer] = (),
-        tracer_provider: Any = None,
-        meter_provider: Any = None,
     ) -> None:
         check_zmq_url(url)
         if not isinstance(http_url, str) or not http_url.startswith(("http://", "https://")):
@@ -277,16 +178,18 @@ class AsyncClient:
         if geometry is not None and not isinstance(geometry, KVGeometry):
             raise TypeError(f"geometry must be a KVGeometry, got {type(geometry).__name__}")
         timeout = check_timeout(timeout, "timeout")
-        if transfer not in ("auto", "shm", "pickle"):
-            raise ValueError(f"transfer must be 'auto', 'shm' or 'pickle', got {transfer!r}")
+        if transfer not in ("auto", "shm", "inline", "pickle"):
+            raise ValueError(
+                f"transfer must be 'auto', 'shm' or 'pickle' (or 'inline', the same), got {transfer!r}"
+            )
         if isinstance(num_kv_readers, bool) or not isinstance(num_kv_readers, int) or num_kv_readers < 1:
             raise ValueError(f"num_kv_readers must be an int >= 1, got {num_kv_readers!r}")
         if not 0 < ping_interval <= 30:
             raise ValueError(f"ping_interval must be in (0, 30] seconds, got {ping_interval!r}")
         #: Told of each operation (``None``: none, and nothing is recorded).
-        self._observers = _observers(observers, tracer_provider, meter_provider)
+        self._observers = core.client_observers(observers)
         #: An observer asks for the phases of each operation.
-        self._phases = any(getattr(o, "wants_phases", False) for o in self._observers or ())
+        self._phases = any(observe.wants_phases(o) for o in self._observers or ())
         #: server.address and server.port of the records.
         self._endpoint = observing.endpoint(url)
         self.url = url
@@ -303,7 +206,7 @@ class AsyncClient:
         self._finalizer: weakref.finalize[Any, Any] | None = None
         # The session holds this client's tracking weakly: its background tasks must not
         # keep a dropped client alive (so that the finalizer can release the session).
-        track = _weak_tracker(self)
+        track = core.weak_tracker(self)
         self._session = Session(
             url,
             http_url,
@@ -416,7 +319,7 @@ class AsyncClient:
             await self._session.open(lambda: _remaining(deadline))
             self._finalizer = weakref.finalize(
                 self,
-                _collected_open,
+                core.collected_open,
                 self._loop,
                 self._session,
                 f"<lmcache_async.AsyncClient {self.model_name!r} at {self.url}>",
@@ -543,132 +446,6 @@ class AsyncClient:
                 "this client was created in another process (before fork); create a new one", self._pid
             )
 
-    # ------------------------------------------------------------------ op runner
-
-    async def _run(
-        self,
-        name: str,
-        timeout: float | None,
-        body: Callable[[Operations, OpState], Awaitable[T]],
-        finish: Callable[[observe.Operation, T], None] | None = None,
-        asked: int = 0,
-        salt: str = "",
-    ) -> T:
-        """Run ``body`` over this client's operations in a task of its own (see
-        :func:`~lmcache_async._runner.run_detached`), re-registering first if needed.
-        With observers, it is an observed operation: ``finish`` fills in what its result
-        says, ``asked`` and ``salt`` are its tokens asked and cache salt."""
-        self._require_open()
-        self._check_loop()
-
-        async def run(op: OpState) -> T:
-            # Started while the server is away: wait briefly for the reconnection (then the
-            # new server is registered with first), or fail fast with a connection error.
-            session = self._session
-            await session.conn.wait_usable(op.remaining())
-            if session.watch.due():  # silence: was the server replaced behind the connection?
-                await session.watch.check_quietly(op.remaining())
-            for attempt in (1, 2):
-                try:
-                    await session.ensure_registered(op.remaining())
-                    if op.abandoned:  # the caller left before anything was sent
-                        raise _Abandoned
-                    return await body(session.operations(), op)
-                except LMCacheTimeoutError:
-                    # Unanswered prepare/commit requests are what a reaped registration looks
-                    # like; re-registering an existing id is cheap, so do it before the next op.
-                    session.stale = True
-                    raise
-                except ServerReplacedError as exc:
-                    # Everything this attempt did was on the old server (gone with it) or
-                    # sent under a retired id (nothing for the new one): run it again once,
-                    # on the new server, unless the caller left.
-                    if attempt == 2 or op.abandoned:
-                        again = " (again, after running it once more)" if attempt == 2 else ""
-                        raise ServerReplacedError(f"{name}: {exc}{again}") from exc
-                    log.debug("%s: the server was replaced while it ran; running it again", name)
-            raise AssertionError("unreachable")
-
-        if self._observers is None or finish is None:
-            return await run_detached(name, timeout, self.cleanup_grace, run, self._track)
-        record = self._record(name, asked, salt)
-        return await observing.observed(
-            self._observers,
-            record,
-            lambda: run_detached(name, timeout, self.cleanup_grace, run, self._track, record),
-            finish,
-        )
-
-    def _record(self, name: str, asked: int = 0, salt: str = "") -> observe.Operation:
-        """A new observed record of operation ``name`` (the client is open)."""
-        s = self._session
-        address, port = self._endpoint
-        return observe.Operation(
-            name,
-            address,
-            port,
-            self.model_name,
-            s.transfer,
-            s.wire.name,
-            s.chunk_size,
-            asked,
-            observe.salt_hash(salt),
-            phases=[] if self._phases else None,
-        )
-
-    async def _observe(
-        self,
-        name: str,
-        run: Callable[[], Awaitable[T]],
-        finish: Callable[[observe.Operation, T], None],
-        asked: int = 0,
-        salt: str = "",
-    ) -> T:
-        """``await run()`` as observed operation ``name`` (a bulk job, a pickle remap):
-        the parent of the operations it runs."""
-        if self._observers is None:
-            return await run()
-        return await observing.observed(self._observers, self._record(name, asked, salt), run, finish)
-
-    def _track_posted(self, fut: asyncio.Future[Any]) -> None:
-        self._posted.add(fut)
-        fut.add_done_callback(self._posted.discard)
-        self._track(fut)
-
-    def _track(self, task: asyncio.Future[Any]) -> None:
-        self._ops.add(task)
-        task.add_done_callback(self._op_done)
-
-    def _op_done(self, task: asyncio.Future[Any]) -> None:
-        self._ops.discard(task)
-        if not task.cancelled():
-            exc = task.exception()  # mark retrieved: the caller may have left
-            if exc is not None:
-                log.debug("operation task ended with %r", exc)
-
-    # ------------------------------------------------------------------ helpers
-
-    def _aligned(self, n: int) -> int:
-        return n // self._session.chunk_size * self._session.chunk_size
-
-    def _check_kv(self, kv: object, num_tokens: int) -> torch.Tensor:
-        geom = self._session.geometry
-        assert geom is not None
-        if not isinstance(kv, torch.Tensor):
-            raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
-        want = geom.kv_shape(num_tokens)
-        if kv.dim() != len(want):
-            raise ValueError(
-                f"kv must have {len(want)} dimensions {list(geom.kv_shape(-1))!s} "
-                f"(T = tokens), got shape {list(kv.shape)}"
-            )
-        if tuple(kv.shape) != want:
-            raise ValueError(f"kv has shape {list(kv.shape)}, expected {list(want)} for {num_tokens} tokens")
-        if kv.dtype != geom.dtype:
-            raise TypeError(f"kv has dtype {kv.dtype}, the geometry says {geom.dtype}")
-        check_tensor_storage(kv, "kv")
-        return kv
-
     # ------------------------------------------------------------------ operations
 
     async def lookup(
@@ -703,7 +480,7 @@ class AsyncClient:
         return await self._run(
             "lookup",
             timeout,
-            lambda ops, op: ops.lookup(op, toks, _align(len(toks), ops.reg.chunk_size), cache_salt, configs),
+            lambda ops, op: ops.lookup(op, toks, align(len(toks), ops.reg.chunk_size), cache_salt, configs),
             observing.finish_lookup,
             len(toks),
             cache_salt,
@@ -762,7 +539,7 @@ class AsyncClient:
         self._require_open()
         end = self._aligned(len(toks))
         if out is not None:
-            self._check_out(out, end)
+            core.check_out(self.geometry, out, end)
         axis = self.geometry.token_axis
         mark = target_mark(out, device)  # None unless the KV goes to a GPU
 
@@ -770,26 +547,12 @@ class AsyncClient:
             raise TransferError(self._session.cannot_retrieve)
 
         def body(ops: Operations, op: OpState) -> Awaitable[torch.Tensor | None]:
-            n = _align(len(toks), ops.reg.chunk_size)
+            n = align(len(toks), ops.reg.chunk_size)
             if out is not None:  # a new chunk size may align further than ``out`` reaches
-                n = min(n, _align(out.shape[axis], ops.reg.chunk_size))
+                n = min(n, align(out.shape[axis], ops.reg.chunk_size))
             return ops.retrieve(op, toks, n, cache_salt, configs, out, mark=mark)
 
         return await self._run("retrieve", timeout, body, observing.finish_retrieve, len(toks), cache_salt)
-
-    def _check_out(self, out: object, end: int) -> None:
-        geom = self._session.geometry
-        assert geom is not None
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        want = list(geom.kv_shape(end))
-        got = list(out.shape)
-        ax = geom.token_axis
-        if len(got) != len(want) or got[:ax] + got[ax + 1 :] != want[:ax] + want[ax + 1 :] or got[ax] < end:
-            raise ValueError(f"out has shape {got}, expected {want} (token axis may be longer)")
-        if out.dtype != geom.dtype:
-            raise TypeError(f"out has dtype {out.dtype}, the geometry says {geom.dtype}")
-        check_tensor_storage(out, "out", writable=True)
 
     async def store(
         self,
@@ -829,15 +592,7 @@ class AsyncClient:
         configs = validate_request_configs(request_configs)
         timeout = self._timeout(timeout)
         self._require_open()
-        if isinstance(kv, torch.Tensor) and kv.dim() == len(self.geometry.kv_shape(0)):
-            covered = kv.shape[self.geometry.token_axis]  # the KV may cover a prefix of tokens
-            if len(toks) < covered:
-                raise ValueError(
-                    f"kv covers {covered} tokens but tokens has {len(toks)}: tokens may be longer "
-                    "than the KV (it is stored under tokens[:T]), never shorter"
-                )
-            toks = toks[:covered]
-        kv = self._check_kv(kv, len(toks))
+        kv, toks = core.check_kv(self.geometry, kv, toks)
         # A CUDA kv: the bytes stored are kv as seen from the caller's current stream, now.
         mark = kv_mark(kv)
 
@@ -845,7 +600,7 @@ class AsyncClient:
             "store",
             timeout,
             lambda ops, op: ops.store(
-                op, kv, toks, _align(len(toks), ops.reg.chunk_size), cache_salt, configs, mark=mark
+                op, kv, toks, align(len(toks), ops.reg.chunk_size), cache_salt, configs, mark=mark
             ),
             observing.finish_store,
             len(toks),
@@ -886,35 +641,21 @@ class AsyncClient:
                 "remap",
                 timeout,
                 lambda ops, op: ops.remap(
-                    op, src, dst, _align(min(len(src), len(dst)), ops.reg.chunk_size), cache_salt, tsalt
+                    op, src, dst, align(min(len(src), len(dst)), ops.reg.chunk_size), cache_salt, tsalt
                 ),
                 observing.finish_remap,
                 len(src),
                 cache_salt,
             )
         if self._observers is None:
-            return await self._remap_pickle(src, dst, cache_salt, tsalt, timeout)
+            return await _compose.remap_inline(self, src, dst, cache_salt, tsalt, timeout)
         return await self._observe(
             "remap",
-            lambda: self._remap_pickle(src, dst, cache_salt, tsalt, timeout),
+            lambda: _compose.remap_inline(self, src, dst, cache_salt, tsalt, timeout),
             observing.finish_remap,
             len(src),
             cache_salt,
         )
-
-    async def _remap_pickle(
-        self, src: list[int], dst: list[int], cache_salt: str, tsalt: str, timeout: float | None
-    ) -> RemapResult:
-        """A remap on the pickle transport: a retrieve, then a store of what it found."""
-        n = self._aligned(min(len(src), len(dst)))
-        start = time.monotonic()
-        kv = await self.retrieve(src[:n], cache_salt, timeout=timeout)
-        if kv is None:
-            return RemapResult(0, 0, False)
-        hit = kv.shape[self.geometry.token_axis]
-        left = None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
-        new = await self.store(kv, dst[:hit], tsalt, timeout=left)
-        return RemapResult(hit, hit, new)
 
     async def compose(
         self,
@@ -957,54 +698,32 @@ class AsyncClient:
         all of them committed).
         """
         self._require_open()
-        in_pool = self._compose_in_pool if self._session.pool is not None else None
-
-        async def run() -> ComposeResult:
-            return await compose(
-                self,
-                target_tokens,
-                parts,
-                rope=rope,
-                cache_salt=cache_salt,
-                timeout=self._timeout(timeout),
-                in_pool=in_pool,
+        if self._session.pool is None:  # a recipe over retrieve and store, their parent
+            return await self._observe(
+                "compose",
+                lambda: _compose.compose_inline(
+                    self, target_tokens, parts, rope, cache_salt, self._timeout(timeout)
+                ),
+                core.finish_compose,
+                len(target_tokens) if isinstance(target_tokens, Sized) else 0,
+                cache_salt,
             )
-
-        if in_pool is not None:  # one operation of its own (observed in _compose_in_pool)
-            return await run()
-        asked = len(target_tokens) if isinstance(target_tokens, Sized) else 0
-        return await self._observe(
+        # Every check before anything is sent (the plan); then one operation in the pool.
+        deadline = self._timeout(timeout)
+        the_plan = _compose.plan(target_tokens, parts, rope, cache_salt, self.geometry, self.chunk_size)
+        reads = _compose.pool_sources(the_plan)
+        fill = _compose.slot_filler(the_plan, self.geometry, self.chunk_size, reads.index)
+        target, stored, salt = list(the_plan.target[: the_plan.stored]), the_plan.stored, the_plan.salt
+        needed = [read for _, read, _ in reads.sources]
+        cached, new = await self._run(
             "compose",
-            run,
-            lambda o, r: observing.finish_compose(
-                o,
-                [p.tokens for p in r.parts],
-                [p.tokens if p.hit else 0 for p in r.parts],
-                r.stored_tokens,
-                r.stored_new,
-            ),
-            asked,
-            cache_salt,
-        )
-
-    async def _compose_in_pool(
-        self,
-        sources: list[Source],
-        target: list[int],
-        stored: int,
-        salt: str,
-        fill: Fill,
-        timeout: float | None,
-    ) -> tuple[list[int], bool]:
-        needed = [read for _, read, _ in sources]
-        return await self._run(
-            "compose",
-            timeout,
-            lambda ops, op: ops.compose_in_pool(op, sources, target, stored, salt, fill),
+            deadline,
+            lambda ops, op: ops.compose_in_pool(op, reads.sources, target, stored, salt, fill),
             lambda o, r: observing.finish_compose(o, needed, r[0], stored, r[1]),
             len(target),
             salt,
         )
+        return _compose.pool_result(the_plan, reads, cached, new)
 
     # ------------------------------------------------------------------ misc
 
@@ -1064,26 +783,15 @@ class AsyncClient:
         return await wait_all(self._ops, timeout)
 
     # ---- bulk operations (lmcache_async.bulk) ----
-    # Thin wrappers: the implementation and its documentation live in lmcache_async.bulk,
-    # imported lazily (it imports this module for its types only).
 
     async def remap_many(
-        self,
-        pairs: Iterable[RemapPair | Sequence[Any]],
-        *,
-        concurrency: int = 8,
-        max_bytes_in_flight: int = 1 << 30,
-        progress: Callable[[BatchProgress], object] | None = None,
-        return_exceptions: bool = True,
-        timeout: float | DefaultType | None = DEFAULT,
+        self, pairs: Iterable[RemapPair | Sequence[Any]], **options: Unpack[BatchOptions]
     ) -> BatchResult:
         """Remap many (source, target) pairs concurrently: see :func:`lmcache_async.bulk.remap_many`.
 
         ``pairs`` are :class:`~lmcache_async.bulk.RemapPair` objects or tuples
-        ``(source_tokens, target_tokens[, cache_salt[, target_cache_salt]])``. At most
-        ``concurrency`` items run at once and at most ``max_bytes_in_flight`` bytes of KV
-        buffers are held (an item larger than that runs alone). ``progress`` is called on
-        the event loop after each item. ``timeout`` is per item (default: the client's).
+        ``(source_tokens, target_tokens[, cache_salt[, target_cache_salt]])``; the options,
+        :class:`~lmcache_async.bulk.BatchOptions` (``timeout`` is per item).
 
         Returns:
             A :class:`~lmcache_async.bulk.BatchResult` (per-item results in input order and
@@ -1093,190 +801,62 @@ class AsyncClient:
         Cancellation: every in-flight item is cancelled and releases its server session,
         locks and reservations in the background; ``CancelledError`` is re-raised.
         """
-        from lmcache_async import bulk
-
-        _check_iterable(pairs, "pairs")
-        self._require_open()
-        self._check_loop()
-        return await self._observe(
-            "remap_many",
-            lambda: bulk.remap_many(
-                self,
-                pairs,
-                concurrency=concurrency,
-                max_bytes_in_flight=max_bytes_in_flight,
-                progress=progress,
-                return_exceptions=return_exceptions,
-                timeout=self._timeout(timeout),
-            ),
-            observing.finish_batch,
-        )
+        core.check_iterable(pairs, "pairs")
+        return await self._job("remap_many", options, lambda: bulk.remap_many(self, pairs, **options))
 
     async def store_many(
-        self,
-        items: Iterable[StoreItem | Sequence[Any]],
-        *,
-        concurrency: int = 8,
-        max_bytes_in_flight: int = 1 << 30,
-        progress: Callable[[BatchProgress], object] | None = None,
-        return_exceptions: bool = True,
-        timeout: float | DefaultType | None = DEFAULT,
+        self, items: Iterable[StoreItem | Sequence[Any]], **options: Unpack[BatchOptions]
     ) -> BatchResult:
         """Store many ``(kv, tokens[, cache_salt])`` items concurrently: see
-        :func:`lmcache_async.bulk.store_many`.
+        :func:`lmcache_async.bulk.store_many` (options: :class:`~lmcache_async.bulk.BatchOptions`).
 
         Cancellation/timeout: as for :meth:`store`, per item; ``CancelledError`` is re-raised.
         """
-        from lmcache_async import bulk
-
-        _check_iterable(items, "items")
-        self._require_open()
-        self._check_loop()
-        with caller_order():  # GPU tensors: ordered after the caller's streams, now
-            return await self._observe(
-                "store_many",
-                lambda: bulk.store_many(
-                    self,
-                    items,
-                    concurrency=concurrency,
-                    max_bytes_in_flight=max_bytes_in_flight,
-                    progress=progress,
-                    return_exceptions=return_exceptions,
-                    timeout=self._timeout(timeout),
-                ),
-                observing.finish_batch,
-            )
+        core.check_iterable(items, "items")
+        return await self._job("store_many", options, lambda: bulk.store_many(self, items, **options), True)
 
     async def retrieve_many(
         self,
         token_lists: Iterable[RetrieveItem | Sequence[Any]],
         *,
-        concurrency: int = 8,
-        max_bytes_in_flight: int = 1 << 30,
-        progress: Callable[[BatchProgress], object] | None = None,
-        return_exceptions: bool = True,
-        timeout: float | DefaultType | None = DEFAULT,
         device: torch.device | str | None = None,
+        **options: Unpack[BatchOptions],
     ) -> BatchResult:
         """Retrieve many prompts concurrently (token lists or ``(tokens, cache_salt)``): see
-        :func:`lmcache_async.bulk.retrieve_many`. Each result's ``kv`` holds the tensor,
+        :func:`lmcache_async.bulk.retrieve_many` (options:
+        :class:`~lmcache_async.bulk.BatchOptions`). Each result's ``kv`` holds the tensor,
         on ``device`` (default: the CPU).
 
         Cancellation/timeout: as for :meth:`retrieve`, per item; ``CancelledError`` is
         re-raised.
         """
-        from lmcache_async import bulk
-
-        _check_iterable(token_lists, "token_lists")
+        core.check_iterable(token_lists, "token_lists")
         target_mark(None, device)  # a bad device= is refused before anything is sent
-        self._require_open()
-        self._check_loop()
-        with caller_order():  # GPU tensors: ordered after the caller's streams, now
-            return await self._observe(
-                "retrieve_many",
-                lambda: bulk.retrieve_many(
-                    self,
-                    token_lists,
-                    concurrency=concurrency,
-                    max_bytes_in_flight=max_bytes_in_flight,
-                    progress=progress,
-                    return_exceptions=return_exceptions,
-                    timeout=self._timeout(timeout),
-                    device=device,
-                ),
-                observing.finish_batch,
-            )
+        return await self._job(
+            "retrieve_many",
+            options,
+            lambda: bulk.retrieve_many(self, token_lists, device=device, **options),
+            True,
+        )
 
     async def compose_many(
         self,
         items: Iterable[ComposeItem | Sequence[Any]],
         *,
         rope: RopeSpec | None = None,
-        concurrency: int = 8,
-        max_bytes_in_flight: int = 1 << 30,
-        progress: Callable[[BatchProgress], object] | None = None,
-        return_exceptions: bool = True,
-        timeout: float | DefaultType | None = DEFAULT,
+        **options: Unpack[BatchOptions],
     ) -> BatchResult:
         """Run many :meth:`compose` calls (``(target_tokens, parts[, cache_salt])``)
-        concurrently: see :func:`lmcache_async.bulk.compose_many`.
+        concurrently: see :func:`lmcache_async.bulk.compose_many` (options:
+        :class:`~lmcache_async.bulk.BatchOptions`).
 
         Cancellation/timeout: as for :meth:`compose`, per item; ``CancelledError`` is
         re-raised.
         """
-        from lmcache_async import bulk
-
-        _check_iterable(items, "items")
-        self._require_open()
-        self._check_loop()
-        return await self._observe(
-            "compose_many",
-            lambda: bulk.compose_many(
-                self,
-                items,
-                rope=rope,
-                concurrency=concurrency,
-                max_bytes_in_flight=max_bytes_in_flight,
-                progress=progress,
-                return_exceptions=return_exceptions,
-                timeout=self._timeout(timeout),
-            ),
-            observing.finish_batch,
+        core.check_iterable(items, "items")
+        return await self._job(
+            "compose_many", options, lambda: bulk.compose_many(self, items, rope=rope, **options)
         )
-
-    # ---- end of bulk operations ----
-
-    def _timeout(self, timeout: float | DefaultType | None) -> float | None:
-        return resolve_timeout(timeout, self.timeout)
-
-
-def _observers(
-    given: Sequence[observe.Observer], tracer_provider: Any, meter_provider: Any
-) -> tuple[observe.Observer, ...] | None:
-    """The client's observers: ``given``, the OpenTelemetry one if a provider is given,
-    and those :func:`~lmcache_async.observe.add_observer` gave; ``None`` when none."""
-    if isinstance(given, str) or not isinstance(given, Sequence):
-        raise TypeError(f"observers must be a sequence of observers, got {type(given).__name__}")
-    found = [*given]
-    for o in found:
-        if not callable(getattr(o, "operation_started", None)) or not callable(
-            getattr(o, "operation_ended", None)
-        ):
-            raise TypeError(
-                "an observer needs operation_started(op) and operation_ended(op) methods, "
-                f"got {type(o).__name__}"
-            )
-    if tracer_provider is not None or meter_provider is not None:
-        from lmcache_async.otel import OpenTelemetryObserver  # only when asked for
-
-        found.append(OpenTelemetryObserver(tracer_provider, meter_provider))
-    found.extend(o for o in observe.observers() if o not in found)
-    return tuple(found) or None
-
-
-def _check_iterable(value: object, name: str) -> None:
-    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
-        raise TypeError(f"{name} must be an iterable of items, got {type(value).__name__}")
-
-
-#: The prefix the server gives its SHM pool's name (``engine_context._compute_shm_pool_info``).
-
-
-def _align(n: int, chunk_size: int) -> int:
-    """``n`` rounded down to whole chunks."""
-    return n // chunk_size * chunk_size
-
-
-def _weak_tracker(client: AsyncClient) -> Callable[[asyncio.Future[Any]], None]:
-    """``client._track_posted`` through a weak reference (a no-op once it is collected)."""
-    ref = weakref.ref(client)
-
-    def track(fut: asyncio.Future[Any]) -> None:
-        alive = ref()
-        if alive is not None:
-            alive._track_posted(fut)
-
-    return track
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -25,9 +25,11 @@ the *parent* of one record per operation its items run). A remap on the pickle t
 runs a retrieve and a store: they are its children. Arguments refused before anything is
 sent (a ``ValueError`` for bad tokens) are not operations and are not observed.
 
-Phases: an observer with a true ``wants_phases`` attribute makes the client note the
+Phases: an observer whose optional ``wants_phases`` attribute is true makes the client note the
 phases of each operation in :attr:`Operation.phases` (a few clock reads per operation);
 without one, nothing is noted.
+
+Profiling the blocking client's hand-overs between threads: :func:`set_trace_hook`.
 
 Privacy: a record holds no token ids and no cache salt; only counts, and the salt as a
 short hash (:attr:`Operation.cache_salt_hash`).
@@ -52,8 +54,11 @@ operation goes on with in the background is not part of it.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+from lmcache_async import _trace
 
 __all__ = [
     "SLOW_CALLBACK_S",
@@ -65,6 +70,8 @@ __all__ = [
     "observers",
     "remove_observer",
     "salt_hash",
+    "set_trace_hook",
+    "wants_phases",
 ]
 
 #: Seconds: a callback slower than this gets one ``WARNING`` per observer.
@@ -154,6 +161,11 @@ class Observer(Protocol):
     Both methods run on the event loop in the caller's task and must not block; what
     ``operation_started`` returns is kept in ``op.state[observer]`` for the end (and for
     the operation's children, which can read their parent's).
+
+    An observer may also have a ``wants_phases`` attribute (optional, so not a member of
+    the protocol: an observer without it still satisfies it and counts as ``False``): true
+    makes the client note the phases of each operation in :attr:`Operation.phases` for
+    every observer (see :func:`wants_phases`).
     """
 
     def operation_started(self, op: Operation) -> Any:
@@ -196,6 +208,31 @@ def observer_failures(observer: Observer) -> int:
 def observers() -> tuple[Observer, ...]:
     """The observers :func:`add_observer` gave, in order."""
     return _installed
+
+
+def wants_phases(observer: Observer) -> bool:
+    """Whether ``observer`` asks for the phases (its optional ``wants_phases`` attribute,
+    see :class:`Observer`; an object without the attribute does not)."""
+    return bool(getattr(observer, "wants_phases", False))
+
+
+def set_trace_hook(hook: Callable[[str], None] | None) -> None:
+    """Have ``hook(point)`` called at each hand-over point a blocking call passes, for
+    profiling (``benchmarks/suite/bench_facade.py --trace`` times the phases of a call with it);
+    ``None`` turns it off. The points, in a call's order:
+
+    * ``"submit"``: in the caller's thread, as the call is handed to the loop thread;
+    * ``"start"``: on the loop thread, as the call's coroutine is created;
+    * ``"send"`` / ``"sent"``: on the loop thread, around each request's send on the socket
+      (any client's, the async ones' too);
+    * ``"finish"``: on the loop thread, as the call is done;
+    * ``"wake"``: on the loop thread, as it wakes the callers whose calls finished, before
+      it waits for I/O again.
+
+    The hook runs inline at these points: it must be fast and must not raise. One hook per
+    process; a new one replaces the old.
+    """
+    _trace.hook = hook
 
 
 def salt_hash(cache_salt: str) -> str | None:

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Protocol, TypeGuard, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeGuard, TypeVar, runtime_checkable
 
 import torch
 
@@ -32,6 +32,7 @@ from lmcache_async.errors import (
     TransferError,
 )
 from lmcache_async.geometry import KVGeometry
+from lmcache_async.results import RemapResult
 
 if TYPE_CHECKING:
     from lmcache_async._cuda.copies import Mark
@@ -40,6 +41,7 @@ __all__ = [
     "Channel",
     "Configs",
     "OperationsBase",
+    "PostingChannel",
     "Registration",
     "RemapResult",
     "Reserved",
@@ -66,27 +68,6 @@ WRITER_MARGIN: Final = 0.1
 STATUS_WAIT: Final = 0.5
 
 
-@dataclass(frozen=True, slots=True)
-class RemapResult:
-    """What :meth:`AsyncClient.remap <lmcache_async.AsyncClient.remap>` did.
-
-    Attributes:
-        retrieved_tokens: tokens of the source prefix read from the cache (only as far as
-            the target's whole chunks reach).
-        stored_tokens: tokens of the target prefix written with the source KV (equal to
-            ``retrieved_tokens``).
-        stored_new: whether the store added any chunk (False when all were cached).
-    """
-
-    retrieved_tokens: int
-    stored_tokens: int
-    stored_new: bool
-
-    @property
-    def hit(self) -> bool:
-        return self.retrieved_tokens > 0
-
-
 class Channel(Protocol):
     """What an operation needs from a connection to the server."""
 
@@ -102,6 +83,18 @@ class Channel(Protocol):
         within ``timeout``, :class:`~lmcache_async.errors.LMCacheError` subclasses on a
         lost connection. Cancellation discards the reply.
         """
+        ...
+
+
+@runtime_checkable
+class PostingChannel(Channel, Protocol):
+    """A :class:`Channel` that can also send a request without waiting for its reply: the
+    cleanups (``end_session`` and the like) are then posted in the background instead of
+    awaited (:class:`~lmcache_async._channel.ConnectionChannel` is one)."""
+
+    def post(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> asyncio.Future[Any] | None:
+        """Send one request now and return the future of its reply (a
+        :class:`~lmcache_async._wire.Reply`); ``None`` when it cannot be sent at once."""
         ...
 
 
@@ -280,8 +273,8 @@ class OperationsBase:
     ) -> None:
         self.channel = channel
         #: The channel's ``post(opcode, args, timeout) -> Future[Reply] | None``, if it has one.
-        self._post: Callable[[Op, Sequence[Any], float | None], asyncio.Future[Any] | None] | None = getattr(
-            channel, "post", None
+        self._post: Callable[[Op, Sequence[Any], float | None], asyncio.Future[Any] | None] | None = (
+            channel.post if isinstance(channel, PostingChannel) else None
         )
         #: The channel's ``call_urgent`` (a cleanup goes before new requests), if it has one.
         self._call_urgent: Callable[[Op, Sequence[Any], float | None], Awaitable[Any]] = getattr(

@@ -103,7 +103,7 @@ def any_server(request: pytest.FixtureRequest) -> Any:
 
 def open_client(srv: Any, otel: Telemetry | None = None, **kw: Any) -> AsyncClient:
     if otel is not None:
-        kw.update(tracer_provider=otel.tracer_provider, meter_provider=otel.meter_provider)
+        kw.setdefault("observers", [OpenTelemetryObserver(otel.tracer_provider, otel.meter_provider)])
     kw.setdefault("timeout", 30)
     return AsyncClient(srv.url, srv.http_url, unique_model(), geometry=SMALL_GEOMETRY, **kw)
 
@@ -376,8 +376,7 @@ async def test_timeout_and_cancellation_end_the_span_with_an_error(
             geometry=SMALL_GEOMETRY,
             timeout=30,
             cleanup_grace=1,
-            tracer_provider=otel.tracer_provider,
-            meter_provider=otel.meter_provider,
+            observers=[OpenTelemetryObserver(otel.tracer_provider, otel.meter_provider)],
         ) as c:
             zf.hold.set()  # the server stops answering
             with pytest.raises(LMCacheTimeoutError):
@@ -737,7 +736,7 @@ async def test_sampled_out_operations_still_count_in_the_metrics(embedded_server
     sampled_out.add_span_processor(SimpleSpanProcessor(otel.spans_out))
     try:
         async with open_client(
-            embedded_server_pickle, tracer_provider=sampled_out, meter_provider=otel.meter_provider
+            embedded_server_pickle, observers=[OpenTelemetryObserver(sampled_out, otel.meter_provider)]
         ) as c:
             assert await c.lookup(fresh_tokens(32)) == 0
         assert otel.spans() == []
@@ -764,7 +763,11 @@ def test_the_blocking_client_takes_the_same_options_and_keeps_the_callers_span(
     tracer = otel.tracer_provider.get_tracer("app")
     srv = embedded_server_pickle
     with Client(
-        srv.url, srv.http_url, unique_model(), geometry=SMALL_GEOMETRY, tracer_provider=otel.tracer_provider
+        srv.url,
+        srv.http_url,
+        unique_model(),
+        geometry=SMALL_GEOMETRY,
+        observers=[OpenTelemetryObserver(otel.tracer_provider)],
     ) as c:
         with tracer.start_as_current_span("outer") as outer:
             assert c.lookup(fresh_tokens(32)) == 0
