@@ -21,7 +21,9 @@ INDEX = ROOT / "docs" / "api" / "index.md"
 
 def public_modules() -> set[str]:
     modules = {p.stem for p in PACKAGE.glob("*.py") if not p.stem.startswith("_")}
-    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file() and not p.name.startswith("_")}
+    packages = {
+        p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file() and not p.name.startswith("_")
+    }
     return modules | packages
 
 
