@@ -1,4 +1,4 @@
-"""Bulk operations: many remaps, stores or retrieves over one client, concurrently.
+"""Bulk operations: many remaps, stores, retrieves or compositions over one client, concurrently.
 
 The job people run at scale is the *remap*: for many (source prompt, target prompt)
 pairs, retrieve the KV of the source and store it under the target. :func:`remap_many`

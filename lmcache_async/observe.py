@@ -95,7 +95,7 @@ class Operation:
 
     Attributes:
         name: ``"lookup"``, ``"retrieve"``, ``"store"``, ``"remap"``, ``"compose"``, or a bulk job
-            (``"retrieve_many"``, ``"store_many"``, ``"remap_many"``).
+            (``"retrieve_many"``, ``"store_many"``, ``"remap_many"``, ``"compose_many"``).
         server_address: host of the server's ZMQ endpoint (``url``).
         server_port: its port (``None`` for an ``ipc://`` endpoint).
         model_name: the model whose KV it is.
