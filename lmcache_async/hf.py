@@ -828,7 +828,7 @@ def _check_fraction(recompute_fraction: float) -> float:
     return float(recompute_fraction)
 
 
-def _decoder_layers(model: Any) -> Sequence[Any]:
+def _decoder_layers(model: Any) -> torch.nn.ModuleList:
     """The model's decoder layers (the ``ModuleList`` of ``num_hidden_layers`` modules)."""
     n = int(_text_config(model.config).num_hidden_layers)
     inner = getattr(model, "model", None)
