@@ -35,7 +35,7 @@ def _experiment() -> Any:
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[dict[str, Any]]]:
-    rc = _experiment().main(["--json", "--new-tokens", "6", *argv])
+    rc = _experiment().main(["--json", "--new-tokens", "6", "--weights", "random", *argv])
     return rc, json.loads(capsys.readouterr().out)
 
 
