@@ -19,6 +19,8 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any, Final
 
+from lmcache_async import errors as _errors
+
 if TYPE_CHECKING:
     from lmcache_async._defaults import (
         DEFAULT as DEFAULT,
@@ -76,9 +78,11 @@ if TYPE_CHECKING:
         Observer as Observer,
         Operation as Operation,
         add_observer as add_observer,
+        remove_observer as remove_observer,
     )
     from lmcache_async.otel import (
         instrument as instrument,
+        uninstrument as uninstrument,
     )
     from lmcache_async.rope import (
         RopeLayer as RopeLayer,
@@ -99,31 +103,8 @@ _EXPORTS: Final[dict[str, tuple[str, ...]]] = {
         "DEFAULT",
         "DefaultType",
     ),
-    "lmcache_async.errors": (
-        "AuthenticationError",
-        "ClientClosedError",
-        "ClientNotOpenError",
-        "ClientStateError",
-        "ForkedClientError",
-        "ForkedSyncClientError",
-        "HTTPStatusError",
-        "LMCacheConnectionError",
-        "LMCacheError",
-        "LMCacheTimeoutError",
-        "LayoutMismatchError",
-        "LoopThreadCallError",
-        "ModelNotRegisteredError",
-        "ProtocolError",
-        "ServerError",
-        "ServerReplacedError",
-        "SyncUsageError",
-        "TransferError",
-        "UnfilledReservationError",
-        "UnknownServerVersionWarning",
-        "UnsafePayloadError",
-        "UnsupportedServerVersionError",
-        "WrongEventLoopError",
-    ),
+    # The error tree is errors.__all__ (errors imports nothing else, so this costs no torch).
+    "lmcache_async.errors": tuple(_errors.__all__),
     "lmcache_async.geometry": ("KVGeometry",),
     "lmcache_async.rope": ("RopeLayer", "RopeScaling", "RopeSpec"),
     "lmcache_async.client": (
@@ -148,8 +129,9 @@ _EXPORTS: Final[dict[str, tuple[str, ...]]] = {
         "Observer",
         "Operation",
         "add_observer",
+        "remove_observer",
     ),
-    "lmcache_async.otel": ("instrument",),
+    "lmcache_async.otel": ("instrument", "uninstrument"),
 }
 _HOME: Final[dict[str, str]] = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -48,11 +48,11 @@ from lmcache_async.errors import (
     ServerReplacedError,
     TransferError,
 )
-from lmcache_async.geometry import KVGeometry, dtype_name
+from lmcache_async.geometry import KVGeometry, check_server_geometry, dtype_name
 
 __all__ = ["UNREGISTER_TIMEOUT", "Session", "TransferMode"]
 
-log = logging.getLogger("lmcache_async.client")
+log = logging.getLogger(__name__)
 
 TransferMode = Literal["auto", "shm", "pickle"]
 
@@ -80,6 +80,14 @@ class ConnectionChannel:
         if self.retired:
             raise ServerReplacedError(replaced_message(opcode, self._conn.url))
         reply = await self._conn.call(opcode, args, timeout=timeout)
+        return reply.value()
+
+    async def call_urgent(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> Any:
+        """:meth:`call` for a cleanup: it takes the next free place on the connection
+        before any new request (see :meth:`~lmcache_async._connection.Connection.call`)."""
+        if self.retired:
+            raise ServerReplacedError(replaced_message(opcode, self._conn.url))
+        reply = await self._conn.call(opcode, args, timeout=timeout, urgent=True)
         return reply.value()
 
     def post(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> asyncio.Future[Any] | None:
@@ -234,6 +242,7 @@ class Session:
         if self.geometry is None:
             status = await self.meta.status(max_age=0, timeout=remaining())
             self.geometry = KVGeometry.from_status(status, self.model_name)
+            check_server_geometry(self.geometry, self.chunk_size)
         if self.chunk_size % self.geometry.block_size:
             raise ServerError(
                 f"chunk size {self.chunk_size} is not a multiple of the block size {self.geometry.block_size}"
@@ -561,16 +570,30 @@ class Session:
             finally:
                 await self.meta.close()
 
-    def release_locally(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Release the socket, ZMQ context and HTTP session without awaiting anything
-        (``loop``, theirs, is closed or not running): no unregister."""
+    def release_locally(
+        self, loop: asyncio.AbstractEventLoop, *, unregister: bool = False, unregister_wait: float = 0.0
+    ) -> None:
+        """Release the SHM pool, the socket and the HTTP session without awaiting anything: ``loop``,
+        theirs, is closed or not running, or this runs on it (a client collected there).
+
+        ``unregister``: if registered under the current id and connected, the unregister
+        request is sent, its reply not awaited (the server drops the registration when it
+        processes it; a closed socket keeps sending it for up to a second), or waited for
+        (blocking) at most ``unregister_wait`` seconds: at interpreter exit, where the
+        process would end before the socket sent it."""
         if not loop.is_closed():
             for task in (self.keepalive, self.watch_task):
                 if task is not None:
                     task.cancel()
-        self.pool = None
-        self.conn.abandon()
-        self.meta.abandon()
+        registered = self.registered_id is not None and self.registered_id == self.instance_id
+        farewell = (Op.UNREGISTER_ENGINE_DRIVEN, (self.instance_id,)) if unregister and registered else None
+        pool, self.pool = self.pool, None
+        try:
+            if pool is not None:
+                pool.close()  # its descriptor; the mapping stays while a view is alive
+        finally:
+            self.conn.abandon(farewell, unregister_wait)
+            self.meta.abandon()
 
     def drop_inherited(self) -> None:
         """In a forked child: forget the parent's socket, context, session and pool

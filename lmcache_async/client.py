@@ -19,10 +19,11 @@ over a small channel interface; what differs between server generations is data 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import os
+import sys
+import threading
 import time
 import warnings
 import weakref
@@ -100,23 +101,36 @@ class _Abandoned(Exception):
     """An operation whose caller left before it sent anything (never seen by callers)."""
 
 
-#: Closes of clients collected while open, kept referenced until they are done.
-_closing_collected: set[asyncio.Task[None]] = set()
+#: At interpreter exit, how long the release of a client collected unclosed waits for the
+#: unregister's reply (the process would end before its socket sent it otherwise).
+EXIT_UNREGISTER_WAIT = 0.5
 
 
-def _close_collected(loop: asyncio.AbstractEventLoop, session: Session) -> None:
-    """On the client's running loop: close the session of a collected client (background
-    tasks stopped, unregistered, socket and HTTP session closed)."""
-    closing = loop.create_task(session.close(unregister=True), name="lmcache-close-collected")
-    _closing_collected.add(closing)
-    closing.add_done_callback(_closing_collected.discard)
+def _release_collected(
+    loop: asyncio.AbstractEventLoop, session: Session, wait: float, done: threading.Event
+) -> None:
+    """Release a collected client's session (on its loop's thread, or with its loop not
+    running): background tasks cancelled, the unregister sent (its reply waited for at
+    most ``wait`` seconds), socket and HTTP session closed. Synchronous: nothing waits for
+    a loop that may never run again."""
+    try:
+        session.release_locally(loop, unregister=True, unregister_wait=wait)
+    finally:
+        done.set()
 
 
 def _collected_open(loop: asyncio.AbstractEventLoop, session: Session, desc: str, pid: int) -> None:
-    """``weakref.finalize`` callback of an :class:`AsyncClient` collected while open: a
-    :class:`ResourceWarning`, then the close. On its loop, if that loop still runs (the
-    callback may run in any thread: the close is handed over thread-safely), with the
-    unregister; else here, without it."""
+    """``weakref.finalize`` callback of an :class:`AsyncClient` collected while open (or
+    still open at interpreter exit): a :class:`ResourceWarning`, then the release, at once
+    (:func:`_release_collected`: nothing is awaited, no event loop needs to run again).
+
+    It runs on whichever thread collects the client. On the client's loop's thread, or
+    with that loop not running, it releases here; with the loop running in another thread
+    (whose reader may be using the socket) it hands the release to that thread. At
+    interpreter exit the unregister's reply is waited for (at most
+    :data:`EXIT_UNREGISTER_WAIT` seconds; a hand-over, that and a second more). A release
+    handed to a loop that stops first is done by the connection's own finalizer when it is
+    collected (the socket; the HTTP session is then aiohttp's to warn about)."""
     if os.getpid() != pid:
         return  # inherited across fork: the parent owns the socket and the registration
     warnings.warn(
@@ -125,11 +139,27 @@ def _collected_open(loop: asyncio.AbstractEventLoop, session: Session, desc: str
         ResourceWarning,
         stacklevel=2,
     )
-    if loop.is_running():
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(_close_collected, loop, session)
+    # At exit (threading has shut down: atexit handlers, weakref's among them, run next).
+    exiting = sys.is_finalizing() or not threading.main_thread().is_alive()
+    wait = EXIT_UNREGISTER_WAIT if exiting else 0.0
+    done = threading.Event()
+    if loop.is_running() and _running_loop() is not loop:
+        try:
+            loop.call_soon_threadsafe(_release_collected, loop, session, wait, done)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+        else:
+            if exiting:
+                done.wait(wait + 1.0)
             return
-    session.release_locally(loop)
+    _release_collected(loop, session, wait, done)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class ClientOptions(TypedDict, total=False):
@@ -213,10 +243,11 @@ class AsyncClient:
         observers: told when each operation starts and ends
             (:class:`~lmcache_async.observe.Observer`), besides those
             :func:`~lmcache_async.observe.add_observer` gave every client.
-        tracer_provider, meter_provider: an OpenTelemetry ``TracerProvider`` and/or
-            ``MeterProvider``: the client's operations become spans and metrics there
-            (:mod:`lmcache_async.otel`; needs the ``otel`` extra). Neither given:
-            OpenTelemetry is not imported.
+        tracer_provider: an OpenTelemetry ``TracerProvider``: the client's operations
+            become spans there (:mod:`lmcache_async.otel`; needs the ``otel`` extra).
+            Neither this nor ``meter_provider`` given: OpenTelemetry is not imported.
+        meter_provider: an OpenTelemetry ``MeterProvider``: the client's operations
+            become metrics there (the same extra).
     """
 
     def __init__(

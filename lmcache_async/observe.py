@@ -18,8 +18,9 @@ The OpenTelemetry support (:mod:`lmcache_async.otel`) is one such observer. Obse
 given to one client (``observers=``), or to every client made afterwards with
 :func:`add_observer`.
 
-What is observed: ``lookup``, ``retrieve``, ``store`` and ``remap`` (one record each), and
-the bulk jobs ``retrieve_many``, ``store_many`` and ``remap_many`` (one record for the job,
+What is observed: ``lookup``, ``retrieve``, ``store``, ``remap`` and ``compose`` (one record
+each), and the bulk jobs ``retrieve_many``, ``store_many``, ``remap_many`` and
+``compose_many`` (one record for the job,
 the *parent* of one record per operation its items run). A remap on the pickle transport
 runs a retrieve and a store: they are its children. Arguments refused before anything is
 sent (a ``ValueError`` for bad tokens) are not operations and are not observed.
@@ -34,8 +35,14 @@ short hash (:attr:`Operation.cache_salt_hash`).
 Cost: a client without observers tests one attribute for ``None`` per operation, nothing
 more. Both callbacks run on the event loop, in the caller's task (``operation_started``
 before the first request is sent, ``operation_ended`` when the caller gets its result or
-error); they must not block. An exception a callback raises is logged (``WARNING``, logger
-``lmcache_async._observing``) and never reaches the caller.
+error); they must not block. An exception a callback raises never reaches the caller: an
+observer's first failure is logged with its traceback (``WARNING``, logger
+``lmcache_async._observing``), its later ones at ``DEBUG`` only, and all are counted
+(:func:`observer_failures`). A callback that takes longer than :data:`SLOW_CALLBACK_S`
+(5 ms) gets one ``WARNING`` per observer, naming it.
+
+Removal: :func:`remove_observer` undoes :func:`add_observer` (for clients made
+afterwards); :func:`lmcache_async.otel.uninstrument` undoes ``instrument``.
 
 Timeout and cancellation: the record ends when the caller stops waiting, with
 :attr:`~Operation.outcome` ``"timeout"`` or ``"cancelled"``; the server-side cleanup the
@@ -48,7 +55,20 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-__all__ = ["Observer", "Operation", "Outcome", "add_observer", "observers", "remove_observer", "salt_hash"]
+__all__ = [
+    "SLOW_CALLBACK_S",
+    "Observer",
+    "Operation",
+    "Outcome",
+    "add_observer",
+    "observer_failures",
+    "observers",
+    "remove_observer",
+    "salt_hash",
+]
+
+#: Seconds: a callback slower than this gets one ``WARNING`` per observer.
+SLOW_CALLBACK_S: float = 0.005
 
 #: How an operation ended, as the caller saw it: ``"ok"`` (a result; a store or remap that
 #: found everything cached included), ``"miss"`` (a lookup or retrieve found nothing,
@@ -160,6 +180,17 @@ def remove_observer(observer: Observer) -> None:
     """Undo :func:`add_observer` for clients made from now on (a no-op if not added)."""
     global _installed
     _installed = tuple(o for o in _installed if o is not observer)
+
+
+#: Failures counted per observer, and the observers warned of as slow (see the module).
+_failures: dict[Any, int] = {}
+_slow_warned: set[Any] = set()
+
+
+def observer_failures(observer: Observer) -> int:
+    """How many times ``observer``'s callbacks have raised in this process (0 if never).
+    Only the first failure is logged at ``WARNING``; the later ones at ``DEBUG``."""
+    return _failures.get(observer, 0)
 
 
 def observers() -> tuple[Observer, ...]:

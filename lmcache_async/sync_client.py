@@ -50,7 +50,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import threading
 import time
 import warnings
 import weakref
@@ -148,7 +147,7 @@ def _at_exit() -> None:
     _exiting = True
     for client in list(_live):
         client._finalizer()
-    lt = LoopThread._current
+    lt = LoopThread.current()
     if lt is None or not lt.alive():
         return
     # Bounded (a hung server must not hold the exit for cleanup_grace + unregister): what
@@ -168,9 +167,7 @@ def _at_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
-    LoopThread._lock = threading.RLock()
-    LoopThread._current = None
-    LoopThread._retiring = None
+    LoopThread.reset_after_fork()
     tls.__dict__.clear()
     for client in list(_live):
         client._finalizer.detach()
