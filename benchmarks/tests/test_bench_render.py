@@ -274,7 +274,12 @@ def test_the_suite_runs_the_quality_section_without_a_server(monkeypatch: pytest
     bench_quality = importlib.import_module("benchmarks.suite.bench_quality")
     assert "quality" in run.ALL_SECTIONS and "quality" not in run.SHM_SECTIONS
     calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(bench_quality, "section", lambda **kw: calls.append(kw) or {"ok": True})
+
+    def section(**kw: Any) -> dict[str, Any]:
+        calls.append(kw)
+        return {"ok": True}
+
+    monkeypatch.setattr(bench_quality, "section", section)
     for profile in ("quick", "full"):
         prof = run.PROFILES[profile]
         assert run._run_section("quality", None, None, Path("python"), prof, "0.5.6") == {"ok": True}
