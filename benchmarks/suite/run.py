@@ -1,7 +1,8 @@
 """The whole benchmark suite in one command: ``make bench`` (or ``make bench-quick``).
 
     .venv/bin/python -m benchmarks.suite [--quick] [--generation 0.5.6|0.5.7]
-        [--sections rtt facade concurrent single_shm fresh untouched remap compose observe single_pickle] [--no-render]
+        [--sections rtt facade concurrent single_shm fresh untouched remap compose observe single_pickle quality]
+        [--no-render]
         [--out DIR]
 
 ``BENCH_QUICK=1`` in the environment is the same as ``--quick``. Starts the real LMCache
@@ -30,7 +31,12 @@ Sections (module, what):
 * ``compose`` (bench_compose.py): ``compose`` of a 16-chunk target from two parts vs a
   ``remap`` of the same size plus the rotation alone (no SDK counterpart);
 * ``observe`` (bench_observe.py): client CPU per small retrieve with observation off, a
-  do-nothing hook, and OpenTelemetry spans and metrics (no SDK counterpart).
+  do-nothing hook, and OpenTelemetry spans and metrics (no SDK counterpart);
+* ``quality`` (bench_quality.py): composed prompts on the trained model (SmolLM2-135M-Instruct,
+  on the CPU, its KV on an embedded server; no real server, no SDK counterpart): answer
+  accuracy, greedy agreement and KL to the full prefill for plain composition, the first-k
+  and the selective repair, and the time to first token at 1k-4k tokens (the full profile:
+  50 sets, about 20 minutes on 2 CPUs).
 
 The quick profile (fewer iterations, rounds and remap pairs) proves the pipeline in a few
 minutes; its figures are marked as such on the page. Only the single-operation sections
@@ -59,6 +65,7 @@ from benchmarks.suite import (
     bench_facade,
     bench_fresh,
     bench_observe,
+    bench_quality,
     bench_remap_batch,
     bench_rtt,
     bench_untouched,
@@ -76,7 +83,9 @@ SHM_SECTIONS = (
     "compose",
     "observe",
 )
-ALL_SECTIONS = (*SHM_SECTIONS, "single_pickle")
+#: Sections that start no server (the trained model's, on an embedded server).
+LOCAL_SECTIONS = ("quality",)
+ALL_SECTIONS = (*SHM_SECTIONS, "single_pickle", *LOCAL_SECTIONS)
 GEN057_SECTIONS = ("single_shm", "single_pickle")
 
 PROFILES: dict[str, dict[str, Any]] = {
@@ -99,6 +108,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "remap": {"pairs": 8, "rounds": 1},
         "compose": {"layers": 8, "iters": 3, "rounds": 1},
         "observe": {"prompts": 256, "rounds": 1, "concurrency": [8, 64]},
+        "quality": {"sets": 8, "new_tokens": 16, "contexts": [1024], "reps": 1},
     },
     "full": {
         "shm_l1_gb": 10,
@@ -119,12 +129,15 @@ PROFILES: dict[str, dict[str, Any]] = {
         "remap": {"pairs": 64, "rounds": 3},
         "compose": {"layers": 32, "iters": 4, "rounds": 3},
         "observe": {"prompts": 256, "rounds": 5, "concurrency": [8, 64]},
+        "quality": {"sets": 50, "new_tokens": 16, "contexts": [1024, 2048, 4096], "reps": 2},
     },
 }
 
 
 def _run_section(name: str, shm: RealLMCacheServer | None, pickle: RealLMCacheServer | None,
                  python: Path, prof: dict[str, Any], generation: str) -> dict[str, Any]:  # fmt: skip
+    if name == "quality":
+        return bench_quality.section(**prof["quality"])
     if name == "single_pickle":
         assert pickle is not None
         return bench_client.section(pickle, python=python, generation=generation, **prof["single_pickle"])

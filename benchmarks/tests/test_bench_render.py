@@ -214,3 +214,74 @@ def test_bench_cuda_json_is_summarised_against_the_link_and_the_sdk(render: Any,
     )
     assert "not comparable with the rows above) | 0.3 GB/s, 1600.00 ms |  |" in gpu
     assert "pageable" not in gpu  # no figures, no row
+
+
+QUALITY_JSON = Path(__file__).resolve().parents[1] / "results" / "0.1.0" / "quality.json"
+
+
+def test_the_quality_section_renders_its_tables_the_targets_and_the_published_figures(
+    render: Any, tmp_path: Path
+) -> None:
+    results = _write_results(tmp_path)
+    text = render.render(results, tmp_path / "notes", tmp_path / "img")
+    assert f"Not measured in this run (`{render.COMMANDS['quality']}`)." in text
+    doc = json.loads(QUALITY_JSON.read_text())
+    (results / "quality.json").write_text(json.dumps(doc))
+    text = render.render(results, tmp_path / "notes", tmp_path / "img")
+    assert "\n## Composed prompts on a trained model: quality and time to first token\n" in text
+    m = doc["result"]["quality"]["methods"]["blend_0.15"]
+    row = (
+        f"| selective repair 15 % (`compose_and_blend`) | {m['recomputed_share'] * 100:.1f} % | "
+        f"{m['accuracy']:.2f} | {m['greedy_agreement']:.2f} | {m['first_token_agreement']:.2f} | "
+        f"{m['kl_mean']:.3f} |"
+    )
+    assert row in text
+    assert "selective repair 0 %" not in text  # bitwise the plain composition: one row
+    t = doc["result"]["ttft"]["2048"]
+    assert f"| {t['prompt_tokens']} ({t['documents']} documents) | {t['ms']['full']:.0f} ms |" in text
+    v = doc["result"]["verdict"]
+    met = "met" if v["greedy_agreement_met"] else "**not met**"
+    assert (
+        f"| composed prompts, <= 15 % recomputed: greedy agreement >= 90 % | {v['greedy_agreement'] * 100:.0f} % | {met} |"
+        in text
+    )
+    assert "| CacheBlend (Yao et al., EuroSys 2025) |" in text and "| EPIC (Hu et al., ICML 2025) |" in text
+    assert render.render(results, tmp_path / "notes", tmp_path / "img") == text
+
+
+def test_the_guide_block_between_the_quality_markers_is_replaced_and_nothing_else(
+    render: Any, tmp_path: Path
+) -> None:
+    doc = json.loads(QUALITY_JSON.read_text())
+    guide = tmp_path / "guide.md"
+    before, after = "# Guide\n\nText before.\n\n", "\n\nText after.\n"
+    guide.write_text(f"{before}{render.QUALITY_BEGIN}\nold table\n{render.QUALITY_END}{after}")
+    assert render.write_guide_tables(doc, guide) is True
+    text = guide.read_text()
+    assert (
+        text == f"{before}{render.QUALITY_BEGIN}\n\n{render.quality_tables(doc)}\n{render.QUALITY_END}{after}"
+    )
+    assert "old table" not in text
+    assert render.write_guide_tables(doc, guide) is True and guide.read_text() == text  # again: the same
+    assert render.write_guide_tables(None, guide) is False and guide.read_text() == text
+    plain = tmp_path / "plain.md"
+    plain.write_text("no markers\n")
+    assert render.write_guide_tables(doc, plain) is False and plain.read_text() == "no markers\n"
+
+
+def test_the_suite_runs_the_quality_section_without_a_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    run = importlib.import_module("benchmarks.suite.run")
+    bench_quality = importlib.import_module("benchmarks.suite.bench_quality")
+    assert "quality" in run.ALL_SECTIONS and "quality" not in run.SHM_SECTIONS
+    calls: list[dict[str, Any]] = []
+
+    def section(**kw: Any) -> dict[str, Any]:
+        calls.append(kw)
+        return {"ok": True}
+
+    monkeypatch.setattr(bench_quality, "section", section)
+    for profile in ("quick", "full"):
+        prof = run.PROFILES[profile]
+        assert run._run_section("quality", None, None, Path("python"), prof, "0.5.6") == {"ok": True}
+    assert calls == [run.PROFILES["quick"]["quality"], run.PROFILES["full"]["quality"]]
+    assert calls[1] == {"sets": 50, "new_tokens": 16, "contexts": [1024, 2048, 4096], "reps": 2}

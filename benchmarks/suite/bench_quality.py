@@ -1,0 +1,336 @@
+"""Composed prompts on a trained model: do they keep their answers, and how fast is the first token?
+
+    .venv/bin/python -m benchmarks.suite.bench_quality [--sets 50] [--new-tokens 16]
+        [--contexts 1024 2048 4096] [--reps 2] [--json | --out benchmarks/results/0.1.0/quality.json]
+
+(``make bench`` runs it as the ``quality`` section.) Model: SmolLM2-135M-Instruct in float32
+(``lmcache_async.testing.trained``), on the CPU, its KV served by an embedded server (chunk
+16, SHM transfer): what is measured is the model's answers and compute, not the server.
+
+Quality. The corpus of :mod:`benchmarks.suite.quality_corpus` (``--sets`` question/document
+sets, 2-4 documents each, facts at depths 0, 2 or 4 of 5 sentences). Each document and
+the system prompt are cached alone (each at positions 0..), then the prompt ``system +
+documents + question`` (chat template) is served from LMCache after one of:
+
+* ``full``: the full prefill of the prompt (the reference; no cache);
+* ``plain``: :meth:`AsyncClient.compose` (documents' keys rotated to their new positions);
+* ``first_k``: :func:`hf.compose_and_repair` with ``recompute=16`` (each document's first
+  16 tokens recomputed; EPIC's idea);
+* ``blend_<f>``: :func:`hf.compose_and_blend` with ``recompute_fraction`` f in 0, 0.05, 0.10,
+  0.15, 0.30, and 0.50 and 1.0 for reference (CacheBlend's selection at layer 1; 1.0 is
+  the full prefill's KV to float rounding).
+
+Per method: accuracy (the answer appears in the greedy answer: up to ``--new-tokens`` tokens,
+stopping at ``<|im_end|>``), greedy
+agreement with the full prefill (all tokens equal), first-token agreement, the next-token
+KL(full || method), and the share of the documents' tokens recomputed.
+
+Time to first token (TTFT) at ``--contexts`` tokens: documents of the corpus are cached
+alone and composed into a prompt of about that many tokens; the full prefill's TTFT is its
+forward pass; a composed method's is the composition call (retrieves, model work, store)
+plus the serve's retrieve and the question's prefill. Median of ``--reps``, alternating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.suite.quality_corpus import QASet, corpus
+from lmcache_async import AsyncClient, KVPart, RopeSpec, hf
+from lmcache_async.testing import EmbeddedServer, trained
+
+CS = 16
+SYSTEM = "Answer the question using the documents. Reply with the answer only."
+FIRST_K = 16
+FRACTIONS = (0.0, 0.05, 0.10, 0.15, 0.30, 0.50, 1.0)
+METHODS = ("full", "plain", "first_k", *(f"blend_{f:.2f}" for f in FRACTIONS))
+#: The targets of issue 32, at <= 15 % recomputed.
+TARGETS = {"accuracy_points_below_full": 2.0, "greedy_agreement": 0.90, "ttft_ratio_2k": 0.4}
+
+#: Published figures beside ours (what differs: model, data, hardware; see the guide).
+PUBLISHED = [
+    {
+        "work": "CacheBlend (Yao et al., EuroSys 2025)",
+        "setting": "Mistral-7B, Yi-34B, Llama-70B; 2WikiMQA, MuSiQue, SAMSum, MultiNews; GPU",
+        "figure": "default 15 % of tokens recomputed (chosen by KV deviation); TTFT 2.2-3.3x lower "
+        "and throughput 2.8-5x higher than full KV recompute, without compromising generation "
+        "quality (abstract)",
+    },
+    {
+        "work": "EPIC (Hu et al., ICML 2025)",
+        "setting": "Mistral-7B, Llama-3.1-8B, Yi-9B; LongBench-style RAG tasks; GPU",
+        "figure": "LegoLink: recompute the first few (<= 32) tokens of each chunk; up to 8x TTFT "
+        "and 7x throughput over existing systems, negligible or no accuracy loss (abstract)",
+    },
+]
+
+
+def _tokens(text: str) -> list[int]:
+    return [int(t) for t in trained.smollm2_tokenizer()(text, add_special_tokens=False)["input_ids"]]
+
+
+def _padded(tokens: list[int]) -> list[int]:
+    """A cacheable source: the text padded with newlines to whole chunks."""
+    nl = _tokens("\n")[-1]
+    return tokens + [nl] * (-len(tokens) % CS)
+
+
+PREFIX = "<|im_start|>system\n" + SYSTEM + "<|im_end|>\n<|im_start|>user\n"
+
+
+def _question(q: str) -> list[int]:
+    return _tokens(f"Question: {q}<|im_end|>\n<|im_start|>assistant\n")
+
+
+async def _cache_alone(client: AsyncClient, model: Any, pieces: list[list[int]]) -> list[KVPart]:
+    """Each piece cached alone (padded to whole chunks); its part in a composition."""
+    parts = []
+    for toks in pieces:
+        source = _padded(toks)
+        if await client.lookup(source) < len(source):
+            await hf.prefill_and_store(client, model, source)
+        parts.append(KVPart(source, 0, len(toks), cache_salt=""))
+    return parts
+
+
+def _method(
+    client: AsyncClient, model: Any, name: str
+) -> Callable[[list[int], list[KVPart], str], Awaitable[int]]:
+    """The composition of ``name``: returns the tokens it recomputed."""
+    rope = RopeSpec.from_hf_config(model.config)
+
+    async def run(target: list[int], parts: list[KVPart], salt: str) -> int:
+        if name == "plain":
+            await client.compose(target, parts, rope=rope, cache_salt=salt)
+            return 0
+        if name == "first_k":
+            out = await hf.compose_and_repair(
+                client, model, target, parts, recompute=FIRST_K, cache_salt=salt
+            )
+        else:
+            f = float(name.removeprefix("blend_"))
+            out = await hf.compose_and_blend(
+                client, model, target, parts, recompute_fraction=f, cache_salt=salt
+            )
+        return out.recomputed_tokens
+
+    return run
+
+
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    p = torch.log_softmax(p_logits.double(), -1)
+    q = torch.log_softmax(q_logits.double(), -1)
+    return float((p.exp() * (p - q)).sum())
+
+
+async def quality(client: AsyncClient, model: Any, sets: list[QASet], new_tokens: int) -> dict[str, Any]:
+    tok = trained.smollm2_tokenizer()
+    prefix = _tokens(PREFIX)
+    rows: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
+    examples = []
+    for i, s in enumerate(sets):
+        docs = [_tokens(d) for d in s.documents]
+        parts = await _cache_alone(client, model, [prefix, *docs])
+        target = [t for p in (prefix, *docs) for t in p] + _question(s.question)
+        doc_tokens = sum(len(d) for d in docs)
+        eos = tok.eos_token_id
+        full = await hf.run_model(hf.generate, model, target, max_new_tokens=new_tokens, eos_token_id=eos)
+        for name in METHODS:
+            if name == "full":
+                g, recomputed = full, doc_tokens
+            else:
+                salt = f"q{i}-{name}"
+                recomputed = await _method(client, model, name)(target, parts, salt)
+                g = await hf.generate_with_cache(
+                    client, model, target, salt, max_new_tokens=new_tokens, eos_token_id=eos
+                )
+            text = tok.decode(g.tokens)
+            rows[name].append(
+                {
+                    "correct": s.answer.lower() in text.lower(),
+                    "agree": g.tokens == full.tokens,
+                    "first_agree": g.tokens[:1] == full.tokens[:1],
+                    "kl": 0.0 if name == "full" else _kl(full.logits, g.logits),
+                    "recomputed_share": recomputed / doc_tokens,
+                    "prompt_tokens": len(target),
+                }
+            )
+            if i < 3:
+                examples.append({"set": i, "method": name, "answer": s.answer, "output": text})
+        print(f"  set {i + 1}/{len(sets)}: {len(target)} tokens", file=sys.stderr, flush=True)
+    table = {}
+    for name, r in rows.items():
+        n = len(r)
+        table[name] = {
+            "accuracy": round(sum(x["correct"] for x in r) / n, 4),
+            "greedy_agreement": round(sum(x["agree"] for x in r) / n, 4),
+            "first_token_agreement": round(sum(x["first_agree"] for x in r) / n, 4),
+            "kl_mean": round(statistics.fmean(x["kl"] for x in r), 5),
+            "kl_median": round(statistics.median(x["kl"] for x in r), 5),
+            "recomputed_share": round(statistics.fmean(x["recomputed_share"] for x in r), 4),
+        }
+    lengths = [x["prompt_tokens"] for x in rows["full"]]
+    by_depth: dict[str, dict[str, float]] = {}
+    for name in METHODS:
+        for depth in sorted({s.depth for s in sets}):
+            hits = [x["correct"] for x, s in zip(rows[name], sets, strict=True) if s.depth == depth]
+            by_depth.setdefault(name, {})[str(depth)] = round(sum(hits) / len(hits), 4)
+    return {
+        "sets": len(sets),
+        "documents_per_set": [2, 4],
+        "prompt_tokens": {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths)},
+        "new_tokens": new_tokens,
+        "first_k": FIRST_K,
+        "methods": table,
+        "accuracy_by_depth": by_depth,
+        "examples": examples,
+    }
+
+
+async def ttft(
+    client: AsyncClient, model: Any, contexts: list[int], reps: int, methods: list[str]
+) -> dict[str, Any]:
+    sets = corpus(400, seed=1)
+    pool = [_tokens(d) for s in sets for d in s.documents]
+    prefix = _tokens(PREFIX)
+    out: dict[str, Any] = {}
+    for n in contexts:
+        docs: list[list[int]] = []
+        total = len(prefix)
+        it = iter(pool)
+        while total < n - 32:
+            d = next(it)
+            docs.append(d)
+            total += len(d)
+        parts = await _cache_alone(client, model, [prefix, *docs])
+        target = [t for p in (prefix, *docs) for t in p] + _question(sets[0].question)
+        times: dict[str, list[float]] = {m: [] for m in ("full", *methods)}
+        for rep in range(reps):
+            order = ["full", *methods] if rep % 2 == 0 else [*methods[::-1], "full"]
+            for name in order:
+                if name == "full":
+                    g = await hf.run_model(hf.generate, model, target, max_new_tokens=1)
+                    times[name].append(g.prefill_ms)
+                    continue
+                salt = f"t{n}-{rep}-{name}-{time.time_ns()}"
+                t0 = time.perf_counter()
+                await _method(client, model, name)(target, parts, salt)
+                compose_ms = (time.perf_counter() - t0) * 1000.0
+                g = await hf.generate_with_cache(client, model, target, salt, max_new_tokens=1)
+                times[name].append(compose_ms + g.retrieve_ms + g.prefill_ms)
+            print(f"  ttft {n}: rep {rep + 1}/{reps}", file=sys.stderr, flush=True)
+        full_ms = statistics.median(times["full"])
+        out[str(n)] = {
+            "prompt_tokens": len(target),
+            "documents": len(docs),
+            "ms": {m: round(statistics.median(v), 1) for m, v in times.items()},
+            "ratio_to_full": {m: round(statistics.median(v) / full_ms, 3) for m, v in times.items()},
+        }
+    return out
+
+
+def section(*, sets: int, new_tokens: int, contexts: list[int], reps: int) -> dict[str, Any]:
+    """The whole section on an embedded server; returns the result dict."""
+    return asyncio.run(_section(sets=sets, new_tokens=new_tokens, contexts=contexts, reps=reps))
+
+
+async def _section(*, sets: int, new_tokens: int, contexts: list[int], reps: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    model = trained.smollm2()
+    load_s = time.perf_counter() - t0
+    geometry = hf.geometry_from_model(model)
+    tokens_needed = 40_000 + 2 * sum(contexts) * (3 + 7 * reps)
+    size = geometry.bytes_per_token * tokens_needed
+    async with EmbeddedServer(chunk_size=CS, mode="shm", size_bytes=size) as srv:
+        async with AsyncClient(
+            srv.url, srv.http_url, f"quality-{time.time_ns()}", geometry=geometry, timeout=600
+        ) as c:
+            await hf.run_model(hf.prefill, model, _tokens(PREFIX) * 4)  # warm-up, not counted
+            q = await quality(c, model, corpus(sets), new_tokens)
+            t = await ttft(c, model, contexts, reps, ["plain", "first_k", "blend_0.15"])
+    result = {
+        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to float32)",
+        "gguf": trained.GGUF_NAME,
+        "model_load_s": round(load_s, 1),
+        "chunk_size": CS,
+        "quality": q,
+        "ttft": t,
+        "published": PUBLISHED,
+        "targets": TARGETS,
+    }
+    result["verdict"] = verdict(result)
+    return result
+
+
+def verdict(result: dict[str, Any]) -> dict[str, Any]:
+    """Each target of issue 32, met or not, for the cheapest blend at <= 15 % that meets the
+    quality ones (else the 15 % blend)."""
+    m = result["quality"]["methods"]
+    full = m["full"]["accuracy"]
+    cands = [k for k in m if k.startswith("blend_") and m[k]["recomputed_share"] <= 0.15 + 1e-9]
+    good = [
+        k
+        for k in cands
+        if (full - m[k]["accuracy"]) * 100 <= TARGETS["accuracy_points_below_full"]
+        and m[k]["greedy_agreement"] >= TARGETS["greedy_agreement"]
+    ]
+    pick = good[0] if good else "blend_0.15"
+    ttft2k = result["ttft"].get("2048", {}).get("ratio_to_full", {}).get(pick)
+    if ttft2k is None:
+        ttft2k = result["ttft"].get("2048", {}).get("ratio_to_full", {}).get("blend_0.15")
+    acc_pts = round((full - m[pick]["accuracy"]) * 100, 1)
+    return {
+        "method": pick,
+        "accuracy_points_below_full": acc_pts,
+        "accuracy_met": acc_pts <= TARGETS["accuracy_points_below_full"],
+        "greedy_agreement": m[pick]["greedy_agreement"],
+        "greedy_agreement_met": m[pick]["greedy_agreement"] >= TARGETS["greedy_agreement"],
+        "ttft_ratio_2k": ttft2k,
+        "ttft_met": None if ttft2k is None or math.isnan(ttft2k) else ttft2k <= TARGETS["ttft_ratio_2k"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sets", type=int, default=50)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--out", type=Path, help="write the suite's result document here")
+    args = parser.parse_args(argv)
+    if args.sets < 1 or args.new_tokens < 1 or args.reps < 1:
+        parser.error("--sets, --new-tokens and --reps must be >= 1")
+    from benchmarks.harness import stamp
+
+    t0 = time.monotonic()
+    head = stamp("0.5.6", profile="full")
+    params = {"sets": args.sets, "new_tokens": args.new_tokens, "contexts": args.contexts, "reps": args.reps}
+    result = section(**params)
+    if args.out is not None:
+        import os
+
+        head["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
+        head["seconds"] = round(time.monotonic() - t0, 1)
+        doc = {"section": "quality", "stamp": head, "params": params, "result": result}
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    if args.json or args.out is None:
+        print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
