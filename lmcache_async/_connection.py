@@ -57,7 +57,16 @@ from zmq.utils.monitor import parse_monitor_message
 
 from lmcache_async import _trace
 from lmcache_async._runner import Expired, cancel_and_wait, expire
-from lmcache_async._wire import GEN_0_5_6, Op, Reply, WireGeneration, decode_reply, encode_request, op_name
+from lmcache_async._wire import (
+    GEN_0_5_6,
+    Op,
+    Reply,
+    WireGeneration,
+    decode_reply,
+    encode_request,
+    op_name,
+    packb,
+)
 from lmcache_async.errors import (
     ClientClosedError,
     LMCacheConnectionError,
@@ -65,7 +74,7 @@ from lmcache_async.errors import (
     ProtocolError,
 )
 
-__all__ = ["Connection", "PendingTable", "check_zmq_url"]
+__all__ = ["Connection", "PendingTable", "ReplyStream", "check_zmq_url"]
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +191,7 @@ class PendingTable:
 
     def __init__(self) -> None:
         self._entries: dict[int, _Entry] = {}
+        self._streams: dict[int, ReplyStream] = {}  # issue 33: streaming requests
         self._uids = itertools.count()
         self.dropped_unknown = 0
         self.dropped_mismatch = 0
@@ -204,6 +214,10 @@ class PendingTable:
 
     def resolve(self, reply: Reply) -> bool:
         """Route a reply; returns False (and counts it) if it was dropped."""
+        if self._streams:  # issue 33: a streaming request gets many replies
+            stream = self._streams.get(reply.uid)
+            if stream is not None:
+                return self._resolve_stream(stream, reply)
         entry = self._entries.get(reply.uid)
         if entry is None or entry.future.done():
             self.dropped_unknown += 1
@@ -218,13 +232,133 @@ class PendingTable:
 
     def fail_all(self, exc_factory: Any) -> int:
         """Fail every in-flight future with ``exc_factory(op)`` and empty the table;
-        returns how many."""
+        returns how many. Open streams end with the same error."""
         entries = list(self._entries.values())
         self._entries.clear()
         for entry in entries:
             if not entry.future.done():
                 entry.future.set_exception(exc_factory(entry.op))
-        return len(entries)
+        streams = list(self._streams.values())  # issue 33
+        self._streams.clear()
+        for stream in streams:
+            stream._fail(exc_factory(stream.op))
+        return len(entries) + len(streams)
+
+    # ---- issue 33: streaming requests (subscribe_kv_events)
+
+    def register_stream(self, stream_factory: Any) -> ReplyStream:
+        """Allocate a fresh uid for a streaming request and keep its stream until the
+        frameless end arrives, :meth:`fail_all` ends it, or :meth:`discard_stream`."""
+        uid = next(self._uids)
+        stream: ReplyStream = stream_factory(uid)
+        self._streams[uid] = stream
+        return stream
+
+    def discard_stream(self, uid: int) -> None:
+        """Forget the stream ``uid``; its later replies are dropped (and counted)."""
+        self._streams.pop(uid, None)
+
+    @property
+    def streams(self) -> int:
+        """Streaming requests open on this table."""
+        return len(self._streams)
+
+    def _resolve_stream(self, stream: ReplyStream, reply: Reply) -> bool:
+        if reply.op != int(stream.op) and reply.op != op_name(stream.op):
+            self.dropped_mismatch += 1
+            log.warning("dropping stream item %d: op %r echoed for %s", reply.uid, reply.op, op_name(stream.op))
+            return False
+        if reply.payload is None:  # the frameless end of the stream
+            del self._streams[reply.uid]
+        stream._push(reply)
+        return True
+
+
+class ReplyStream:
+    """The replies of one streaming request (issue 33), in arrival order.
+
+    The server sends one item, then waits for an ``ack`` control frame before it sends
+    the next (:meth:`ack`); ``cancel`` ends the stream on the server (:meth:`cancel`).
+    The stream ends with a frameless reply ``[uid, op]`` (:meth:`next` returns
+    ``None``) or with the connection's loss or close (:meth:`next` raises it).
+    """
+
+    def __init__(self, conn: Connection, uid: int, op: Op) -> None:
+        self._conn = conn
+        self.uid = uid
+        self.op = op
+        self._uid_frame = packb(uid)
+        self._items: collections.deque[Reply] = collections.deque()
+        self._error: BaseException | None = None
+        self.ended = False  # the frameless end arrived, or the stream failed
+        self._waiter: asyncio.Future[None] | None = None
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _push(self, reply: Reply) -> None:
+        if reply.payload is None:
+            self.ended = True
+        else:
+            self._items.append(reply)
+        self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self.ended:
+            self.ended = True
+            self._error = exc
+        self._wake()
+
+    async def next(self) -> Reply | None:
+        """The next item, or ``None`` once the server ended the stream.
+
+        Waits without a deadline (an idle stream sends nothing): the caller bounds it.
+
+        Raises:
+            LMCacheConnectionError: the connection was lost (or its reader stopped).
+            ClientClosedError: the connection was closed.
+
+        Cancellation: nothing is consumed; the stream stays open.
+        """
+        while True:
+            if self._items:
+                return self._items.popleft()
+            if self.ended:
+                if self._error is not None:
+                    raise self._error
+                return None
+            assert self._conn._loop is not None
+            self._waiter = self._conn._loop.create_future()
+            await self._waiter
+
+    def ack(self) -> bool:
+        """Grant the server credit for the next item; False when it could not be sent
+        (the connection is down: the stream is then failed by the loss anyway)."""
+        return self._control(b"ack")
+
+    def cancel(self) -> bool:
+        """Ask the server to end the stream (it answers with the frameless end, which
+        is dropped: the stream is forgotten here at once); False when it could not be
+        sent (disconnected or closed: the server's stream ends with the lost peer, or
+        by its liveness reaper)."""
+        self._conn._table.discard_stream(self.uid)
+        if not self.ended:
+            self.ended = True
+            self._wake()
+        return self._control(b"cancel")
+
+    def _control(self, action: bytes) -> bool:
+        conn = self._conn
+        if not conn.usable:
+            return False
+        try:
+            return conn._send([self._uid_frame, b"", action], self.op)
+        except LMCacheConnectionError:
+            return False
+
+    # ---- end issue 33
 
 
 class Connection:
@@ -539,6 +673,42 @@ class Connection:
             if fut is not None and not fut.done():
                 fut.cancel()
             self._release_place()
+
+    # ---- issue 33: streaming requests
+
+    async def open_stream(self, op: Op, args: Sequence[Any] = (), *, timeout: float | None) -> ReplyStream:
+        """Send a streaming request; its items arrive on the returned :class:`ReplyStream`.
+
+        ``timeout`` bounds the send only (a peer not yet ready); the items have no
+        deadline. Streams take no place among ``max_in_flight``.
+
+        Raises:
+            LMCacheConnectionError: not connected, or not ready in time (nothing sent).
+            ClientClosedError: the connection is closed.
+
+        Cancellation: the stream is forgotten; if the request was sent, a ``cancel``
+        control frame follows it.
+        """
+        self._check_sendable(op)
+        start = time.monotonic()
+        stream = self._table.register_stream(lambda uid: ReplyStream(self, uid, op))
+        sent = False
+        try:
+            frames = encode_request(stream.uid, op, args, self.wire)
+            if not self._send(frames, op):
+                await self._send_when_ready(frames, op, start, timeout)
+            sent = True
+            return stream
+        finally:
+            if not sent:
+                self._table.discard_stream(stream.uid)
+
+    @property
+    def open_streams(self) -> int:
+        """Streaming requests open on this connection."""
+        return self._table.streams
+
+    # ---- end issue 33
 
     def send_nowait(
         self, op: Op, args: Sequence[Any], *, timeout: float | None

@@ -60,6 +60,7 @@ __all__ = [
     "PreEncoded",
     "RegisterPayload",
     "Reply",
+    "STRING_ONLY_OPS",
     "SlotDescriptor",
     "WireGeneration",
     "bin_header",
@@ -106,6 +107,11 @@ class Op(enum.IntEnum):
     PING = 22
     NOOP = 24
     GET_EXPERIMENTAL = 32
+    # ---- issue 33 (KV events): string-only operations. They have no legacy id: the
+    # value is a local key only, never sent (encode_request sends the name, see
+    # STRING_ONLY_OPS).
+    SUBSCRIBE_KV_EVENTS = 1001
+    # ---- end issue 33
 
 
 #: The server's operation names, by legacy id (what the ``op`` frame may also carry).
@@ -128,6 +134,9 @@ OP_NAMES: Final[dict[int, str]] = {
     Op.PING: "ping",
     Op.NOOP: "noop",
     Op.GET_EXPERIMENTAL: "get_experimental",
+    # ---- issue 33 (KV events)
+    Op.SUBSCRIBE_KV_EVENTS: "subscribe_kv_events",
+    # ---- end issue 33
 }
 
 #: Number of argument frames each operation takes (the server rejects any other count).
@@ -150,7 +159,16 @@ OP_ARITY: Final[dict[Op, int]] = {
     Op.PING: 1,
     Op.NOOP: 0,
     Op.GET_EXPERIMENTAL: 0,
+    # ---- issue 33 (KV events): instance_id, model_name, cursor, max_events
+    Op.SUBSCRIBE_KV_EVENTS: 4,
+    # ---- end issue 33
 }
+
+# ---- issue 33 (KV events)
+#: Operations the server knows by name only: their ``op`` frame is the msgpack name
+#: (the server's frozen id table has none for them; an unknown int is dropped).
+STRING_ONLY_OPS: Final[frozenset[Op]] = frozenset({Op.SUBSCRIBE_KV_EVENTS})
+# ---- end issue 33
 
 
 def pack_token_bytes(tokens: Sequence[int]) -> bytes:
@@ -725,7 +743,8 @@ def encode_request(
     if uid < 0:
         raise ValueError("uid must be non-negative")
     args = generation.request_args(op, args)
-    frames: list[bytes | bytearray | memoryview] = [packb(uid), packb(int(op))]
+    opframe = packb(OP_NAMES[op]) if op in STRING_ONLY_OPS else packb(int(op))  # issue 33
+    frames: list[bytes | bytearray | memoryview] = [packb(uid), opframe]
     for arg in args:
         frames.append(arg.frame if isinstance(arg, PreEncoded) else packb(arg))
     return frames

@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, Unpack
 
 import torch
 
-from lmcache_async import _observing as observing, observe
+from lmcache_async import _observing as observing, management, observe
 from lmcache_async._compose import ComposeResult, Fill, KVPart, compose
 from lmcache_async._connection import DEFAULT_MAX_IN_FLIGHT, check_zmq_url
 from lmcache_async._cuda.hooks import caller_order, kv_mark, target_mark
 from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
+from lmcache_async._event_stream import KVEventStream  # issue 33
 from lmcache_async._ops import Operations, RemapResult
 from lmcache_async._ops.shm import Source
 from lmcache_async._runner import OpState, run_detached, wait_all
@@ -60,6 +61,8 @@ from lmcache_async.errors import (
     WrongEventLoopError,
 )
 from lmcache_async.geometry import KVGeometry
+from lmcache_async.hashing import check_hash_algorithm, chunk_hashes, hash_algorithm_of  # issue 33
+from lmcache_async.management import DeleteResult, WarmResult  # issue 33
 from lmcache_async.rope import RopeSpec
 
 if TYPE_CHECKING:  # bulk imports this module; its types are needed for annotations only
@@ -1197,6 +1200,192 @@ class AsyncClient:
 
     def _timeout(self, timeout: float | DefaultType | None) -> float | None:
         return resolve_timeout(timeout, self.timeout)
+
+    # ---- issue 33: KV events, chunk hashes, management calls (the logic lives in
+    # lmcache_async._event_stream, lmcache_async.hashing and lmcache_async.management)
+
+    def kv_events(
+        self,
+        model_name: str | None = None,
+        *,
+        cursor: int = 0,
+        incarnation: int | None = None,
+        max_events: int = 256,
+        ping_interval: float = 10.0,
+        reconnect_timeout: float | None = 60.0,
+    ) -> KVEventStream:
+        """The server's KV events for ``model_name`` (default: this client's model), as
+        an async iterator of :class:`~lmcache_async.events.StoredEvent`,
+        :class:`~lmcache_async.events.RemovedEvent` and
+        :class:`~lmcache_async.events.Resync` items::
+
+            async with client.kv_events() as events:
+                async for ev in events:
+                    ...
+
+        The subscription uses a random subscriber id of its own (pinged every
+        ``ping_interval`` seconds, never this client's registration id); the server sends
+        the next batch of at most ``max_events`` records (1..1024) only when the
+        consumer asked for the item after the previous batch's last one; a lost
+        connection or a restarted server is resumed from :attr:`KVEventStream.cursor`
+        (``cursor``/``incarnation`` resume a stream of an earlier process), and a
+        ``Resync`` says events were missed. ``stored`` events come only from the
+        lmcache-driven (vLLM) path: stores made by this client publish none
+        (docs/guides/routing.md).
+
+        Raises (here, nothing sent): ValueError/TypeError for bad arguments.
+        Iteration raises what :meth:`KVEventStream.__anext__` says; waiting for an
+        event has no deadline (an idle server sends nothing).
+
+        Cancellation, ``aclose()``, leaving ``async with``, or dropping the iterator:
+        the subscription is cancelled on the server.
+        """
+        name = self.model_name if model_name is None else validate_model_name(model_name)
+        stream = KVEventStream(
+            self._session.conn,
+            name,
+            cursor=cursor,
+            incarnation=incarnation,
+            max_events=max_events,
+            ping_interval=ping_interval,
+            reconnect_timeout=reconnect_timeout,
+        )
+        self._require_open()
+        self._check_loop()
+        return stream
+
+    def chunk_hashes(self, tokens: Sequence[int], *, start: int = 0, end: int | None = None) -> list[bytes]:
+        """The server's chunk hashes (32-byte blake3 digests) of ``tokens`` at this
+        server's chunk size: the hashes its KV events carry
+        (:func:`lmcache_async.hashing.chunk_hashes`; ``start``/``end`` as there).
+
+        Raises:
+            UnsupportedHashAlgorithmError: the server's ``/status`` or ``/config`` (read
+                at connect) names another hash algorithm than blake3.
+            ValueError/TypeError: bad tokens or bounds.
+        """
+        self._require_open()
+        self._check_hash_algorithm()
+        return chunk_hashes(tokens, self._session.chunk_size, start=start, end=end)
+
+    def _check_hash_algorithm(self) -> None:
+        meta = self._session.meta
+        config, status = meta._cache["config"].value, meta._cache["status"].value
+        check_hash_algorithm(hash_algorithm_of(config, status), self.http_url)
+
+    async def experimental(self, *, timeout: float | DefaultType | None = DEFAULT) -> frozenset[str]:
+        """The experimental features the server advertises (``get_experimental``):
+        0.5.6 says ``"kv_event_stream"`` when its event channel is on; 0.5.7 lists only
+        features its modules add (``"transfer_query"``), and an empty set is usual.
+
+        Raises:
+            LMCacheTimeoutError: no answer within ``timeout``. ProtocolError: not a list of str.
+        """
+        self._require_open()
+        self._check_loop()
+        reply = await self._session.conn.call(Op.GET_EXPERIMENTAL, (), timeout=self._timeout(timeout))
+        value = reply.value()
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ProtocolError(f"get_experimental answered {value!r}")
+        return frozenset(value)
+
+    async def clear(self, *, force: bool, timeout: float | DefaultType | None = DEFAULT) -> None:
+        """DANGER: empty the server's L1 cache for EVERY model and EVERY cache salt,
+        not only this client's (the ``clear`` RPC; L2 is untouched).
+
+        ``force`` must be given: ``False`` frees what no reader or writer holds (locked
+        objects and live reservations stay); ``True`` frees everything, including
+        objects other clients are reading and reservations they are filling (their
+        operations may then fail or read freed memory: only on a server nobody else uses).
+        The removals are published as ``removed`` KV events.
+
+        Raises:
+            TypeError: ``force`` is not a bool (nothing sent).
+            LMCacheTimeoutError: no answer within ``timeout`` (the clear may still run).
+        """
+        if not isinstance(force, bool):
+            raise TypeError(f"force must be a bool, got {type(force).__name__}")
+        self._require_open()
+        self._check_loop()
+        await self._session.conn.call(Op.CLEAR, (force,), timeout=self._timeout(timeout))
+
+    async def warm(
+        self,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        *,
+        poll_interval: float = 0.05,
+        timeout: float | DefaultType | None = DEFAULT,
+    ) -> WarmResult:
+        """Load ``tokens``' chunks from the server's L2 into its L1 and leave them there
+        (``POST /cache/prefetches``, polled until it completes).
+
+        Best effort: the chunks are resident but unlocked, so the next eviction may take
+        them; chunks missing from L2 are skipped (gaps allowed); ``found`` counts chunks
+        already in L1 too. Needs a server with an L2 adapter and a layout registered for
+        the model by an inference engine.
+
+        Raises:
+            ServerError: the server cannot warm (no L2, no layout for the model, no route).
+            LMCacheTimeoutError: not completed within ``timeout`` (the prefetch may go on).
+
+        Cancellation: the polling stops; the server's prefetch goes on.
+        """
+        toks = validate_tokens(tokens)
+        validate_cache_salt(cache_salt)
+        timeout = self._timeout(timeout)
+        self._require_open()
+        self._check_loop()
+        return await management.warm(
+            self._session.meta,
+            self.model_name,
+            self.geometry.world_size,
+            toks,
+            cache_salt,
+            timeout,
+            poll_interval,
+        )
+
+    async def delete(
+        self,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        *,
+        start: int = 0,
+        tier: Literal["l1", "l2", "all"] = "l1",
+        force: bool = False,
+        timeout: float | DefaultType | None = DEFAULT,
+    ) -> DeleteResult:
+        """Delete the chunks of ``tokens`` from ``start`` (a multiple of the chunk size)
+        to the last whole chunk, for this client's model and ``cache_salt``, on every
+        rank (``DELETE /cache/objects`` with keys computed here).
+
+        DANGER: the chunks go for every client of this model and salt, and a prompt
+        sharing the prefix loses it too (chunks are named by the whole prefix up to
+        them). With ``force`` locked chunks are deleted as well (a reader holding them
+        may read freed memory). ``tier="l2"``/``"all"`` also deletes from L2. Published
+        as ``removed`` KV events (L1).
+
+        Raises:
+            UnsupportedHashAlgorithmError: the server does not hash with blake3.
+            ServerError/HTTPStatusError: the server refused the delete.
+            LMCacheTimeoutError: no answer within ``timeout``.
+        """
+        toks = validate_tokens(tokens)
+        validate_cache_salt(cache_salt)
+        if tier not in ("l1", "l2", "all"):
+            raise ValueError(f"tier must be 'l1', 'l2' or 'all', got {tier!r}")
+        if not isinstance(force, bool):
+            raise TypeError(f"force must be a bool, got {type(force).__name__}")
+        timeout = self._timeout(timeout)
+        hashes = self.chunk_hashes(toks, start=start)
+        keys = management.object_keys(hashes, self.model_name, self.geometry.world_size, cache_salt)
+        self._check_loop()
+        if not keys:
+            return DeleteResult(0, 0)
+        return await management.delete(self._session.meta, keys, tier, force, timeout)
+
+    # ---- end issue 33
 
 
 def _observers(
