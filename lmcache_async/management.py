@@ -53,8 +53,9 @@ class WarmResult:
 
 @dataclass(frozen=True, slots=True)
 class DeleteResult:
-    """What ``DELETE /cache/objects`` reported: keys deleted, and keys skipped (not
-    resident, or locked by a reader or writer when ``force`` was not given)."""
+    """What ``DELETE /cache/objects`` reported: keys deleted, and keys skipped because a
+    reader or writer held them (``force`` not given). Keys that were not resident count
+    in neither."""
 
     deleted: int
     skipped: int
