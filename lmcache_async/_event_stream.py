@@ -98,7 +98,11 @@ class KVEventStream:
             raise TypeError(f"incarnation must be an int or None, got {type(incarnation).__name__}")
         self.incarnation = incarnation
         self.max_events = validate_max_events(max_events)
-        if isinstance(ping_interval, bool) or not isinstance(ping_interval, int | float) or not 0 < ping_interval <= 30:
+        if (
+            isinstance(ping_interval, bool)
+            or not isinstance(ping_interval, int | float)
+            or not 0 < ping_interval <= 30
+        ):
             raise ValueError(f"ping_interval must be in (0, 30] seconds, got {ping_interval!r}")
         self.ping_interval = float(ping_interval)
         if reconnect_timeout is not None and (
@@ -240,7 +244,11 @@ class KVEventStream:
             self._ack_due = False
             return
         if reply is None:  # the server ended the stream (reaped, id taken, stopping)
-            log.info("kv events of %s: the server ended the stream; resuming from cursor %d", self._conn.url, self.cursor)
+            log.info(
+                "kv events of %s: the server ended the stream; resuming from cursor %d",
+                self._conn.url,
+                self.cursor,
+            )
             self._stream = None
             self._ack_due = False
             await asyncio.sleep(self._backoff)

@@ -83,7 +83,9 @@ def chunk_hashes(
     stop = whole if end is None else end
     for name, value in (("start", start), ("end", stop)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value % chunk_size:
-            raise ValueError(f"{name} must be a non-negative multiple of the chunk size {chunk_size}, got {value!r}")
+            raise ValueError(
+                f"{name} must be a non-negative multiple of the chunk size {chunk_size}, got {value!r}"
+            )
     if stop > whole:
         raise ValueError(f"end ({stop}) is past the last whole chunk ({whole} tokens)")
     if start > stop:

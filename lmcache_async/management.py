@@ -155,7 +155,9 @@ async def warm(
     if status == 503:
         raise ServerError(f"warm: {meta.http_url} cannot warm {model_name!r}: {_detail(doc)}")
     if status not in (200, 202):
-        raise HTTPStatusError(status, url, _detail(doc), f"warm: POST {url} failed with HTTP {status}: {_detail(doc)}")
+        raise HTTPStatusError(
+            status, url, _detail(doc), f"warm: POST {url} failed with HTTP {status}: {_detail(doc)}"
+        )
     if not isinstance(doc, dict) or type(doc.get("chunks")) is not int:
         raise ProtocolError(f"warm: POST /cache/prefetches answered {doc!r}")
     chunks = doc["chunks"]
@@ -168,7 +170,10 @@ async def warm(
         status, doc = await http_json(meta, "GET", f"/cache/prefetches/{request_id}", None, left())
         if status != 200 or not isinstance(doc, dict):
             raise HTTPStatusError(
-                status, f"{url}/{request_id}", _detail(doc), f"warm: polling prefetch {request_id} got HTTP {status}"
+                status,
+                f"{url}/{request_id}",
+                _detail(doc),
+                f"warm: polling prefetch {request_id} got HTTP {status}",
             )
         if doc.get("status") == "completed":
             found, total = doc.get("found_keys"), doc.get("total_keys")

@@ -272,7 +272,9 @@ def test_chunk_hashes_recipe() -> None:
     assert chunk_hashes(tokens, 16, start=16) == [h1]
     assert chunk_hashes(tokens, 16, end=16) == [h0]
     assert chunk_hashes(tokens[:15], 16) == []
-    with pytest.raises(ValueError, match="^start must be a non-negative multiple of the chunk size 16, got 3$"):
+    with pytest.raises(
+        ValueError, match="^start must be a non-negative multiple of the chunk size 16, got 3$"
+    ):
         chunk_hashes(tokens, 16, start=3)
     with pytest.raises(ValueError, match=r"^end \(48\) is past the last whole chunk \(32 tokens\)$"):
         chunk_hashes(tokens, 16, end=48)
