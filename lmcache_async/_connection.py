@@ -266,7 +266,9 @@ class PendingTable:
     def _resolve_stream(self, stream: ReplyStream, reply: Reply) -> bool:
         if reply.op != int(stream.op) and reply.op != op_name(stream.op):
             self.dropped_mismatch += 1
-            log.warning("dropping stream item %d: op %r echoed for %s", reply.uid, reply.op, op_name(stream.op))
+            log.warning(
+                "dropping stream item %d: op %r echoed for %s", reply.uid, reply.op, op_name(stream.op)
+            )
             return False
         if reply.payload is None:  # the frameless end of the stream
             del self._streams[reply.uid]
