@@ -1,7 +1,8 @@
 """The whole benchmark suite in one command: ``make bench`` (or ``make bench-quick``).
 
     .venv/bin/python -m benchmarks.suite [--quick] [--generation 0.5.6|0.5.7]
-        [--sections rtt facade concurrent single_shm fresh untouched remap compose observe single_pickle] [--no-render]
+        [--sections rtt facade concurrent single_shm fresh untouched remap compose observe single_pickle
+                    fleet] [--no-render]
         [--out DIR]
 
 ``BENCH_QUICK=1`` in the environment is the same as ``--quick``. Starts the real LMCache
@@ -30,7 +31,10 @@ Sections (module, what):
 * ``compose`` (bench_compose.py): ``compose`` of a 16-chunk target from two parts vs a
   ``remap`` of the same size plus the rotation alone (no SDK counterpart);
 * ``observe`` (bench_observe.py): client CPU per small retrieve with observation off, a
-  do-nothing hook, and OpenTelemetry spans and metrics (no SDK counterpart).
+  do-nothing hook, and OpenTelemetry spans and metrics (no SDK counterpart);
+* ``fleet`` (bench_fleet.py): KV events one subscriber keeps up with, the prefix index's
+  lookup time and memory per chunk, a routed retrieve vs asking every server (two
+  servers of its own, chunk size 16; no SDK counterpart).
 
 The quick profile (fewer iterations, rounds and remap pairs) proves the pipeline in a few
 minutes; its figures are marked as such on the page. Only the single-operation sections
@@ -57,6 +61,7 @@ from benchmarks.suite import (
     bench_compose,
     bench_concurrent,
     bench_facade,
+    bench_fleet,
     bench_fresh,
     bench_observe,
     bench_remap_batch,
@@ -76,7 +81,7 @@ SHM_SECTIONS = (
     "compose",
     "observe",
 )
-ALL_SECTIONS = (*SHM_SECTIONS, "single_pickle")
+ALL_SECTIONS = (*SHM_SECTIONS, "single_pickle", "fleet")
 GEN057_SECTIONS = ("single_shm", "single_pickle")
 
 PROFILES: dict[str, dict[str, Any]] = {
@@ -99,6 +104,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "remap": {"pairs": 8, "rounds": 1},
         "compose": {"layers": 8, "iters": 3, "rounds": 1},
         "observe": {"prompts": 256, "rounds": 1, "concurrency": [8, 64]},
+        "fleet": {"events": 4096, "rounds": 1, "prompts": 16, "index_chunks": 1_000_000},
     },
     "full": {
         "shm_l1_gb": 10,
@@ -119,6 +125,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "remap": {"pairs": 64, "rounds": 3},
         "compose": {"layers": 32, "iters": 4, "rounds": 3},
         "observe": {"prompts": 256, "rounds": 5, "concurrency": [8, 64]},
+        "fleet": {"events": 16384, "rounds": 3, "prompts": 64, "index_chunks": 1_000_000},
     },
 }
 
@@ -128,6 +135,8 @@ def _run_section(name: str, shm: RealLMCacheServer | None, pickle: RealLMCacheSe
     if name == "single_pickle":
         assert pickle is not None
         return bench_client.section(pickle, python=python, generation=generation, **prof["single_pickle"])
+    if name == "fleet":  # two servers of its own (chunk size 16)
+        return bench_fleet.section(python=python, **prof["fleet"])
     assert shm is not None
     if name == "single_shm":
         return bench_client.section(shm, python=python, generation=generation, **prof["single"])

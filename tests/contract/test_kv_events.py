@@ -100,7 +100,7 @@ async def test_engine_path_stores_publish_stored_events(fresh_real_server: Any, 
     assert [e.block_hash for e in got] == hashes  # type: ignore[union-attr]
     assert [e.parent_hash for e in got] == [None, hashes[0], hashes[1]]  # type: ignore[union-attr]
     assert [e.token_ids for e in got] == [tuple(tokens[i * CS : (i + 1) * CS]) for i in range(3)]  # type: ignore[union-attr]
-    assert [e.seq for e in got] == [1, 2, 3]
+    assert [e.seq for e in got] == [1, 2, 3]  # type: ignore[union-attr]
     assert events.batches == 3  # the empty first batch, then 2 + 1 records (max_events=2)
 
 
@@ -176,7 +176,7 @@ async def test_credit_one_batch_until_the_consumer_asks(fresh_real_server: Any, 
             assert events.batches == 2  # the first (empty) batch and the one consumed
             rest = [await asyncio.wait_for(events.__anext__(), 10) for _ in range(2)]
             assert [type(e) for e in rest] == [RemovedEvent, RemovedEvent]
-            assert [e.seq for e in (ev, *rest)] == sorted(e.seq for e in (ev, *rest))
+            assert [e.seq for e in (ev, *rest)] == sorted(e.seq for e in (ev, *rest))  # type: ignore[union-attr]
             assert events.batches == 4
     finally:
         for c in clients:

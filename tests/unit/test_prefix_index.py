@@ -49,3 +49,16 @@ def test_the_bound_drops_the_oldest() -> None:
     assert idx.prefix_chunks(hs[2:], 1) == {0: 3}
     with pytest.raises(ValueError, match="^max_chunks must be an int >= 1, got 0$"):
         PrefixIndex(0)
+
+
+def test_a_full_index_drops_a_64th_at_a_time() -> None:
+    idx = PrefixIndex(max_chunks=128)
+    hs = _h(130)
+    idx.add(0, hs[:128])
+    assert len(idx) == 128 and idx.evicted == 0
+    idx.add(0, hs[128:129])  # full: the 2 oldest (128 // 64) go, then the new one is added
+    assert len(idx) == 127 and idx.evicted == 2
+    assert idx.prefix_chunks(hs[:3], 1) == {}
+    assert idx.prefix_chunks(hs[2:], 1) == {0: 127}
+    idx.add(0, hs[:1])
+    assert len(idx) == 128 and idx.evicted == 2
