@@ -52,6 +52,7 @@ if TYPE_CHECKING:
         ForkedClientError as ForkedClientError,
         ForkedSyncClientError as ForkedSyncClientError,
         HTTPStatusError as HTTPStatusError,
+        KVEventsDisabledError as KVEventsDisabledError,
         LayoutMismatchError as LayoutMismatchError,
         LMCacheConnectionError as LMCacheConnectionError,
         LMCacheError as LMCacheError,
@@ -66,11 +67,27 @@ if TYPE_CHECKING:
         UnfilledReservationError as UnfilledReservationError,
         UnknownServerVersionWarning as UnknownServerVersionWarning,
         UnsafePayloadError as UnsafePayloadError,
+        UnsupportedHashAlgorithmError as UnsupportedHashAlgorithmError,
         UnsupportedServerVersionError as UnsupportedServerVersionError,
         WrongEventLoopError as WrongEventLoopError,
     )
+    from lmcache_async.events import (
+        RemovedEvent as RemovedEvent,
+        Resync as Resync,
+        StoredEvent as StoredEvent,
+    )
+    from lmcache_async.fleet import (
+        Fleet as Fleet,
+    )
     from lmcache_async.geometry import (
         KVGeometry as KVGeometry,
+    )
+    from lmcache_async.hashing import (
+        chunk_hashes as chunk_hashes,
+    )
+    from lmcache_async.management import (
+        DeleteResult as DeleteResult,
+        WarmResult as WarmResult,
     )
     from lmcache_async.observe import (
         Observer as Observer,
@@ -107,6 +124,7 @@ _EXPORTS: Final[dict[str, tuple[str, ...]]] = {
         "ForkedClientError",
         "ForkedSyncClientError",
         "HTTPStatusError",
+        "KVEventsDisabledError",
         "LMCacheConnectionError",
         "LMCacheError",
         "LMCacheTimeoutError",
@@ -121,6 +139,7 @@ _EXPORTS: Final[dict[str, tuple[str, ...]]] = {
         "UnfilledReservationError",
         "UnknownServerVersionWarning",
         "UnsafePayloadError",
+        "UnsupportedHashAlgorithmError",
         "UnsupportedServerVersionError",
         "WrongEventLoopError",
     ),
@@ -150,6 +169,10 @@ _EXPORTS: Final[dict[str, tuple[str, ...]]] = {
         "add_observer",
     ),
     "lmcache_async.otel": ("instrument",),
+    "lmcache_async.events": ("RemovedEvent", "Resync", "StoredEvent"),
+    "lmcache_async.hashing": ("chunk_hashes",),
+    "lmcache_async.management": ("DeleteResult", "WarmResult"),
+    "lmcache_async.fleet": ("Fleet",),
 }
 _HOME: Final[dict[str, str]] = {name: module for module, names in _EXPORTS.items() for name in names}
 

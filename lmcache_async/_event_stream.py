@@ -44,10 +44,14 @@ from typing import Any
 from lmcache_async._connection import Connection, ReplyStream
 from lmcache_async._runner import cancel_and_wait
 from lmcache_async._wire import Op
-from lmcache_async.errors import ClientClosedError, LMCacheConnectionError, LMCacheTimeoutError
+from lmcache_async.errors import (
+    ClientClosedError,
+    KVEventsDisabledError,
+    LMCacheConnectionError,
+    LMCacheTimeoutError,
+)
 from lmcache_async.events import (
     KVEvent,
-    KVEventsDisabledError,
     Resync,
     parse_batch,
     validate_cursor,

@@ -216,10 +216,11 @@ class AsyncClient:
         observers: told when each operation starts and ends
             (:class:`~lmcache_async.observe.Observer`), besides those
             :func:`~lmcache_async.observe.add_observer` gave every client.
-        tracer_provider, meter_provider: an OpenTelemetry ``TracerProvider`` and/or
-            ``MeterProvider``: the client's operations become spans and metrics there
-            (:mod:`lmcache_async.otel`; needs the ``otel`` extra). Neither given:
-            OpenTelemetry is not imported.
+        tracer_provider: an OpenTelemetry ``TracerProvider``: the client's operations
+            become spans there (:mod:`lmcache_async.otel`; needs the ``otel`` extra).
+            Neither this nor ``meter_provider`` given: OpenTelemetry is not imported.
+        meter_provider: an OpenTelemetry ``MeterProvider``: the client's operations
+            become metrics there (the same extra).
     """
 
     def __init__(

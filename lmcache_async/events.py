@@ -21,13 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from lmcache_async.errors import ProtocolError, ServerError
+from lmcache_async.errors import ProtocolError
 
 __all__ = [
     "MAX_EVENTS_LIMIT",
     "KVEvent",
     "KVEventBatch",
-    "KVEventsDisabledError",
     "RemovedEvent",
     "Resync",
     "StoredEvent",
@@ -38,11 +37,6 @@ __all__ = [
 
 #: The most records a batch may carry (the server answers nothing outside 1..1024).
 MAX_EVENTS_LIMIT: Final = 1024
-
-
-class KVEventsDisabledError(ServerError):
-    """The server's KV-event channel is off (``--kv-event-log-size 0`` or
-    ``--disable-observability``): it answers subscriptions with ``enabled=False``."""
 
 
 @dataclass(frozen=True, slots=True)

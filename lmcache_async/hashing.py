@@ -27,12 +27,11 @@ from typing import Any, Final
 
 import blake3
 
-from lmcache_async.errors import ServerError
+from lmcache_async.errors import UnsupportedHashAlgorithmError
 
 __all__ = [
     "DEFAULT_HASH_ALGORITHM",
     "NONE_HASH",
-    "UnsupportedHashAlgorithmError",
     "check_hash_algorithm",
     "chunk_hashes",
     "hash_algorithm_of",
@@ -42,10 +41,6 @@ __all__ = [
 DEFAULT_HASH_ALGORITHM: Final = "blake3"
 #: The parent hash of a sequence's first chunk.
 NONE_HASH: Final[bytes] = blake3.blake3(b"\0" * 12).digest()
-
-
-class UnsupportedHashAlgorithmError(ServerError):
-    """The server hashes chunks with an algorithm a client cannot reproduce."""
 
 
 def _uint32_be(tokens: Sequence[int]) -> bytes:
@@ -64,9 +59,11 @@ def chunk_hashes(
         tokens: token ids (ints in ``[0, 2**32)``; a list, tuple, or anything
             :func:`~lmcache_async._wire.validate_tokens` accepts).
         chunk_size: the server's chunk size (``AsyncClient.chunk_size``).
-        start, end: token positions (multiples of ``chunk_size``): only the hashes of
-            the chunks in ``[start, end)`` are returned (the chain is still computed
-            from the first token). ``end`` defaults to the last whole chunk.
+        start: a token position (a multiple of ``chunk_size``): only the hashes of the
+            chunks from there on are returned (the chain is still computed from the
+            first token).
+        end: a token position (a multiple of ``chunk_size``): only the hashes of the
+            chunks before it; default: the last whole chunk.
 
     Returns:
         One hash per whole chunk in the range (a partial last chunk has none).

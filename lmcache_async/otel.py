@@ -243,8 +243,9 @@ def instrument(
     :class:`OpenTelemetryObserver`, through :func:`~lmcache_async.observe.add_observer`).
 
     Args:
-        tracer_provider, meter_provider: default: the global providers (those an
+        tracer_provider: default: the global ``TracerProvider`` (the one an
             ``opentelemetry-instrument`` run configures from the ``OTEL_*`` variables).
+        meter_provider: default: the global ``MeterProvider`` (likewise).
         phases: a child span per phase of each operation (see :class:`OpenTelemetryObserver`).
 
     Returns:

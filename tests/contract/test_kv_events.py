@@ -12,7 +12,11 @@
 * credit: while the consumer does not ask, the server sends no second batch;
 * a restarted server: the stream resumes and says ``Resync("restarted")``; a cursor
   that fell out of the server's log: ``Resync("lost")``;
-* the blocking iterator adapter; ``experimental``, ``warm``, ``delete`` and ``clear``.
+* a subscription nobody pings is reaped by the server (and the stream subscribes
+  again); the pinged one stays;
+* the blocking iterator adapter; ``experimental``, ``warm``, ``delete`` and ``clear``;
+  ``warm`` with an L2 (the server's mock adapter) leaves the chunks in L1, a lookup's L2
+  load does not.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ import pytest
 import lmcache_async as lmc
 from lmcache_async import AsyncClient
 from lmcache_async._event_stream import BlockingKVEvents, KVEventStream
+from lmcache_async.errors import UnsupportedHashAlgorithmError
 from lmcache_async.events import RemovedEvent, Resync, StoredEvent
-from lmcache_async.hashing import NONE_HASH, UnsupportedHashAlgorithmError, chunk_hashes
+from lmcache_async.hashing import NONE_HASH, chunk_hashes
 from lmcache_async.management import DeleteResult, WarmResult
 from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 
@@ -342,4 +347,59 @@ async def test_management_calls(fresh_real_server: Any, generation: str) -> None
             await c.clear()  # type: ignore[call-arg]
         await c.clear(force=True)
         assert await c.lookup(tokens) == 0
+        assert await c.warm(tokens) == WarmResult(3, 0, 3)
+
+
+@GENERATIONS
+async def test_a_subscription_nobody_pings_is_reaped_and_resumed(
+    fresh_real_server: Any, generation: str
+) -> None:
+    """The server closes a subscription whose id nobody pinged for
+    ``--worker-reap-timeout-seconds`` (30 s, the least it allows); the stream's own pings
+    keep another alive, and the reaped stream subscribes again from its cursor."""
+    srv = fresh_real_server("pickle", generation, extra_args=["--worker-reap-timeout-seconds", "30"])
+    async with _client(srv, unique_model("ev")) as c:
+        pinged, silent = c.kv_events(ping_interval=5), c.kv_events(ping_interval=30)
+        waits = [asyncio.ensure_future(s.__anext__()) for s in (pinged, silent)]
+        await _wait_subscribers(srv, 2)
+        t0 = time.monotonic()
+        assert silent._ping_task is not None
+        silent._ping_task.cancel()  # its pinger gone: the server hears nothing from this id
+        await _wait_for(lambda: silent.subscriptions == 2, deadline=90)
+        assert time.monotonic() - t0 > 25  # not before the reap timeout (30 s after the subscribe)
+        assert (pinged.subscriptions, pinged.closed, silent.closed) == (1, False, False)
+        await _wait_subscribers(srv, 2)  # the reaped one is back, the pinged one never left
+        assert pinged.subscriptions == 1
+        for w in waits:
+            w.cancel()
+        await pinged.aclose()
+        await silent.aclose()
+        await _wait_subscribers(srv, 0)
+
+
+def _l2_objects(server: Any) -> int:
+    return int(server.status()["storage_manager"]["l2_adapters"][0]["stored_object_count"])
+
+
+@GENERATIONS
+async def test_warm_loads_from_l2_and_leaves_the_chunks_in_l1(
+    fresh_real_server: Any, generation: str
+) -> None:
+    """With an L2 (the server's mock adapter): a lookup's L2 load leaves nothing in L1,
+    ``warm`` does; what ``delete`` finds resident in L1 tells them apart."""
+    adapter = '{"type": "mock", "max_size_gb": 1, "mock_bandwidth_gb": 10}'
+    srv = fresh_real_server("pickle", generation, extra_args=["--l2-adapter", adapter])
+    tokens = fresh_tokens(3 * CS)
+    async with _client(srv, unique_model("warm")) as c:
+        assert await c.store(random_kv(SMALL_GEOMETRY, len(tokens)), tokens) is True
+        await _wait_for(lambda: _l2_objects(srv) == 3)  # written through to L2
+        assert await c.delete(tokens, tier="l1") == DeleteResult(3, 0)
+        assert await c.lookup(tokens) == 3 * CS  # found in L2, loaded for the lookup only
+        assert await c.delete(tokens, tier="l1") == DeleteResult(0, 0)  # ... and freed again
+        assert await c.warm(tokens) == WarmResult(3, 3, 3)
+        assert await c.delete(tokens, tier="l1") == DeleteResult(3, 0)  # warm left them in L1
+        assert await c.warm(tokens[CS:]) == WarmResult(2, 0, 2)  # another prefix: other chunks
+        assert await c.warm(tokens) == WarmResult(3, 3, 3)
+        assert await c.delete(tokens, tier="all") == DeleteResult(6, 0)  # L1 and L2
+        assert _l2_objects(srv) == 0
         assert await c.warm(tokens) == WarmResult(3, 0, 3)
