@@ -8,13 +8,23 @@ TORCH  := torch==2.13.0
 # The project's own tools (ruff, mypy, pytest, ...) at pinned versions.
 TOOLS  := constraints/tools.txt
 STAMP  := $(VENV)/.installed
+# The package alone (its runtime dependencies, torch first): what `make demo` needs.
+BASE_STAMP := $(VENV)/.base-installed
 PIP    := $(BIN)/pip install --quiet --disable-pip-version-check
 BENCH_STAMP := $(VENV)/.bench-installed
 DOCS_STAMP  := $(VENV)/.docs-installed
 
 .PHONY: demo test check venv lmcache-venv redis lint typecheck pytest smoke bench bench-quick bench-render experiment docs clean
 
-# torch is named again in the second install so that pip can never move it.
+# torch is named again in the second install so that pip can never move it. The demo's
+# .venv is the package alone ($(BASE_STAMP)); `make test` and every target that runs the
+# tools install the test extra into the same .venv ($(STAMP)), whichever came first.
+$(BASE_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) $(TORCH)
+	$(PIP) -c $(TOOLS) -e . $(TORCH)
+	touch $(BASE_STAMP)
+
 $(STAMP): pyproject.toml $(TOOLS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) $(TORCH)
@@ -32,13 +42,14 @@ lmcache-venv:
 redis:
 	harness/ensure_redis.sh
 
-## The main job: the KV remap demo on the embedded server (no LMCache needed).
-demo: venv
+## The main job: the KV remap demo on the embedded server (no LMCache needed). It needs
+## the package alone, not the test extra.
+demo: $(BASE_STAMP)
 	$(BIN)/lmcache-async demo
 
-## Everything CI runs: lint, types, the whole test suite against the real server, with
-## the branch coverage of the package.
-test: venv lmcache-venv lint typecheck pytest
+## Everything CI runs: lint, types, the documentation build (strict), the whole test
+## suite against the real server, with the branch coverage of the package.
+test: venv lmcache-venv lint typecheck docs pytest
 
 ## Everything that needs no LMCache server (lint, types, the tests not marked
 ## real_server), in under a minute: run it before every commit. Two pytest workers
@@ -52,11 +63,12 @@ check: venv lint typecheck docs
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 2 --dist loadgroup --hypothesis-profile=check -m "not real_server"
 
 lint: venv
-	$(BIN)/ruff check lmcache_async harness tests benchmarks examples
+	$(BIN)/ruff check lmcache_async harness tests benchmarks examples tools
 	$(BIN)/lint-imports
-	$(BIN)/ruff format --check lmcache_async harness tests benchmarks examples
+	$(BIN)/ruff format --check lmcache_async harness tests benchmarks examples tools
+	$(BIN)/python tools/gen_sync_client.py --check
 
-# mypy strict over lmcache_async, harness and tests (pyproject.toml [tool.mypy]).
+# mypy strict over lmcache_async, harness, tests and tools (pyproject.toml [tool.mypy]).
 typecheck: venv
 	$(BIN)/mypy
 
@@ -101,7 +113,7 @@ bench-render: $(BENCH_STAMP)
 ## docstrings of the public modules (mkdocstrings). --strict: every warning fails it, a
 ## broken link or a docstring the parser cannot read among them. Installs the docs extra
 ## first.
-$(DOCS_STAMP): $(STAMP)
+$(DOCS_STAMP): $(STAMP) pyproject.toml $(TOOLS)
 	$(PIP) -c $(TOOLS) $(TORCH) -e '.[test,docs]'
 	touch $(DOCS_STAMP)
 

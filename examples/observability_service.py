@@ -37,6 +37,7 @@ from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProces
 from prometheus_client import CollectorRegistry, start_http_server
 
 from lmcache_async import AsyncClient, KVGeometry
+from lmcache_async.otel import OpenTelemetryObserver
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_size=16)
 
@@ -83,8 +84,7 @@ async def main(args: argparse.Namespace) -> None:
                 http_url,
                 args.model,
                 geometry=GEOMETRY,
-                tracer_provider=tracer_provider,
-                meter_provider=meter_provider,
+                observers=[OpenTelemetryObserver(tracer_provider, meter_provider)],
             ) as client:
                 for i in range(args.requests):
                     with tracer.start_as_current_span("handle-request"):

@@ -6,9 +6,10 @@
 >>> await client.store(kv, tokens)
 >>> kv = await client.retrieve(tokens)
 
-The public modules are ``client``, ``sync_client``, ``bulk``, ``geometry``, ``rope``, ``errors``,
-``kvcache`` (the official SDK's drop-in), ``hf`` (transformers), ``testing`` (the embedded
-server), ``observe`` (the operation hook), ``otel`` (OpenTelemetry) and ``cli``; modules
+The public modules are ``client``, ``sync_client``, ``bulk``, ``results``, ``geometry``, ``rope``,
+``errors``, ``defaults`` (``DEFAULT``, what a ``timeout=`` means), ``kvcache`` (the official SDK's
+drop-in), ``hf`` (transformers), ``ray`` (Ray Data), ``testing`` (the embedded server), ``observe``
+(the operation hook), ``otel`` (OpenTelemetry) and ``cli``; modules
 whose name starts with ``_`` are the implementation, with no promise. The names below are
 re-exported here from their public homes.
 """
@@ -19,11 +20,9 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any, Final
 
+from lmcache_async import errors as _errors
+
 if TYPE_CHECKING:
-    from lmcache_async._defaults import (
-        DEFAULT as DEFAULT,
-        DefaultType as DefaultType,
-    )
     from lmcache_async._version import (
         __version__ as __version__,
     )
@@ -39,10 +38,11 @@ if TYPE_CHECKING:
     )
     from lmcache_async.client import (
         AsyncClient as AsyncClient,
-        ComposeResult as ComposeResult,
-        KVPart as KVPart,
-        RemapResult as RemapResult,
         connect as connect,
+    )
+    from lmcache_async.defaults import (
+        DEFAULT as DEFAULT,
+        DefaultType as DefaultType,
     )
     from lmcache_async.errors import (
         AuthenticationError as AuthenticationError,
@@ -93,9 +93,17 @@ if TYPE_CHECKING:
         Observer as Observer,
         Operation as Operation,
         add_observer as add_observer,
+        remove_observer as remove_observer,
     )
     from lmcache_async.otel import (
         instrument as instrument,
+        uninstrument as uninstrument,
+    )
+    from lmcache_async.results import (
+        ComposeResult as ComposeResult,
+        KVPart as KVPart,
+        PartResult as PartResult,
+        RemapResult as RemapResult,
     )
     from lmcache_async.rope import (
         RopeLayer as RopeLayer,
@@ -112,44 +120,22 @@ if TYPE_CHECKING:
 #: included -- does not import torch (~2-3 s) until a name needs it.
 _EXPORTS: Final[dict[str, tuple[str, ...]]] = {
     "lmcache_async._version": ("__version__",),
-    "lmcache_async._defaults": (
+    "lmcache_async.defaults": (
         "DEFAULT",
         "DefaultType",
     ),
-    "lmcache_async.errors": (
-        "AuthenticationError",
-        "ClientClosedError",
-        "ClientNotOpenError",
-        "ClientStateError",
-        "ForkedClientError",
-        "ForkedSyncClientError",
-        "HTTPStatusError",
-        "KVEventsDisabledError",
-        "LMCacheConnectionError",
-        "LMCacheError",
-        "LMCacheTimeoutError",
-        "LayoutMismatchError",
-        "LoopThreadCallError",
-        "ModelNotRegisteredError",
-        "ProtocolError",
-        "ServerError",
-        "ServerReplacedError",
-        "SyncUsageError",
-        "TransferError",
-        "UnfilledReservationError",
-        "UnknownServerVersionWarning",
-        "UnsafePayloadError",
-        "UnsupportedHashAlgorithmError",
-        "UnsupportedServerVersionError",
-        "WrongEventLoopError",
-    ),
+    # The error tree is errors.__all__ (errors imports nothing else, so this costs no torch).
+    "lmcache_async.errors": tuple(_errors.__all__),
     "lmcache_async.geometry": ("KVGeometry",),
     "lmcache_async.rope": ("RopeLayer", "RopeScaling", "RopeSpec"),
-    "lmcache_async.client": (
-        "AsyncClient",
+    "lmcache_async.results": (
         "ComposeResult",
         "KVPart",
+        "PartResult",
         "RemapResult",
+    ),
+    "lmcache_async.client": (
+        "AsyncClient",
         "connect",
     ),
     "lmcache_async.sync_client": ("Client",),
@@ -167,8 +153,9 @@ _EXPORTS: Final[dict[str, tuple[str, ...]]] = {
         "Observer",
         "Operation",
         "add_observer",
+        "remove_observer",
     ),
-    "lmcache_async.otel": ("instrument",),
+    "lmcache_async.otel": ("instrument", "uninstrument"),
     "lmcache_async.events": ("RemovedEvent", "Resync", "StoredEvent"),
     "lmcache_async.hashing": ("chunk_hashes",),
     "lmcache_async.management": ("DeleteResult", "WarmResult"),

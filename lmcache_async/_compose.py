@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,6 +26,7 @@ from lmcache_async._defaults import DEFAULT, DefaultType
 from lmcache_async._host_copy import empty_host
 from lmcache_async._wire import validate_cache_salt, validate_tokens
 from lmcache_async.geometry import KVGeometry
+from lmcache_async.results import ComposeResult, KVPart, PartResult, RemapResult
 from lmcache_async.rope import RopeSpec
 
 __all__ = [
@@ -33,14 +34,18 @@ __all__ = [
     "ComposeResult",
     "Fill",
     "Gathered",
-    "InPool",
     "KVPart",
     "PartResult",
     "Plan",
+    "PoolSources",
     "assemble",
-    "compose",
+    "compose_inline",
     "gather",
+    "gather_assemble_store",
     "plan",
+    "pool_result",
+    "pool_sources",
+    "remap_inline",
     "result",
     "slot_filler",
 ]
@@ -48,110 +53,6 @@ __all__ = [
 
 #: ``fill(sources, j, slot)`` of the in-pool composition (:func:`slot_filler`).
 Fill = Callable[[Sequence[Sequence[torch.Tensor]], int, torch.Tensor], None]
-#: The in-pool composition: ``(sources, target, stored, salt, fill, timeout)`` -> (cached
-#: tokens per source, whether a chunk was added); each source ``(tokens, read, salt)``.
-InPool = Callable[
-    [list[tuple[list[int], int, str]], list[int], int, str, Fill, float | None],
-    Awaitable[tuple[list[int], bool]],
-]
-
-
-@dataclass(frozen=True, slots=True)
-class KVPart:
-    """One cached token range placed into a composed prompt.
-
-    The part's KV is that of ``source_tokens[start:end]`` as the cache holds it for the
-    prompt ``source_tokens`` (computed at positions ``start .. end - 1``).
-
-    Attributes:
-        source_tokens: the cached prompt (stored as a tuple); it must reach at least to
-            the end of the chunk that holds ``end - 1`` (LMCache caches whole chunks).
-        start: first token of the range (>= 0).
-        end: one past the last token (``None``: ``len(source_tokens)``; resolved on
-            construction).
-        cache_salt: the source's namespace (``None``: the composition's ``cache_salt``).
-
-    Raises:
-        TypeError/ValueError: bad token ids or salt, or not ``0 <= start < end <=
-            len(source_tokens)``.
-    """
-
-    source_tokens: Sequence[int]
-    start: int = 0
-    end: int | None = None
-    cache_salt: str | None = None
-
-    def __post_init__(self) -> None:
-        toks = tuple(validate_tokens(self.source_tokens, "source_tokens"))
-        object.__setattr__(self, "source_tokens", toks)
-        end = len(toks) if self.end is None else self.end
-        for name, value in (("start", self.start), ("end", end)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"KVPart.{name} must be an int, got {type(value).__name__}")
-        if not 0 <= self.start < end <= len(toks):
-            raise ValueError(
-                f"KVPart needs 0 <= start < end <= len(source_tokens) = {len(toks)}, got start={self.start}, "
-                f"end={end}"
-            )
-        object.__setattr__(self, "end", end)
-        if self.cache_salt is not None:
-            validate_cache_salt(self.cache_salt)
-
-    @property
-    def length(self) -> int:
-        """Tokens in the range."""
-        assert self.end is not None
-        return self.end - self.start
-
-
-@dataclass(frozen=True, slots=True)
-class PartResult:
-    """What a composition did with one part.
-
-    Attributes:
-        offset: the part's first position in the target.
-        tokens: the part's length.
-        shift: positions its keys moved (``offset - start``; 0: not rotated).
-        hit: the part's range was cached.
-        cached_tokens: the source's cached prefix that was read (whole chunks; 0 on a
-            miss of the first chunk).
-        placed: the part's tokens in the stored target (0 when nothing was stored, or
-            when the part lies past the target's last whole chunk).
-    """
-
-    offset: int
-    tokens: int
-    shift: int
-    hit: bool
-    cached_tokens: int
-    placed: int
-
-
-@dataclass(frozen=True, slots=True)
-class ComposeResult:
-    """What :meth:`AsyncClient.compose <lmcache_async.AsyncClient.compose>` did.
-
-    Attributes:
-        parts: one :class:`PartResult` per part, in order.
-        stored_tokens: the target's tokens handed to the store (its whole chunks the
-            parts cover); 0 when a part missed (nothing is stored then).
-        stored_new: the store added at least one chunk (False when every chunk was
-            cached already, or nothing was stored).
-    """
-
-    parts: tuple[PartResult, ...]
-    stored_tokens: int
-    stored_new: bool
-
-    @property
-    def hit(self) -> bool:
-        """Every part's range was cached."""
-        return all(p.hit for p in self.parts)
-
-    @property
-    def missed(self) -> tuple[int, ...]:
-        """Indices of the parts whose range was not cached."""
-        return tuple(i for i, p in enumerate(self.parts) if not p.hit)
 
 
 class ComposeClient(Protocol):
@@ -469,38 +370,47 @@ def result(the_plan: Plan, gathered: Gathered, stored_new: bool) -> ComposeResul
     )
 
 
-async def compose(
-    client: ComposeClient,
-    target_tokens: Sequence[int],
-    parts: Sequence[KVPart],
-    *,
-    rope: RopeSpec | None,
-    cache_salt: str,
-    timeout: float | None,
-    in_pool: InPool | None = None,
+@dataclass(frozen=True, slots=True)
+class PoolSources:
+    """The reads of an in-pool composition on SHM: ``sources`` (``(tokens, read,
+    salt)``, one per distinct key: sources that differ only past the chunks read give one
+    source, since the server keeps one pending read per client and key) and ``index``,
+    each (source tokens, salt) of the plan to its source's place in ``sources``."""
+
+    sources: list[tuple[list[int], int, str]]
+    index: dict[tuple[tuple[int, ...], str], int]
+
+
+def pool_sources(the_plan: Plan) -> PoolSources:
+    """The distinct reads of ``the_plan`` for the in-pool composition (:class:`PoolSources`)."""
+    index: dict[tuple[tuple[int, ...], str], int] = {}
+    first: dict[tuple[tuple[int, ...], str], int] = {}
+    sources: list[tuple[list[int], int, str]] = []
+    for (src, salt), read in the_plan.reads().items():
+        key = (src[:read], salt)
+        if key not in first:
+            first[key] = len(sources)
+            sources.append((list(key[0]), read, salt))
+        index[(src, salt)] = first[key]
+    return PoolSources(sources, index)
+
+
+def pool_result(the_plan: Plan, reads: PoolSources, cached: Sequence[int], stored_new: bool) -> ComposeResult:
+    """The :class:`ComposeResult` of an in-pool composition whose sources had ``cached``
+    tokens (one count per source of ``reads``)."""
+    return result(the_plan, Gathered({}, {key: cached[i] for key, i in reads.index.items()}), stored_new)
+
+
+async def gather_assemble_store(
+    client: ComposeClient, the_plan: Plan, timeout: float | None
 ) -> ComposeResult:
-    """Run a composition (see :meth:`AsyncClient.compose
-    <lmcache_async.AsyncClient.compose>`); ``timeout`` is already resolved and covers the
-    retrieves and the store together. ``in_pool``: the SHM transport's composition inside
-    the server's pool (``in_pool(sources, target, stored, salt, fill, timeout)`` ->
-    (cached tokens per source, stored_new)), used instead of retrieve + assemble + store."""
-    the_plan = plan(target_tokens, parts, rope, cache_salt, client.geometry, client.chunk_size)
-    if in_pool is not None:
-        # One read per distinct key: sources that differ only past the chunks read give one
-        # source (the server keeps one pending read per client and key).
-        index: dict[tuple[tuple[int, ...], str], int] = {}
-        first: dict[tuple[tuple[int, ...], str], int] = {}
-        sources: list[tuple[list[int], int, str]] = []
-        for (src, salt), read in the_plan.reads().items():
-            key = (src[:read], salt)
-            if key not in first:
-                first[key] = len(sources)
-                sources.append((list(key[0]), read, salt))
-            index[(src, salt)] = first[key]
-        fill = slot_filler(the_plan, client.geometry, client.chunk_size, index)
-        target = list(the_plan.target[: the_plan.stored])
-        cached, new = await in_pool(sources, target, the_plan.stored, the_plan.salt, fill, timeout)
-        return result(the_plan, Gathered({}, {key: cached[i] for key, i in index.items()}), new)
+    """Run a composition through the public client (the inline transport): retrieve each
+    distinct source once, concurrently (:func:`gather`); if every part hit, assemble the
+    target in one host tensor and store it with one ``store``. ``timeout`` is already
+    resolved and covers the retrieves and the store together.
+
+    Cancellation/timeout: the retrieves and the store clean up as theirs do; nothing is
+    stored unless every part hit."""
     start = time.monotonic()
     target_kv = empty_host(client.geometry.kv_shape(the_plan.stored), client.geometry.dtype)
     gathered = await gather(client, the_plan, timeout, target_kv)
@@ -511,3 +421,37 @@ async def compose(
         left = None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
         new = await client.store(target_kv, the_plan.target[: the_plan.stored], the_plan.salt, timeout=left)
     return result(the_plan, gathered, new)
+
+
+async def compose_inline(
+    client: ComposeClient,
+    target_tokens: Sequence[int],
+    parts: Sequence[KVPart],
+    rope: RopeSpec | None,
+    cache_salt: str,
+    timeout: float | None,
+) -> ComposeResult:
+    """:meth:`AsyncClient.compose <lmcache_async.AsyncClient.compose>` on the inline
+    transport: the :func:`plan` (every check, nothing sent), then
+    :func:`gather_assemble_store`."""
+    the_plan = plan(target_tokens, parts, rope, cache_salt, client.geometry, client.chunk_size)
+    return await gather_assemble_store(client, the_plan, timeout)
+
+
+async def remap_inline(
+    client: ComposeClient, src: list[int], dst: list[int], cache_salt: str, tsalt: str, timeout: float | None
+) -> RemapResult:
+    """:meth:`AsyncClient.remap <lmcache_async.AsyncClient.remap>` on the inline transport
+    (the composition of one unshifted part): a retrieve of the source's prefix the
+    target's whole chunks take, then a store of what it found; ``timeout`` (resolved)
+    covers both."""
+    cs = client.chunk_size
+    n = min(len(src), len(dst)) // cs * cs
+    start = time.monotonic()
+    kv = await client.retrieve(src[:n], cache_salt, timeout=timeout)
+    if kv is None:
+        return RemapResult(0, 0, False)
+    hit = kv.shape[client.geometry.token_axis]
+    left = None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
+    new = await client.store(kv, dst[:hit], tsalt, timeout=left)
+    return RemapResult(hit, hit, new)

@@ -44,9 +44,11 @@ import functools
 import ipaddress
 import itertools
 import logging
+import os
 import socket
 import time
 import urllib.parse
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,16 +59,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from lmcache_async import _trace
 from lmcache_async._runner import Expired, cancel_and_wait, expire
-from lmcache_async._wire import (
-    GEN_0_5_6,
-    Op,
-    Reply,
-    WireGeneration,
-    decode_reply,
-    encode_request,
-    op_name,
-    packb,
-)
+from lmcache_async._wire import GEN_0_5_6, Op, Reply, WireGeneration, decode_reply, encode_request, op_name
+from lmcache_async._zmq_context import monitor_address, process_context
 from lmcache_async.errors import (
     ClientClosedError,
     LMCacheConnectionError,
@@ -74,7 +68,7 @@ from lmcache_async.errors import (
     ProtocolError,
 )
 
-__all__ = ["Connection", "PendingTable", "ReplyStream", "check_zmq_url"]
+__all__ = ["Connection", "PendingTable", "check_zmq_url"]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +84,9 @@ DEFAULT_MAX_IN_FLIGHT = 1024
 RECONNECT_WAIT_S = 1.5
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 1000
+#: How long a socket closed after a last request (:meth:`Connection.abandon`) keeps
+#: trying to send it, in libzmq's I/O thread (nothing waits for it).
+FAREWELL_LINGER_MS = 1000
 #: Replies routed per readable callback before the loop gets a turn (fairness).
 READ_BATCH = 256
 #: Frames up to this size are sent and received as copies (cheaper than a zero-copy
@@ -119,8 +116,9 @@ def check_zmq_url(url: object, name: str = "url") -> str:
 
     Raises:
         TypeError: ``url`` is not a str.
-        ValueError: anything else (no scheme, another scheme, no host, no port, a port
-            out of range, a path or query after the port); the message says which.
+        ValueError: anything else (no scheme, another scheme, no host, a host that is
+            not a valid host name, no port, a port out of range, more than one ':' after
+            the host, a path or query after the port); the message says which.
     """
     if not isinstance(url, str):
         raise TypeError(f"{name} must be a str like tcp://host:port, got {type(url).__name__}")
@@ -141,6 +139,11 @@ def check_zmq_url(url: object, name: str = "url") -> str:
     parts = urllib.parse.urlsplit(url)
     if parts.path or parts.query or parts.fragment or "@" in parts.netloc:
         raise ValueError(f"{name} {url!r} must be tcp://host:port and nothing else")
+    if not parts.netloc.startswith("[") and parts.netloc.count(":") > 1:
+        raise ValueError(
+            f"{name} {url!r} has more than one ':' after the host (tcp://host:port; an IPv6 "
+            "address goes in brackets, tcp://[::1]:5555)"
+        )
     try:
         port = parts.port
     except ValueError:
@@ -152,7 +155,16 @@ def check_zmq_url(url: object, name: str = "url") -> str:
         raise ValueError(f"{name} {url!r} has no port (tcp://host:port; the server's --port, often 5555)")
     if port == 0:
         raise ValueError(f"{name} {url!r}: port 0 is not a port to connect to (1..65535)")
-    return parts.hostname
+    host = parts.hostname
+    if not _is_ip_address(host):
+        try:
+            host.encode("idna")  # what name resolution does with it
+        except UnicodeError:
+            raise ValueError(
+                f"{name} {url!r}: {host[:40]!r}{'...' if len(host) > 40 else ''} is not a host name "
+                "(at most 253 characters, in dot-separated labels of 1 to 63)"
+            ) from None
+    return host
 
 
 def _is_ip_address(host: str) -> bool:
@@ -163,16 +175,24 @@ def _is_ip_address(host: str) -> bool:
     return True
 
 
-def _release(ctx: zmq.Context[Any], sock: zmq.Socket[Any] | None, monitor: zmq.Socket[Any] | None) -> None:
-    """Close the DEALER (its monitor stopped first) and the monitor's socket, linger 0,
-    then the context. Never blocks: the context is terminated once every socket is closed."""
+def _release(sock: zmq.Socket[Any] | None, monitor: zmq.Socket[Any] | None, linger: int = 0) -> None:
+    """Close the DEALER (its monitor stopped first) and the monitor's socket. Never blocks
+    (closing a socket does not, whatever its linger; only a context's ``term()`` would,
+    and the process context is never terminated: :mod:`lmcache_async._zmq_context`).
+    Safe from a finalizer on any thread once nothing else uses the sockets."""
     if sock is not None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # closed already
             sock.disable_monitor()
-        sock.close(linger=0)
+        sock.close(linger=linger)
     if monitor is not None:
         monitor.close(linger=0)
-    ctx.destroy(linger=0)
+
+
+def _release_unclosed(pid: int, sock: zmq.Socket[Any], monitor: zmq.Socket[Any]) -> None:
+    """The finalizer of a :class:`Connection` collected unclosed (in its own process only:
+    a forked child must not touch the parent's sockets)."""
+    if os.getpid() == pid:
+        _release(sock, monitor)
 
 
 @dataclass
@@ -191,7 +211,7 @@ class PendingTable:
 
     def __init__(self) -> None:
         self._entries: dict[int, _Entry] = {}
-        self._streams: dict[int, ReplyStream] = {}  # issue 33: streaming requests
+        self.streams: dict[int, Any] = {}  # uid: its _reply_stream.ReplyStream (many replies)
         self._uids = itertools.count()
         self.dropped_unknown = 0
         self.dropped_mismatch = 0
@@ -214,10 +234,8 @@ class PendingTable:
 
     def resolve(self, reply: Reply) -> bool:
         """Route a reply; returns False (and counts it) if it was dropped."""
-        if self._streams:  # issue 33: a streaming request gets many replies
-            stream = self._streams.get(reply.uid)
-            if stream is not None:
-                return self._resolve_stream(stream, reply)
+        if self.streams and (stream := self.streams.get(reply.uid)) is not None:
+            return bool(stream.accept(reply, self))
         entry = self._entries.get(reply.uid)
         if entry is None or entry.future.done():
             self.dropped_unknown += 1
@@ -231,136 +249,20 @@ class PendingTable:
         return True
 
     def fail_all(self, exc_factory: Any) -> int:
-        """Fail every in-flight future with ``exc_factory(op)`` and empty the table;
-        returns how many. Open streams end with the same error."""
-        entries = list(self._entries.values())
+        """Fail every in-flight future (and open stream) with ``exc_factory(op)`` and
+        empty the table; returns how many."""
+        entries, streams = list(self._entries.values()), list(self.streams.values())
         self._entries.clear()
+        self.streams.clear()
         for entry in entries:
             if not entry.future.done():
                 entry.future.set_exception(exc_factory(entry.op))
-        streams = list(self._streams.values())  # issue 33
-        self._streams.clear()
         for stream in streams:
-            stream._fail(exc_factory(stream.op))
+            stream.fail(exc_factory(stream.op))
         return len(entries) + len(streams)
 
-    # ---- issue 33: streaming requests (subscribe_kv_events)
-
-    def register_stream(self, stream_factory: Any) -> ReplyStream:
-        """Allocate a fresh uid for a streaming request and keep its stream until the
-        frameless end arrives, :meth:`fail_all` ends it, or :meth:`discard_stream`."""
-        uid = next(self._uids)
-        stream: ReplyStream = stream_factory(uid)
-        self._streams[uid] = stream
-        return stream
-
-    def discard_stream(self, uid: int) -> None:
-        """Forget the stream ``uid``; its later replies are dropped (and counted)."""
-        self._streams.pop(uid, None)
-
-    @property
-    def streams(self) -> int:
-        """Streaming requests open on this table."""
-        return len(self._streams)
-
-    def _resolve_stream(self, stream: ReplyStream, reply: Reply) -> bool:
-        if reply.op != int(stream.op) and reply.op != op_name(stream.op):
-            self.dropped_mismatch += 1
-            log.warning(
-                "dropping stream item %d: op %r echoed for %s", reply.uid, reply.op, op_name(stream.op)
-            )
-            return False
-        if reply.payload is None:  # the frameless end of the stream
-            del self._streams[reply.uid]
-        stream._push(reply)
-        return True
-
-
-class ReplyStream:
-    """The replies of one streaming request (issue 33), in arrival order.
-
-    The server sends one item, then waits for an ``ack`` control frame before it sends
-    the next (:meth:`ack`); ``cancel`` ends the stream on the server (:meth:`cancel`).
-    The stream ends with a frameless reply ``[uid, op]`` (:meth:`next` returns
-    ``None``) or with the connection's loss or close (:meth:`next` raises it).
-    """
-
-    def __init__(self, conn: Connection, uid: int, op: Op) -> None:
-        self._conn = conn
-        self.uid = uid
-        self.op = op
-        self._uid_frame = packb(uid)
-        self._items: collections.deque[Reply] = collections.deque()
-        self._error: BaseException | None = None
-        self.ended = False  # the frameless end arrived, or the stream failed
-        self._waiter: asyncio.Future[None] | None = None
-
-    def _wake(self) -> None:
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _push(self, reply: Reply) -> None:
-        if reply.payload is None:
-            self.ended = True
-        else:
-            self._items.append(reply)
-        self._wake()
-
-    def _fail(self, exc: BaseException) -> None:
-        if not self.ended:
-            self.ended = True
-            self._error = exc
-        self._wake()
-
-    async def next(self) -> Reply | None:
-        """The next item, or ``None`` once the server ended the stream.
-
-        Waits without a deadline (an idle stream sends nothing): the caller bounds it.
-
-        Raises:
-            LMCacheConnectionError: the connection was lost (or its reader stopped).
-            ClientClosedError: the connection was closed.
-
-        Cancellation: nothing is consumed; the stream stays open.
-        """
-        while True:
-            if self._items:
-                return self._items.popleft()
-            if self.ended:
-                if self._error is not None:
-                    raise self._error
-                return None
-            assert self._conn._loop is not None
-            self._waiter = self._conn._loop.create_future()
-            await self._waiter
-
-    def ack(self) -> bool:
-        """Grant the server credit for the next item; False when it could not be sent
-        (the connection is down: the stream is then failed by the loss anyway)."""
-        return self._control(b"ack")
-
-    def cancel(self) -> bool:
-        """Ask the server to end the stream (it answers with the frameless end, which
-        is dropped: the stream is forgotten here at once); False when it could not be
-        sent (disconnected or closed: the server's stream ends with the lost peer, or
-        by its liveness reaper)."""
-        self._conn._table.discard_stream(self.uid)
-        if not self.ended:
-            self.ended = True
-            self._wake()
-        return self._control(b"cancel")
-
-    def _control(self, action: bytes) -> bool:
-        conn = self._conn
-        if not conn.usable:
-            return False
-        try:
-            return conn._send([self._uid_frame, b"", action], self.op)
-        except LMCacheConnectionError:
-            return False
-
-    # ---- end issue 33
+    def next_uid(self) -> int:
+        return next(self._uids)
 
 
 class Connection:
@@ -381,12 +283,15 @@ class Connection:
         self.max_in_flight = max_in_flight
         self._busy = 0  # calls holding a place (registered, or about to be)
         self._place_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        #: Cleanup calls waiting for a place: served before any new request (see :meth:`call`).
+        self._urgent_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         #: The server generation's wire: which trailing argument frames requests get.
         self.wire = wire
         self.generation = 0  # increases each time the peer (re)connects after a loss
         self.connected = False
         self._table = PendingTable()
-        self._ctx: zmq.Context[Any] | None = None
+        self._ctx: zmq.Context[Any] | None = None  # the process context, while open
+        self._sockets_finalizer: weakref.finalize[Any, Any] | None = None
         self._sock: zmq.Socket[Any] | None = None
         self._monitor: zmq.Socket[Any] | None = None
         self._fds: list[int] = []  # descriptors watched with loop.add_reader
@@ -421,7 +326,7 @@ class Connection:
         self._first_connect = asyncio.Event()
         self.reconnected = asyncio.Event()
         await self._resolve(timeout)
-        ctx: zmq.Context[Any] = zmq.Context()
+        ctx = process_context()
         sock: zmq.Socket[Any] | None = None
         monitor: zmq.Socket[Any] | None = None
         try:
@@ -436,17 +341,21 @@ class Connection:
             # replayed on the server that comes back.
             sock.setsockopt(zmq.IMMEDIATE, 1)
             monitor = sock.get_monitor_socket(
-                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED,
+                monitor_address(),
             )
             sock.connect(self.url)
         except BaseException as exc:
-            # A context left to the garbage collector with sockets it no longer tracks
-            # blocks in term() when collected, freezing whichever thread collects it.
-            _release(ctx, sock, monitor)
+            _release(sock, monitor)
             if isinstance(exc, zmq.ZMQError):
                 raise LMCacheConnectionError(f"cannot open a ZMQ connection to {self.url}: {exc}") from exc
             raise
         self._ctx, self._sock, self._monitor = ctx, sock, monitor
+        # A connection collected unclosed (its loop gone before its client's close ran)
+        # closes its sockets then: no event loop needed. Not at exit (the process's end
+        # closes them; the clients' own exit closes need them until then).
+        self._sockets_finalizer = weakref.finalize(self, _release_unclosed, os.getpid(), sock, monitor)
+        self._sockets_finalizer.atexit = False
         try:
             self._watch(sock, self._on_readable)
             self._watch(monitor, self._on_monitor)
@@ -553,15 +462,19 @@ class Connection:
             await cancel_and_wait(tasks, "a connection task")
         finally:  # also when the closer is cancelled: the socket is closed all the same
             self._unwatch()
-            if self._ctx is not None:
-                _release(self._ctx, self._sock, self._monitor)
-            self._sock = self._monitor = self._ctx = None
+            self._release_sockets()
 
-    def abandon(self) -> None:
-        """Close the socket, its monitor and the context now, without awaiting anything:
-        for a connection whose event loop is closed or not running (a client closed from
-        another loop, or collected unclosed). Must not be called from another thread while
-        the loop runs. Idempotent.
+    def abandon(self, farewell: tuple[Op, Sequence[Any]] | None = None, farewell_wait: float = 0.0) -> None:
+        """Close the socket and its monitor now, without awaiting anything: for a
+        connection whose event loop is closed or not running (a client closed from another
+        loop, or collected unclosed), or from the loop's own thread (a client collected
+        there). Must not be called from another thread while the loop runs. Idempotent.
+
+        ``farewell``: one last request (the unregister of a collected client), sent if the
+        peer is connected and ready, its reply not awaited; the socket then lingers up to
+        :data:`FAREWELL_LINGER_MS` for it in libzmq's I/O thread (the close itself does not
+        wait). With ``farewell_wait`` (interpreter exit: the process would end before the
+        I/O thread sent it) the reply is waited for, at most that many seconds, blocking.
 
         Calls still pending are failed with :class:`ClientClosedError` where their loop can
         still take the news; the tasks are cancelled where it can run them.
@@ -576,8 +489,43 @@ class Connection:
                 task.cancel()
         self._tasks = []
         self._unwatch()
-        if self._ctx is not None:
-            _release(self._ctx, self._sock, self._monitor)
+        linger = 0
+        if farewell is not None and self._sock is not None and self.connected:
+            op, args = farewell
+            frames = encode_request(next(self._table._uids), op, args, self.wire)
+            last = len(frames) - 1
+            try:
+                for i, frame in enumerate(frames):
+                    _zsend(self._sock, frame, _NOBLOCK if i == last else _SNDMORE_NOBLOCK, True, False)
+                linger = FAREWELL_LINGER_MS
+            except zmq.ZMQError as exc:  # not ready (zmq.Again: nothing was queued) or gone
+                log.debug("%s not sent on %s: %s", op_name(op), self.url, exc)
+            else:
+                if farewell_wait > 0:
+                    self._wait_reply_blocking(frames[0], farewell_wait)
+        self._release_sockets(linger)
+
+    def _wait_reply_blocking(self, uid_frame: Any, wait_s: float) -> None:
+        """Block (no event loop) until the reply whose uid frame is ``uid_frame`` arrives,
+        at most ``wait_s`` seconds; other replies are dropped."""
+        sock = self._sock
+        assert sock is not None
+        end = time.monotonic() + wait_s
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        with contextlib.suppress(zmq.ZMQError):
+            while (left := end - time.monotonic()) > 0:
+                if not poller.poll(max(1, int(left * 1000))):
+                    return
+                with contextlib.suppress(zmq.Again):
+                    if sock.recv_multipart(zmq.NOBLOCK)[0] == bytes(uid_frame):
+                        return
+
+    def _release_sockets(self, linger: int = 0) -> None:
+        if self._sockets_finalizer is not None:
+            self._sockets_finalizer.detach()
+            self._sockets_finalizer = None
+        _release(self._sock, self._monitor, linger)
         self._sock = self._monitor = self._ctx = None
 
     def drop_inherited(self) -> None:
@@ -588,6 +536,9 @@ class Connection:
         them either."""
         self._closed = True
         self._reader_alive = False
+        if self._sockets_finalizer is not None:
+            self._sockets_finalizer.detach()
+            self._sockets_finalizer = None
         for obj in (self._sock, self._monitor, self._ctx):
             if obj is not None:
                 with contextlib.suppress(AttributeError, TypeError):
@@ -622,13 +573,20 @@ class Connection:
 
     # ------------------------------------------------------------------ calls
 
-    async def call(self, op: Op, args: Sequence[Any] = (), *, timeout: float | None) -> Reply:
+    async def call(
+        self, op: Op, args: Sequence[Any] = (), *, timeout: float | None, urgent: bool = False
+    ) -> Reply:
         """Send one request and wait for its reply.
 
         Args:
             op: the operation.
             args: its arguments (Python values or :class:`~lmcache_async._wire.PreEncoded`).
             timeout: seconds until the call fails; ``None`` waits forever.
+            urgent: a cleanup (``free_lookup_locks``, ``end_session``, ...): it takes the
+                next free place before every non-urgent call waiting for one, so a
+                backlog of new requests (thousands of concurrent operations on one
+                client) never holds back the requests that end the server sessions and
+                release the locks of the operations already answered.
 
         Raises:
             LMCacheTimeoutError: no reply in time (also a ``TimeoutError``); the request
@@ -638,14 +596,15 @@ class Connection:
 
         Backpressure: at most ``max_in_flight`` requests are in flight; a call beyond that
         waits for a free place, under its deadline (a timeout then names no request id:
-        nothing was sent).
+        nothing was sent). Places go to the urgent waiters first, then to the others, each
+        in arrival order.
 
         Cancellation: the entry is removed; a later reply is dropped.
         """
         self._check_sendable(op)
         start = time.monotonic()
-        if self._busy >= self.max_in_flight or self._place_waiters:
-            await self._wait_for_place(op, start, timeout)
+        if self._must_wait(urgent):
+            await self._wait_for_place(op, start, timeout, urgent)
             try:
                 self._check_sendable(op)  # the connection may have changed meanwhile
             except BaseException:
@@ -676,42 +635,6 @@ class Connection:
                 fut.cancel()
             self._release_place()
 
-    # ---- issue 33: streaming requests
-
-    async def open_stream(self, op: Op, args: Sequence[Any] = (), *, timeout: float | None) -> ReplyStream:
-        """Send a streaming request; its items arrive on the returned :class:`ReplyStream`.
-
-        ``timeout`` bounds the send only (a peer not yet ready); the items have no
-        deadline. Streams take no place among ``max_in_flight``.
-
-        Raises:
-            LMCacheConnectionError: not connected, or not ready in time (nothing sent).
-            ClientClosedError: the connection is closed.
-
-        Cancellation: the stream is forgotten; if the request was sent, a ``cancel``
-        control frame follows it.
-        """
-        self._check_sendable(op)
-        start = time.monotonic()
-        stream = self._table.register_stream(lambda uid: ReplyStream(self, uid, op))
-        sent = False
-        try:
-            frames = encode_request(stream.uid, op, args, self.wire)
-            if not self._send(frames, op):
-                await self._send_when_ready(frames, op, start, timeout)
-            sent = True
-            return stream
-        finally:
-            if not sent:
-                self._table.discard_stream(stream.uid)
-
-    @property
-    def open_streams(self) -> int:
-        """Streaming requests open on this connection."""
-        return self._table.streams
-
-    # ---- end issue 33
-
     def send_nowait(
         self, op: Op, args: Sequence[Any], *, timeout: float | None
     ) -> asyncio.Future[Reply] | None:
@@ -723,7 +646,7 @@ class Connection:
         ``timeout`` seconds (``None``: never), with :class:`LMCacheConnectionError` on a lost connection
         and with :class:`ClientClosedError` on close; cancelling it discards the reply.
         """
-        if not self.usable or self._busy >= self.max_in_flight or self._place_waiters:
+        if not self.usable or self._must_wait(False):
             return None
         assert self._loop is not None
         start = time.monotonic()
@@ -756,9 +679,18 @@ class Connection:
         if not fut.cancelled():
             fut.exception()  # retrieved: nobody may be waiting for it
 
-    async def _wait_for_place(self, op: Op, start: float, timeout: float | None) -> None:
+    def _must_wait(self, urgent: bool) -> bool:
+        """Whether a new call must wait for a place (none is free, or others wait first)."""
+        if self._busy >= self.max_in_flight or self._urgent_waiters:
+            return True
+        return not urgent and bool(self._place_waiters)
+
+    async def _wait_for_place(
+        self, op: Op, start: float, timeout: float | None, urgent: bool = False
+    ) -> None:
         """Wait (under the call's deadline) until fewer than ``max_in_flight`` calls hold
-        a place, then take one. First come, first served.
+        a place, then take one. Urgent calls first, then the others; first come, first
+        served within each.
 
         Raises:
             LMCacheTimeoutError: the deadline passed first (nothing was sent).
@@ -767,7 +699,8 @@ class Connection:
         """
         assert self._loop is not None
         waiter: asyncio.Future[None] = self._loop.create_future()
-        self._place_waiters.append(waiter)
+        waiters = self._urgent_waiters if urgent else self._place_waiters
+        waiters.append(waiter)
         try:
             remaining = None if timeout is None else timeout - (time.monotonic() - start)
             async with asyncio.timeout(remaining):
@@ -780,15 +713,17 @@ class Connection:
             raise
         finally:
             with contextlib.suppress(ValueError):
-                self._place_waiters.remove(waiter)
+                waiters.remove(waiter)
 
     def _release_place(self) -> None:
-        """Give a place back: to the first waiter still waiting, or to the pool."""
-        while self._place_waiters:
-            waiter = self._place_waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)  # the place passes on: _busy is unchanged
-                return
+        """Give a place back: to the first urgent waiter still waiting, else to the first
+        other waiter, else to the pool."""
+        for waiters in (self._urgent_waiters, self._place_waiters):
+            while waiters:
+                waiter = waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)  # the place passes on: _busy is unchanged
+                    return
         self._busy -= 1
 
     def _check_sendable(self, op: Op) -> None:

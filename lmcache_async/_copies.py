@@ -30,7 +30,7 @@ __all__ = [
     "refill_slots",
 ]
 
-log = logging.getLogger("lmcache_async._ops")
+log = logging.getLogger(__name__)
 
 #: Copies larger than this run in a worker thread so the event loop keeps serving others.
 THREAD_COPY_BYTES: Final = 8 << 20

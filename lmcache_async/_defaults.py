@@ -1,43 +1,19 @@
-"""The "use the client's default" sentinel and the one validator of timeouts.
+"""The one validator of timeouts (:func:`check_timeout`, :func:`resolve_timeout`): what
+every ``timeout=`` means is in :mod:`lmcache_async.defaults`, the public home of
+:data:`~lmcache_async.defaults.DEFAULT` and :class:`~lmcache_async.defaults.DefaultType`
+(imported here too, for the library's modules).
 
-Every ``timeout=`` of the library means the same thing and is checked by
-:func:`check_timeout`:
-
-* ``DEFAULT`` (the default value of every per-call ``timeout``): the client's own
-  ``timeout``;
-* ``None``: no deadline, wait as long as it takes;
-* a finite number of seconds ``>= 0`` (``int`` or ``float``; ``0`` fails at the first
-  wait);
-* ``math.inf``: the same as ``None`` (it is returned as ``None``, so a caller never has
-  to add to or sleep for an infinite number);
-* a negative number or ``nan`` raises ``ValueError``, and what is not a number (a
-  ``bool``, a string, ...) ``TypeError``, naming the argument, before anything is sent.
-
-``DEFAULT`` is the only member of the enum :class:`DefaultType`, so a signature can say
-``timeout: float | DefaultType | None = DEFAULT`` and type checkers narrow it with
-``if timeout is DEFAULT``.
+``math.inf`` is returned as ``None``, so a caller never has to add to or sleep for an
+infinite number.
 """
 
 from __future__ import annotations
 
-import enum
 import math
-from typing import Final, Literal
+
+from lmcache_async.defaults import DEFAULT, DefaultType
 
 __all__ = ["DEFAULT", "DefaultType", "check_timeout", "resolve_timeout"]
-
-
-class DefaultType(enum.Enum):
-    """Type of :data:`DEFAULT` (a single-member enum: a typed, picklable singleton)."""
-
-    DEFAULT = "DEFAULT"
-
-    def __repr__(self) -> str:  # shown in signatures and help(): "timeout=DEFAULT"
-        return "DEFAULT"
-
-
-#: "Use the client's default": the default value of every per-call ``timeout``.
-DEFAULT: Final[Literal[DefaultType.DEFAULT]] = DefaultType.DEFAULT
 
 
 def check_timeout(value: object, name: str = "timeout", *, allow_none: bool = True) -> float | None:

@@ -24,15 +24,15 @@ client's connection:
 * a :class:`~lmcache_async.events.Resync` item when the server says ``lost`` or its
   incarnation changed.
 
-:class:`BlockingKVEvents` is the same stream as a blocking iterator, for the blocking
-``Client`` (an event-loop thread runs the stream).
+``AsyncClient.kv_events`` iterates a stream :func:`subscribe` made; the blocking
+``Client.kv_events`` is its generated twin (each step a blocking call on the client's
+loop thread; leaving the loop early closes the stream there).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import logging
 import secrets
 import threading
@@ -41,9 +41,10 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from lmcache_async._connection import Connection, ReplyStream
+from lmcache_async._connection import Connection
+from lmcache_async._reply_stream import ReplyStream, open_stream
 from lmcache_async._runner import cancel_and_wait
-from lmcache_async._wire import Op
+from lmcache_async._wire import Op, validate_model_name
 from lmcache_async.errors import (
     ClientClosedError,
     KVEventsDisabledError,
@@ -58,7 +59,7 @@ from lmcache_async.events import (
     validate_max_events,
 )
 
-__all__ = ["BlockingKVEvents", "KVEventStream"]
+__all__ = ["KVEventStream", "subscribe"]
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +293,8 @@ class KVEventStream:
         start = time.monotonic()
         while True:
             try:
-                self._stream = await self._conn.open_stream(
+                self._stream = await open_stream(
+                    self._conn,
                     Op.SUBSCRIBE_KV_EVENTS,
                     (self.subscriber_id, self.model_name, self.cursor, self.max_events),
                     timeout=self._send_timeout,
@@ -326,75 +328,50 @@ class KVEventStream:
                 log.debug("kv events: ping of subscriber %d failed: %s", self.subscriber_id, exc)
 
 
-class BlockingKVEvents:
-    """:class:`KVEventStream` as a blocking iterator: each ``next()`` runs the stream's
-    ``__anext__`` on ``loop`` (another thread's running loop) and waits for it.
+def subscribe(
+    client: Any,
+    model_name: str | None,
+    cursor: int = 0,
+    incarnation: int | None = None,
+    max_events: int = 256,
+    ping_interval: float = 10.0,
+    reconnect_timeout: float | None = 60.0,
+) -> KVEventStream:
+    """A stream of the KV events of ``model_name`` (default: the client's model) on the
+    open ``client``'s server (no I/O until the first ``__anext__``): what
+    :meth:`lmcache_async.AsyncClient.kv_events` iterates.
 
-    ``next()`` waits without a deadline (an idle server sends nothing); use
-    :meth:`next_event` for one with a deadline. ``KeyboardInterrupt`` (or any
-    exception) while waiting cancels the subscription. ``close()`` (or leaving
-    ``with``) cancels it too.
+    Args:
+        model_name: the model whose events to follow (the server filters by exact name).
+        cursor: resume after the records already seen (a ``Resync`` item's ``cursor``, or
+            the last event's ``seq``); 0: everything the server still holds.
+        incarnation: the server incarnation ``cursor`` belongs to (the last event's);
+            another one on the server means it restarted: a ``Resync("restarted")``
+            first. With ``cursor`` 0 and no incarnation, records the server no longer
+            holds are not reported as lost.
+        max_events: records a batch, 1..1024 (the server answers nothing else).
+        ping_interval: seconds between the pings that keep the subscription (0 < s <= 30).
+        reconnect_timeout: seconds a lost connection may take to come back before the
+            iteration raises (``None``: for ever).
+
+    Raises (here, nothing sent): ValueError/TypeError for bad arguments; the client's
+    state errors (not open, closed, another event loop). Iteration raises what
+    :meth:`KVEventStream.__anext__` says; waiting for an event has no deadline (an idle
+    server sends nothing: bound it with ``asyncio.timeout``, which closes the stream).
+
+    Cancellation, ``aclose()``, leaving ``async with``, or dropping the stream: the
+    subscription is cancelled on the server.
     """
-
-    def __init__(self, stream: KVEventStream, loop: asyncio.AbstractEventLoop) -> None:
-        self._stream = stream
-        self._loop = loop
-
-    @property
-    def stream(self) -> KVEventStream:
-        return self._stream
-
-    def __iter__(self) -> BlockingKVEvents:
-        return self
-
-    def __enter__(self) -> BlockingKVEvents:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __next__(self) -> KVEvent:
-        return self.next_event(None)
-
-    def next_event(self, timeout: float | None) -> KVEvent:
-        """The next event, waiting at most ``timeout`` seconds (``None``: no deadline).
-
-        Raises:
-            StopIteration: the stream was closed.
-            TimeoutError: no event in time (the stream is then closed, as an async
-                caller's ``asyncio.timeout`` would close it).
-            The errors of :meth:`KVEventStream.__anext__`.
-        """
-
-        async def step() -> KVEvent:
-            async with asyncio.timeout(timeout):
-                return await self._stream.__anext__()
-
-        fut = asyncio.run_coroutine_threadsafe(step(), self._loop)
-        try:
-            return fut.result()
-        except StopAsyncIteration:
-            raise StopIteration from None
-        except BaseException:
-            if not fut.done():
-                fut.cancel()
-                # the cancellation closes the stream on the loop; wait for that, bounded
-                with _suppress_all():
-                    fut.result(timeout=5.0)
-            raise
-
-    def close(self) -> None:
-        """Cancel the subscription (bounded wait: 5 s for the loop to do it)."""
-        if self._loop.is_closed():
-            return
-        fut = asyncio.run_coroutine_threadsafe(self._stream.aclose(), self._loop)
-        with _suppress_all():
-            fut.result(timeout=5.0)
-
-
-class _suppress_all:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> bool:
-        return exc[0] is not None and issubclass(exc[0], Exception | concurrent.futures.CancelledError)
+    name = client.model_name if model_name is None else validate_model_name(model_name)
+    stream = KVEventStream(
+        client._session.conn,
+        name,
+        cursor=cursor,
+        incarnation=incarnation,
+        max_events=max_events,
+        ping_interval=ping_interval,
+        reconnect_timeout=reconnect_timeout,
+    )
+    client._require_open()
+    client._check_loop()
+    return stream

@@ -32,11 +32,12 @@ __all__ = [
     "LoopCall",
     "LoopThread",
     "bounded_aclose",
+    "ready",
     "refuse_on_loop_thread",
     "tls",
 ]
 
-log = logging.getLogger("lmcache_async.sync_client")
+log = logging.getLogger(__name__)
 
 
 class Closable(Protocol):
@@ -82,6 +83,12 @@ async def bounded_aclose(aclient: Closable, bound: float) -> None:
 
 
 tls = threading.local()
+
+
+async def ready(value: T) -> T:
+    """``value``, as a coroutine's result: what the facade's portal hands the loop for an
+    object made there without awaiting (an async generator)."""
+    return value
 
 
 def on_loop_thread() -> bool:
@@ -363,6 +370,24 @@ class LoopThread:
         return self.pid == os.getpid() and self.thread.is_alive() and not self.loop.is_closed()
 
     # ------------------------------------------------------------ sharing
+
+    @classmethod
+    def current(cls) -> LoopThread | None:
+        """The process's loop thread, or ``None`` while none runs (none started yet, or
+        the last one retired); takes no reference."""
+        return cls._current
+
+    @classmethod
+    def reset_after_fork(cls) -> None:
+        """Forget the parent's loop thread in a forked child (call it first thing there).
+
+        The child has none of the parent's threads: the shared lock may be held by one of
+        them forever, and the current and retiring threads are the parent's. A fresh lock
+        and no loop thread let the child start its own on first use.
+        """
+        cls._lock = threading.RLock()
+        cls._current = None
+        cls._retiring = None
 
     @classmethod
     def acquire(cls) -> LoopThread:

@@ -91,7 +91,6 @@ class Metadata:
         self._session: aiohttp.ClientSession | None = None
         self._cache: dict[str, _Cached] = {"config": _Cached(), "status": _Cached()}
         self._config_path: str | None = None
-        self._last_body = ""
 
     async def close(self) -> None:
         """Cancel shared fetches and close the HTTP session. Idempotent."""
@@ -127,6 +126,8 @@ class Metadata:
         share), and without aiohttp's "Unclosed client session" warnings later."""
 
         def forget(connector: aiohttp.BaseConnector) -> None:
+            # aiohttp has no public way to mark a connector closed without closing it:
+            # close() would unregister the sockets the parent still uses.
             connector._closed = True  # its __del__ then neither warns nor closes
 
         self._let_go(forget)
@@ -143,15 +144,16 @@ class Metadata:
         with contextlib.suppress(AttributeError):
             if connector is not None:
                 finish(connector)
-            session._connector = None
+        session.detach()  # closed, without closing the connector again
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         return self._session
 
-    async def _get_json(self, path: str, timeout: float | None) -> tuple[int, Any]:
-        """GET ``path``: ``(200, document)`` or ``(status, None)`` for another status.
+    async def _get_json(self, path: str, timeout: float | None) -> tuple[int, Any, str]:
+        """GET ``path``: ``(200, document, "")``, or ``(status, None, excerpt)`` for another
+        status (the start of the body, for the error that reports it).
 
         Raises:
             AuthenticationError: HTTP 401 (an API key is needed, or was wrong).
@@ -172,23 +174,24 @@ class Metadata:
         if status == 401:
             raise AuthenticationError(status, url, _excerpt(body), key_sent=self._api_key is not None)
         if status != 200:
-            self._last_body = _excerpt(body)
-            return status, None
+            return status, None, _excerpt(body)
         try:
-            return status, json.loads(body)
+            return status, json.loads(body), ""
         except ValueError as exc:
             raise ProtocolError(f"GET {url}: invalid JSON") from exc
+        except RecursionError:  # a hostile document nested thousands deep
+            raise ProtocolError(f"GET {url}: invalid JSON (nested too deeply)") from None
 
     async def healthcheck(self, timeout: float | None = 5.0) -> bool:
         """True when ``/healthcheck`` answers 200."""
-        status, _ = await self._get_json("/healthcheck", timeout)
+        status, _, _ = await self._get_json("/healthcheck", timeout)
         return status == 200
 
     async def _fetch_config(self, timeout: float | None) -> dict[str, Any]:
         paths = [self._config_path] if self._config_path else ["/config", "/conf"]
-        last = 0
+        last, body = 0, ""
         for path in paths:
-            status, doc = await self._get_json(path, timeout)
+            status, doc, body = await self._get_json(path, timeout)
             if status == 200:
                 if not isinstance(doc, dict) or not isinstance(doc.get("mp"), dict):
                     raise ProtocolError(f"GET {path}: no 'mp' section")
@@ -200,17 +203,17 @@ class Metadata:
         raise HTTPStatusError(
             last,
             f"{self.http_url}/config",
-            self._last_body,
+            body,
             f"GET {self.http_url}/config failed with HTTP {last}",
         )
 
     async def _fetch_status(self, timeout: float | None) -> dict[str, Any]:
-        status, doc = await self._get_json("/status", timeout)
+        status, doc, body = await self._get_json("/status", timeout)
         if status != 200:
             raise HTTPStatusError(
                 status,
                 f"{self.http_url}/status",
-                self._last_body,
+                body,
                 f"GET {self.http_url}/status failed with HTTP {status}",
             )
         if not isinstance(doc, dict):
@@ -246,12 +249,12 @@ class Metadata:
             AuthenticationError: 401. HTTPStatusError: another status than 200 or 404.
             ProtocolError: the answer is not a JSON string.
         """
-        status, doc = await self._get_json("/lmc_version", timeout)
+        status, doc, body = await self._get_json("/lmc_version", timeout)
         if status == 404:
             return None
         if status != 200:
             url = f"{self.http_url}/lmc_version"
-            raise HTTPStatusError(status, url, self._last_body, f"GET {url} failed with HTTP {status}")
+            raise HTTPStatusError(status, url, body, f"GET {url} failed with HTTP {status}")
         if not isinstance(doc, str) or not doc or len(doc) > 128:
             raise ProtocolError(f"GET /lmc_version answered {doc!r}, not a version string")
         return doc

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence, Sized
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, TypeVar
 
+from lmcache_async import observe
 from lmcache_async.errors import LMCacheTimeoutError
 from lmcache_async.observe import Observer, Operation
 
@@ -62,10 +63,12 @@ async def observed(
         op.parent = parent
         parent.children += 1
     for obs in observers:
+        began = time.perf_counter()
         try:
             op.state[obs] = obs.operation_started(op)
         except Exception as exc:
-            log.warning("observer %r failed at the start of %s: %r", obs, op.name, exc)
+            _failed(obs, "start", op, exc)
+        _timed(obs, "operation_started", time.perf_counter() - began)
     token = _current.set(op)
     start = time.perf_counter()
     try:
@@ -95,11 +98,46 @@ async def observed(
         elif parent is not None:  # a pickle remap: its retrieve and its store move the bytes
             parent.bytes_moved += op.bytes_moved
         for obs in observers:
+            began = time.perf_counter()
             try:
                 obs.operation_ended(op)
             except Exception as exc:
-                log.warning("observer %r failed at the end of %s: %r", obs, op.name, exc)
+                _failed(obs, "end", op, exc)
+            _timed(obs, "operation_ended", time.perf_counter() - began)
     return result
+
+
+def _failed(obs: Observer, where: str, op: Operation, exc: Exception) -> None:
+    """Count a callback's failure; log the observer's first with its traceback."""
+    count = observe._failures.get(obs, 0) + 1
+    observe._failures[obs] = count
+    if count == 1:
+        log.warning(
+            "observer %r failed at the %s of %s: %r (its later failures are counted, not "
+            "logged: lmcache_async.observe.observer_failures)",
+            obs,
+            where,
+            op.name,
+            exc,
+            exc_info=exc,
+        )
+    else:
+        log.debug("observer %r failed at the %s of %s (failure %d): %r", obs, where, op.name, count, exc)
+
+
+def _timed(obs: Observer, callback: str, seconds: float) -> None:
+    """Warn once per observer of a callback slower than ``SLOW_CALLBACK_S``."""
+    if seconds > observe.SLOW_CALLBACK_S and obs not in observe._slow_warned:
+        observe._slow_warned.add(obs)
+        log.warning(
+            "observer %r is slow: its %s took %.1f ms, over the %.0f ms threshold "
+            "(lmcache_async.observe.SLOW_CALLBACK_S); callbacks run on the event loop and "
+            "must not block (warned once per observer)",
+            obs,
+            callback,
+            seconds * 1e3,
+            observe.SLOW_CALLBACK_S * 1e3,
+        )
 
 
 # ---------------------------------------------------------------------- what results say

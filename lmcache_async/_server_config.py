@@ -2,8 +2,9 @@
 into one frozen :class:`ServerConfig`.
 
 Read at open and again at each re-registration (a restarted server may have another
-chunk size, pool or instance id); nothing else in the library reads ``/config`` by hand
-but the CLI's ``status`` command, which shows the document itself.
+chunk size, pool or instance id). Nothing else in the library reads ``/config`` by hand:
+the CLI's ``status`` command shows the document itself and predicts the transport with
+:func:`expected_pool`, the same reading :attr:`ServerConfig.expected_pool` holds.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, TypeGuard
 from lmcache_async._shm_segment import POOL_PREFIX
 from lmcache_async.errors import ProtocolError, ServerError
 
-__all__ = ["ServerConfig", "mp_section", "server_instance"]
+__all__ = ["ServerConfig", "expected_pool", "mp_section", "server_instance"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,8 @@ class ServerConfig:
         registration_grace: seconds a silent, never-pinged registration lives
             (``mp.worker_registration_grace_seconds``), when said.
         expected_pool: the ``(shm_name, pool_size)`` a registration must answer, ``("", 0)``
-            for a server without an SHM pool, or ``None`` when ``/config`` does not say.
+            for a server without an SHM pool, or ``None`` when ``/config`` does not say
+            (:func:`expected_pool`).
     """
 
     chunk_size: int = 0
@@ -71,7 +73,7 @@ class ServerConfig:
             fifo_cpu=mp.get("max_cpu_workers") == 1,
             write_ttl=_find_number(config, "write_ttl_seconds"),
             registration_grace=float(grace) if _is_number(grace) else None,
-            expected_pool=_expected_pool(config),
+            expected_pool=expected_pool(config),
         )
 
     def with_instance(self, instance: object) -> ServerConfig:
@@ -104,9 +106,14 @@ def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _expected_pool(config: Mapping[str, Any]) -> tuple[str, int] | None:
+def expected_pool(config: Mapping[str, Any]) -> tuple[str, int] | None:
     """The ``(shm_name, pool_size)`` a registration with the server whose ``/config`` this
-    is answers, or ``None`` when ``/config`` does not say (then nothing is checked)."""
+    is answers, or ``None`` when ``/config`` does not say (then nothing is checked).
+
+    ``("", 0)`` (no SHM pool) when the server has several L1 managers
+    (``l1_manager_configs``), a lazy pool, a DAX device (``devdax_path``) or no
+    ``shm_name``; the name carries the pool prefix the server adds.
+    """
     sm = config.get("storage_manager")
     if not isinstance(sm, dict):
         return None

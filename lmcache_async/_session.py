@@ -21,14 +21,15 @@ import contextlib
 import logging
 import secrets
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any, Final, Literal
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, Literal, TypeVar
 
+from lmcache_async._channel import ConnectionChannel, replaced_message
 from lmcache_async._connection import Connection
 from lmcache_async._metadata import Metadata
 from lmcache_async._ops import Operations, Registration
 from lmcache_async._replacement import ServerWatch
-from lmcache_async._runner import cancel_and_wait
+from lmcache_async._runner import OpState, cancel_and_wait
 from lmcache_async._server_config import ServerConfig, server_instance
 from lmcache_async._shm import ShmPool
 from lmcache_async._wire import (
@@ -37,65 +38,28 @@ from lmcache_async._wire import (
     RegisterPayload,
     WireGeneration,
     generation_for_version,
-    op_name,
     parse_register_response,
 )
 from lmcache_async.errors import (
     ClientClosedError,
     LMCacheError,
+    LMCacheTimeoutError,
     ProtocolError,
     ServerError,
     ServerReplacedError,
     TransferError,
 )
-from lmcache_async.geometry import KVGeometry, dtype_name
+from lmcache_async.geometry import KVGeometry, check_server_geometry, dtype_name
+from lmcache_async.results import TransferMode
 
-__all__ = ["UNREGISTER_TIMEOUT", "Session", "TransferMode"]
+__all__ = ["UNREGISTER_TIMEOUT", "Session"]
 
-log = logging.getLogger("lmcache_async.client")
+log = logging.getLogger(__name__)
 
-TransferMode = Literal["auto", "shm", "pickle"]
+T = TypeVar("T")
 
 #: Longest wait for the ``unregister`` reply when closing.
 UNREGISTER_TIMEOUT: Final = 2.0
-
-
-class ConnectionChannel:
-    """The :class:`~lmcache_async._ops.Channel` of a ZMQ connection, for the
-    operations of one server: when that server is found replaced, the channel is retired
-    (a new one serves the new server) and its operations' requests fail at once with
-    :class:`ServerReplacedError`, cleanups included (nothing of theirs exists there)."""
-
-    __slots__ = ("_conn", "retired")
-
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-        self.retired = False
-
-    @property
-    def usable(self) -> bool:
-        return not self.retired and self._conn.usable
-
-    async def call(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> Any:
-        if self.retired:
-            raise ServerReplacedError(replaced_message(opcode, self._conn.url))
-        reply = await self._conn.call(opcode, args, timeout=timeout)
-        return reply.value()
-
-    def post(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> asyncio.Future[Any] | None:
-        """Send a request now and return the future of its reply (a
-        :class:`~lmcache_async._wire.Reply`) without waiting; ``None`` when it cannot be
-        sent at once (see :meth:`~lmcache_async._connection.Connection.send_nowait`)."""
-        if self.retired:
-            return None
-        return self._conn.send_nowait(opcode, args, timeout=timeout)
-
-
-def replaced_message(opcode: Op, url: str) -> str:
-    return (
-        f"{op_name(opcode)}: the LMCache server behind {url} was replaced (a new server instance, "
-        "with no visible disconnect); the client registers with the new one"
-    )
 
 
 def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -148,6 +112,10 @@ async def _keepalive_loop(
             del session
 
 
+class _Abandoned(Exception):
+    """An operation whose caller left before it sent anything (never seen by callers)."""
+
+
 class Session:
     """Everything of one client that concerns the server (see the module docstring).
 
@@ -178,7 +146,7 @@ class Session:
         self.model_name = model_name
         self.num_kv_readers = num_kv_readers
         self.cleanup_grace = cleanup_grace
-        self._want_transfer: TransferMode = transfer
+        self._want_transfer: TransferMode = transfer  # "inline" and "pickle": the same
         self._prefault_shm = prefault_shm
         self._ping_interval = ping_interval
         self._track = track
@@ -234,6 +202,7 @@ class Session:
         if self.geometry is None:
             status = await self.meta.status(max_age=0, timeout=remaining())
             self.geometry = KVGeometry.from_status(status, self.model_name)
+            check_server_geometry(self.geometry, self.chunk_size)
         if self.chunk_size % self.geometry.block_size:
             raise ServerError(
                 f"chunk size {self.chunk_size} is not a multiple of the block size {self.geometry.block_size}"
@@ -358,8 +327,8 @@ class Session:
             self.pool.close()
             self.pool = None
         self.server_has_shm = bool(shm_name) and pool_size > 0
-        why_not = "transfer='pickle' was asked for"
-        if self.server_has_shm and self._want_transfer != "pickle":
+        why_not = f"transfer={self._want_transfer!r} was asked for"
+        if self.server_has_shm and self._want_transfer not in ("pickle", "inline"):
             try:
                 self.pool = ShmPool(shm_name, pool_size)
                 if not self._prefault_shm:
@@ -490,6 +459,42 @@ class Session:
 
     # ------------------------------------------------------------------ operations
 
+    async def run(self, name: str, op: OpState, body: Callable[[Operations, OpState], Awaitable[T]]) -> T:
+        """The session's half of running operation ``name`` (in its own task, see
+        :func:`~lmcache_async._runner.run_detached`): wait for a usable connection, check
+        for a server replaced behind it, register again if needed, then ``body`` over the
+        current :meth:`operations`; run once more on :class:`ServerReplacedError`, and mark
+        the registration stale on a timeout.
+
+        Raises what ``body`` raises (a :class:`ServerReplacedError` the second time, or
+        when the caller left, with ``name`` and "again" in its message).
+        """
+        # Started while the server is away: wait briefly for the reconnection (then the
+        # new server is registered with first), or fail fast with a connection error.
+        await self.conn.wait_usable(op.remaining())
+        if self.watch.due():  # silence: was the server replaced behind the connection?
+            await self.watch.check_quietly(op.remaining())
+        for attempt in (1, 2):
+            try:
+                await self.ensure_registered(op.remaining())
+                if op.abandoned:  # the caller left before anything was sent
+                    raise _Abandoned
+                return await body(self.operations(), op)
+            except LMCacheTimeoutError:
+                # Unanswered prepare/commit requests are what a reaped registration looks
+                # like; re-registering an existing id is cheap, so do it before the next op.
+                self.stale = True
+                raise
+            except ServerReplacedError as exc:
+                # Everything this attempt did was on the old server (gone with it) or
+                # sent under a retired id (nothing for the new one): run it again once,
+                # on the new server, unless the caller left.
+                if attempt == 2 or op.abandoned:
+                    again = " (again, after running it once more)" if attempt == 2 else ""
+                    raise ServerReplacedError(f"{name}: {exc}{again}") from exc
+                log.debug("%s: the server was replaced while it ran; running it again", name)
+        raise AssertionError("unreachable")
+
     def operations(self) -> Operations:
         """The operations of the current registration (built again only when something
         it is made of changed: re-registration, a new pool, a new chunk size)."""
@@ -561,16 +566,30 @@ class Session:
             finally:
                 await self.meta.close()
 
-    def release_locally(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Release the socket, ZMQ context and HTTP session without awaiting anything
-        (``loop``, theirs, is closed or not running): no unregister."""
+    def release_locally(
+        self, loop: asyncio.AbstractEventLoop, *, unregister: bool = False, unregister_wait: float = 0.0
+    ) -> None:
+        """Release the SHM pool, the socket and the HTTP session without awaiting anything: ``loop``,
+        theirs, is closed or not running, or this runs on it (a client collected there).
+
+        ``unregister``: if registered under the current id and connected, the unregister
+        request is sent, its reply not awaited (the server drops the registration when it
+        processes it; a closed socket keeps sending it for up to a second), or waited for
+        (blocking) at most ``unregister_wait`` seconds: at interpreter exit, where the
+        process would end before the socket sent it."""
         if not loop.is_closed():
             for task in (self.keepalive, self.watch_task):
                 if task is not None:
                     task.cancel()
-        self.pool = None
-        self.conn.abandon()
-        self.meta.abandon()
+        registered = self.registered_id is not None and self.registered_id == self.instance_id
+        farewell = (Op.UNREGISTER_ENGINE_DRIVEN, (self.instance_id,)) if unregister and registered else None
+        pool, self.pool = self.pool, None
+        try:
+            if pool is not None:
+                pool.close()  # its descriptor; the mapping stays while a view is alive
+        finally:
+            self.conn.abandon(farewell, unregister_wait)
+            self.meta.abandon()
 
     def drop_inherited(self) -> None:
         """In a forked child: forget the parent's socket, context, session and pool

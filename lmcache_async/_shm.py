@@ -67,10 +67,6 @@ class ShmPool:
         self._fd_lock = threading.Lock()
         self._fd_users = 0
         self._fd_closing = False
-        #: Whether the mapping is registered as pinned CUDA memory: None until the first
-        #: CUDA copy asks (:func:`lmcache_async._cuda.copies.pin_pool`), then True or False.
-        self.cuda_pinned: bool | None = None
-        self.cuda_lock = threading.Lock()
         self._close_hooks: list[Callable[[ShmPool], None]] = []
 
     def call_before_close(self, hook: Callable[[ShmPool], None]) -> None:

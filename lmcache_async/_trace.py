@@ -1,4 +1,4 @@
-"""The one trace hook (:func:`lmcache_async.sync_client.set_trace_hook`): a callable given
+"""The one trace hook (:func:`lmcache_async.observe.set_trace_hook`): a callable given
 the name of each hand-over point a call passes, for profiling; ``None`` (the default)
 costs one attribute read and test per point."""
 

@@ -32,7 +32,7 @@ import re
 import struct
 import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Literal
 
@@ -55,7 +55,7 @@ __all__ = [
     "MAX_BIN",
     "MAX_SALT_LEN",
     "MAX_TOKEN",
-    "STRING_ONLY_OPS",
+    "MAX_TOKENS",
     "CacheKey",
     "Op",
     "PreEncoded",
@@ -81,94 +81,94 @@ __all__ = [
 ]
 
 MAX_TOKEN: Final = 2**32  # token ids are hashed as uint32
+#: The most token ids one token list may have (2**22 = 4,194,304), in every operation of
+#: the library and the command line alike: a longer list is refused, before it is walked,
+#: with a ValueError naming this bound. 2**22 ids are about 150 MB as a list and their
+#: conversion holds the event loop for about a second; without a bound,
+#: ``lookup(range(2**40))`` never returned and froze every other call of the process.
+MAX_TOKENS: Final = 1 << 22
 MAX_SALT_LEN: Final = 128
 MAX_BIN: Final = 2**32 - 1  # msgpack bin32
 _BAD_SALT_CHARS: Final = ("@", "/", "\\", "\x00")
 
 
 class Op(enum.IntEnum):
-    """Legacy operation ids of the 0.5.6 server (a frozen compatibility table)."""
+    """The operations this client sends: one row each, the one table of their facts.
 
-    REGISTER_KV_CACHE = 1
-    UNREGISTER_KV_CACHE = 2
-    LOOKUP = 8
-    QUERY_PREFETCH_STATUS = 9
-    WAIT_PREFETCH_STATUS = 10
-    FREE_LOOKUP_LOCKS = 12
-    END_SESSION = 13
-    REGISTER_ENGINE_DRIVEN = 14
-    UNREGISTER_ENGINE_DRIVEN = 15
-    PREPARE_STORE = 16
-    COMMIT_STORE = 17
-    PREPARE_RETRIEVE = 18
-    COMMIT_RETRIEVE = 19
-    CLEAR = 20
-    GET_CHUNK_SIZE = 21
-    PING = 22
-    NOOP = 24
-    GET_EXPERIMENTAL = 32
-    # ---- issue 33 (KV events): string-only operations. They have no legacy id: the
-    # value is a local key only, never sent (encode_request sends the name, see
-    # STRING_ONLY_OPS).
-    SUBSCRIBE_KV_EVENTS = 1001
-    # ---- end issue 33
+    A row reads ``NAME = (id, name, arity, phase)``:
+
+    * ``id``: the frozen legacy id the op frame carries (the 0.5.6 compatibility table;
+      the server routes by name and looks an int up there). A **negative** id marks a
+      string-only operation (one with no legacy id, such as ``subscribe_kv_events``): a
+      local number, unique and never sent, whose op frame carries its name;
+    * ``name``: the server's handler name (:attr:`wire_name`; what :func:`op_name` says);
+    * ``arity``: the 0.5.6 argument frames (:attr:`arity`; the server rejects any other
+      count; a generation may append more, :attr:`WireGeneration.trailing_args`);
+    * ``phase``: the :attr:`lmcache_async.observe.Operation.phases` label of its requests
+      (:attr:`phase`; ``None``: its name).
+
+    A member is its id as an int (``int(op)``, ``Op(8)``); :attr:`wire` is what its op
+    frame carries, :meth:`from_wire` finds one by id or name. Adding an operation is one row. The
+    embedded server keeps its own table (``lmcache_async.testing.dialect``: an
+    independent oracle); a unit test proves the two agree.
+    """
+
+    _value_: int
+    #: The server's name of the operation.
+    wire_name: str
+    #: Argument frames on the 0.5.6 wire.
+    arity: int
+    #: The label of its requests in an observed operation's phases.
+    phase: str
+
+    def __new__(cls, legacy_id: int, wire_name: str, arity: int, phase: str | None = None) -> Op:
+        member = int.__new__(cls, legacy_id)
+        member._value_ = legacy_id
+        member.wire_name = wire_name
+        member.arity = arity
+        member.phase = wire_name if phase is None else phase
+        return member
+
+    REGISTER_KV_CACHE = (1, "register_kv_cache", 7)
+    UNREGISTER_KV_CACHE = (2, "unregister_kv_cache", 1)
+    LOOKUP = (8, "lookup", 2)
+    QUERY_PREFETCH_STATUS = (9, "query_prefetch_status", 1, "prefetch wait")
+    WAIT_PREFETCH_STATUS = (10, "wait_prefetch_status", 2, "prefetch wait")
+    FREE_LOOKUP_LOCKS = (12, "free_lookup_locks", 2)
+    END_SESSION = (13, "end_session", 1)
+    REGISTER_ENGINE_DRIVEN = (14, "register_kv_cache_engine_driven_context", 1)
+    UNREGISTER_ENGINE_DRIVEN = (15, "unregister_kv_cache_engine_driven_context", 1)
+    PREPARE_STORE = (16, "prepare_store", 2, "prepare")
+    COMMIT_STORE = (17, "commit_store", 3, "commit")
+    PREPARE_RETRIEVE = (18, "prepare_retrieve", 2, "prepare")
+    COMMIT_RETRIEVE = (19, "commit_retrieve", 2, "commit")
+    CLEAR = (20, "clear", 1)
+    GET_CHUNK_SIZE = (21, "get_chunk_size", 0)
+    PING = (22, "ping", 1)
+    NOOP = (24, "noop", 0)
+    GET_EXPERIMENTAL = (32, "get_experimental", 0)
+    # string-only (no legacy id): instance_id, model_name, cursor, max_events; streaming
+    SUBSCRIBE_KV_EVENTS = (-1, "subscribe_kv_events", 4)
+
+    @property
+    def wire(self) -> int | str:
+        """What the op frame carries: the legacy id, or the name of a string-only operation."""
+        return self.wire_name if self._value_ < 0 else self._value_
+
+    @classmethod
+    def from_wire(cls, value: int | str) -> Op:
+        """The operation an op frame's value names: a legacy id or a server name.
+
+        Raises:
+            ValueError: no operation of this client has this id or name.
+        """
+        op = _OPS_BY_WIRE.get(value) if isinstance(value, int | str) and not isinstance(value, bool) else None
+        if op is None:
+            raise ValueError(f"no operation has the id or name {value!r}")
+        return op
 
 
-#: The server's operation names, by legacy id (what the ``op`` frame may also carry).
-OP_NAMES: Final[dict[int, str]] = {
-    Op.REGISTER_KV_CACHE: "register_kv_cache",
-    Op.UNREGISTER_KV_CACHE: "unregister_kv_cache",
-    Op.LOOKUP: "lookup",
-    Op.QUERY_PREFETCH_STATUS: "query_prefetch_status",
-    Op.WAIT_PREFETCH_STATUS: "wait_prefetch_status",
-    Op.FREE_LOOKUP_LOCKS: "free_lookup_locks",
-    Op.END_SESSION: "end_session",
-    Op.REGISTER_ENGINE_DRIVEN: "register_kv_cache_engine_driven_context",
-    Op.UNREGISTER_ENGINE_DRIVEN: "unregister_kv_cache_engine_driven_context",
-    Op.PREPARE_STORE: "prepare_store",
-    Op.COMMIT_STORE: "commit_store",
-    Op.PREPARE_RETRIEVE: "prepare_retrieve",
-    Op.COMMIT_RETRIEVE: "commit_retrieve",
-    Op.CLEAR: "clear",
-    Op.GET_CHUNK_SIZE: "get_chunk_size",
-    Op.PING: "ping",
-    Op.NOOP: "noop",
-    Op.GET_EXPERIMENTAL: "get_experimental",
-    # ---- issue 33 (KV events)
-    Op.SUBSCRIBE_KV_EVENTS: "subscribe_kv_events",
-    # ---- end issue 33
-}
-
-#: Number of argument frames each operation takes (the server rejects any other count).
-OP_ARITY: Final[dict[Op, int]] = {
-    Op.REGISTER_KV_CACHE: 7,
-    Op.UNREGISTER_KV_CACHE: 1,
-    Op.LOOKUP: 2,
-    Op.QUERY_PREFETCH_STATUS: 1,
-    Op.WAIT_PREFETCH_STATUS: 2,
-    Op.FREE_LOOKUP_LOCKS: 2,
-    Op.END_SESSION: 1,
-    Op.REGISTER_ENGINE_DRIVEN: 1,
-    Op.UNREGISTER_ENGINE_DRIVEN: 1,
-    Op.PREPARE_STORE: 2,
-    Op.COMMIT_STORE: 3,
-    Op.PREPARE_RETRIEVE: 2,
-    Op.COMMIT_RETRIEVE: 2,
-    Op.CLEAR: 1,
-    Op.GET_CHUNK_SIZE: 0,
-    Op.PING: 1,
-    Op.NOOP: 0,
-    Op.GET_EXPERIMENTAL: 0,
-    # ---- issue 33 (KV events): instance_id, model_name, cursor, max_events
-    Op.SUBSCRIBE_KV_EVENTS: 4,
-    # ---- end issue 33
-}
-
-# ---- issue 33 (KV events)
-#: Operations the server knows by name only: their ``op`` frame is the msgpack name
-#: (the server's frozen id table has none for them; an unknown int is dropped).
-STRING_ONLY_OPS: Final[frozenset[Op]] = frozenset({Op.SUBSCRIBE_KV_EVENTS})
-# ---- end issue 33
+_OPS_BY_WIRE: Final[dict[int | str, Op]] = {k: op for op in Op for k in (op.wire, op.wire_name)}
 
 
 def pack_token_bytes(tokens: Sequence[int]) -> bytes:
@@ -209,7 +209,7 @@ class WireGeneration:
 
     def arity(self, op: Op) -> int:
         """Number of argument frames ``op`` takes on this generation."""
-        return OP_ARITY[op] + len(self.trailing_args.get(op, ()))
+        return op.arity + len(self.trailing_args.get(op, ()))
 
     def request_args(self, op: Op, args: Sequence[Any]) -> tuple[Any, ...]:
         """``op``'s argument values on this generation: ``args`` (the 0.5.6 arguments)
@@ -218,7 +218,7 @@ class WireGeneration:
 
         Raises ``ValueError`` for any other count (the server would drop the request).
         """
-        if len(args) == OP_ARITY[op]:
+        if len(args) == op.arity:
             args = (*args, *self.trailing_args.get(op, ()))
         if len(args) != self.arity(op):
             raise ValueError(
@@ -297,10 +297,13 @@ def generation_for_version(version: str) -> WireGeneration:
 
 
 def op_name(op: int | str) -> str:
-    """Return the server's name of an operation given as legacy id or name."""
+    """Return the server's name of an operation given as :class:`Op`, legacy id or name."""
     if isinstance(op, str):
         return op
-    return OP_NAMES.get(op, f"op#{op}")
+    try:
+        return Op.from_wire(op).wire_name
+    except ValueError:
+        return f"op#{op}"
 
 
 _encode: Final = msgspec.msgpack.Encoder().encode
@@ -372,12 +375,25 @@ _TOKEN_IDS: Final = list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_TOKEN)]]
 _convert: Final = msgspec.convert
 
 
+def _check_length(tokens: Sized, name: str) -> None:
+    """Refuse more than :data:`MAX_TOKENS` ids, from ``len()`` alone (nothing is walked)."""
+    try:
+        count = len(tokens)
+    except OverflowError:  # range(2**70): its length is no Py_ssize_t
+        count = None
+    if count is None or count > MAX_TOKENS:
+        shown = f"{count} tokens" if count is not None else "more tokens than fit in an index"
+        raise ValueError(f"{name} has {shown}; at most {MAX_TOKENS} (2**22) are accepted")
+
+
 def validate_tokens(tokens: object, name: str = "tokens") -> list[int]:
     """Return ``tokens`` as a list of ints, each in ``[0, 2**32)``.
 
-    Accepts any sequence of ints (a list, a tuple, a 1-D integer tensor or array via
-    ``tolist()``; numpy integers too). Refused: str, bytes, bytearray and memoryview
-    (bytes are not token ids), bools (``True`` is not token 1), non-integers.
+    Accepts any sequence of ints (a list, a tuple, a ``range``, a 1-D integer tensor or
+    array via ``tolist()``; numpy integers too) of at most :data:`MAX_TOKENS` ids.
+    Refused: str, bytes, bytearray and memoryview (bytes are not token ids), bools
+    (``True`` is not token 1), non-integers, and a longer sequence (from its ``len()``,
+    before any id is read).
     """
     if isinstance(tokens, str | bytes | bytearray | memoryview) or tokens is None:
         raise TypeError(f"{name} must be a sequence of ints, got {type(tokens).__name__}")
@@ -387,7 +403,11 @@ def validate_tokens(tokens: object, name: str = "tokens") -> list[int]:
             raise ValueError(f"{name} is a tensor on the 'meta' device, which holds no values")
         if getattr(tokens, "ndim", 1) != 1:
             raise ValueError(f"{name} must be one-dimensional")
+        if isinstance(tokens, Sized):
+            _check_length(tokens, name)
         tokens = tolist()
+    if isinstance(tokens, Sized):
+        _check_length(tokens, name)
     if isinstance(tokens, list | tuple):
         try:
             # C speed, one pass: a new list of exact ints in range (bools refused).
@@ -714,7 +734,7 @@ class _PrepareRetrieveReply(msgspec.Struct):
 
 
 _PREPARE_RETRIEVE_DECODER: Final = msgspec.msgpack.Decoder(_PrepareRetrieveReply)
-_PREPARE_RETRIEVE_OPS: Final = frozenset({int(Op.PREPARE_RETRIEVE), OP_NAMES[Op.PREPARE_RETRIEVE]})
+_PREPARE_RETRIEVE_OPS: Final = frozenset({Op.PREPARE_RETRIEVE.wire, Op.PREPARE_RETRIEVE.wire_name})
 
 
 def _prepare_retrieve_view(payload: memoryview) -> Any:
@@ -743,8 +763,7 @@ def encode_request(
     if uid < 0:
         raise ValueError("uid must be non-negative")
     args = generation.request_args(op, args)
-    opframe = packb(OP_NAMES[op]) if op in STRING_ONLY_OPS else packb(int(op))  # issue 33
-    frames: list[bytes | bytearray | memoryview] = [packb(uid), opframe]
+    frames: list[bytes | bytearray | memoryview] = [packb(uid), packb(op.wire)]
     for arg in args:
         frames.append(arg.frame if isinstance(arg, PreEncoded) else packb(arg))
     return frames

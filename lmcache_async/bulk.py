@@ -58,29 +58,25 @@ How a batch runs:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-import traceback
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, Unpack
 
 import torch
 
+from lmcache_async._batching import Abort, BufferPool, ByteBudget, scrub
 from lmcache_async._compose import ComposeClient
 from lmcache_async._defaults import DEFAULT, DefaultType, resolve_timeout
-from lmcache_async._host_copy import empty_host
 from lmcache_async._wire import validate_cache_salt, validate_tokens
 
 if TYPE_CHECKING:
-    from lmcache_async._compose import ComposeResult, KVPart
-    from lmcache_async._ops import RemapResult
-    from lmcache_async.geometry import KVGeometry
+    from lmcache_async.results import ComposeResult, KVPart, RemapResult
     from lmcache_async.rope import RopeSpec
 
 __all__ = [
+    "BatchOptions",
     "BatchProgress",
     "BatchResult",
     "BatchSummary",
@@ -100,9 +96,8 @@ log = logging.getLogger(__name__)
 
 
 class BulkClient(ComposeClient, Protocol):
-    """What the bulk jobs use of a client: what a composition uses
-    (:class:`~lmcache_async._compose.ComposeClient`: ``chunk_size``, ``geometry``,
-    ``store``, ``retrieve``) and the members below. An open
+    """What the bulk jobs use of a client: what a composition uses (``chunk_size``,
+    ``geometry``, ``store``, ``retrieve``) and the members below. An open
     :class:`~lmcache_async.client.AsyncClient` is one (the jobs take any object that has
     these, so this module never imports the client)."""
 
@@ -132,13 +127,64 @@ class BulkClient(ComposeClient, Protocol):
     ) -> ComposeResult: ...
 
 
-#: The default of ``timeout``: the client's timeout. An alias of
-#: :data:`lmcache_async.DEFAULT`, kept for code written before it existed.
-CLIENT_DEFAULT: Final = DEFAULT
-#: A pooled buffer is reused for an item of at least 1/_REUSE_SLACK of its length.
-_REUSE_SLACK: Final = 2
-
 ProgressHook = Callable[["BatchProgress"], object]
+
+
+class BatchOptions(TypedDict, total=False):
+    """The keyword arguments every bulk job takes, written once: the four jobs here, their
+    :class:`~lmcache_async.AsyncClient` methods and their blocking
+    :class:`~lmcache_async.Client` twins take them as ``**options``.
+
+    Attributes:
+        concurrency: items in flight at once (an int >= 1; default 8).
+        max_bytes_in_flight: memory budget in bytes of the items in flight (an int >= 1;
+            default ``1 << 30``); see the module docstring.
+        progress: called on the event loop after each item with a :class:`BatchProgress`
+            (default: none); it must not block, and an exception it raises aborts the batch.
+        return_exceptions: True (default): a failed item's exception is in its result.
+            False: the first failure cancels the batch and is raised.
+        timeout: seconds per item for its server exchanges (default: the client's
+            timeout; ``None``: no deadline); the wait for a worker or for budget does not
+            count.
+    """
+
+    concurrency: int
+    max_bytes_in_flight: int
+    progress: Callable[[BatchProgress], object] | None
+    return_exceptions: bool
+    timeout: float | DefaultType | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Settings:
+    """A job's :class:`BatchOptions` with the defaults filled in, checked."""
+
+    concurrency: int
+    max_bytes_in_flight: int
+    progress: ProgressHook | None
+    return_exceptions: bool
+    deadline: float | None
+
+
+def check_options(job: str, options: BatchOptions) -> None:
+    """Refuse a keyword :class:`BatchOptions` does not name (``TypeError``, as Python's own
+    for an unknown keyword argument), before anything runs."""
+    for key in options:
+        if key not in BatchOptions.__annotations__:
+            raise TypeError(f"{job}() got an unexpected keyword argument {key!r}")
+
+
+def _settings(job: str, client: BulkClient, options: BatchOptions) -> _Settings:
+    check_options(job, options)
+    got = _Settings(
+        concurrency=options.get("concurrency", 8),
+        max_bytes_in_flight=options.get("max_bytes_in_flight", 1 << 30),
+        progress=options.get("progress"),
+        return_exceptions=options.get("return_exceptions", True),
+        deadline=None,
+    )
+    _check_options(got.concurrency, got.max_bytes_in_flight, got.progress)
+    return replace(got, deadline=resolve_timeout(options.get("timeout", DEFAULT), client.timeout))
 
 
 # --------------------------------------------------------------------------- items
@@ -396,220 +442,6 @@ class BatchResult:
         return [r for r in self.results if r.error is not None]
 
 
-# --------------------------------------------------------------------------- budget
-
-
-class _ByteBudget:
-    """A first-come first-served asynchronous semaphore counting bytes.
-
-    ``acquire(n)`` waits until ``n`` more bytes fit under ``capacity``, or, for a request
-    larger than the capacity, until nothing at all is held (then it runs alone). A waiter
-    at the head of the queue is never overtaken, so large requests are not starved.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.used = 0
-        self.peak = 0
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
-
-    def fits(self, n: int) -> bool:
-        """``n`` more bytes fit now (always true when nothing is held)."""
-        return self.used + n <= self.capacity or self.used == 0
-
-    def grant(self, n: int) -> None:
-        """Count ``n`` more bytes as held, unconditionally (the caller checked)."""
-        self.used += n
-        self.peak = max(self.peak, self.used)
-
-    async def acquire(self, n: int) -> None:
-        if not self._waiters and self.fits(n):
-            self.grant(n)
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (n, fut)
-        self._waiters.append(entry)
-        try:
-            await fut
-        except BaseException:
-            if fut.done() and not fut.cancelled():
-                self.release(n)  # granted, but the waiter left before using it
-            else:
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(entry)
-                self._wake()
-            raise
-
-    def release(self, n: int) -> None:
-        self.used -= n
-        assert self.used >= 0, "budget released more than it granted"
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters:
-            n, fut = self._waiters[0]
-            if fut.done():  # a cancelled waiter
-                self._waiters.popleft()
-                continue
-            if not self.fits(n):
-                return
-            self._waiters.popleft()
-            self.grant(n)
-            fut.set_result(None)
-
-
-def _allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Allocate one KV buffer (a seam for tests that track allocations)."""
-    return empty_host(shape, dtype)
-
-
-class _Lease:
-    """A buffer of ``tokens`` tokens (``nbytes`` bytes of the budget) lent to one item."""
-
-    __slots__ = ("nbytes", "tensor", "tokens")
-
-    def __init__(self, tensor: torch.Tensor, tokens: int, nbytes: int) -> None:
-        self.tensor = tensor
-        self.tokens = tokens
-        self.nbytes = nbytes
-
-
-class _Waiter:
-    __slots__ = ("future", "nbytes", "tokens")
-
-    def __init__(self, tokens: int, nbytes: int, future: asyncio.Future[_Lease]) -> None:
-        self.tokens = tokens
-        self.nbytes = nbytes
-        self.future = future
-
-
-class _BufferPool:
-    """Retrieve buffers, pooled per length; every live one, busy or idle, is counted
-    against the budget.
-
-    A returned buffer goes straight to the first waiter if it suits that waiter's length
-    (no bytes change hands), else it is kept idle for the next item when nobody waits, else
-    freed so the first waiter can allocate. Waiters are served strictly in order. While
-    anybody waits, no buffer sits idle (idle buffers are freed before waiting and returned
-    buffers are never parked), so nobody can wait for bytes held by idle buffers.
-    """
-
-    def __init__(self, budget: _ByteBudget, geometry: KVGeometry) -> None:
-        self.budget = budget
-        self.geometry = geometry
-        self.allocations = 0
-        self._idle: dict[int, list[_Lease]] = {}
-        self._waiters: deque[_Waiter] = deque()
-
-    @staticmethod
-    def _suits(size: int, tokens: int) -> bool:
-        return tokens <= size <= tokens * _REUSE_SLACK
-
-    def _take_idle(self, tokens: int) -> _Lease | None:
-        sizes = [s for s, leases in self._idle.items() if leases and self._suits(s, tokens)]
-        if not sizes:
-            return None
-        return self._idle[min(sizes)].pop()
-
-    def _free(self, lease: _Lease) -> None:
-        lease.tensor = _FREED
-        self.budget.release(lease.nbytes)
-
-    def _evict(self, need: int | None) -> None:
-        """Free idle buffers, largest first, until ``need`` more bytes fit (all: None)."""
-        for size in sorted(self._idle, reverse=True):
-            leases = self._idle[size]
-            while leases and (need is None or not self.budget.fits(need)):
-                self._free(leases.pop())
-        self._idle = {s: v for s, v in self._idle.items() if v}
-
-    def _new(self, tokens: int, nbytes: int) -> _Lease:
-        self.budget.grant(nbytes)
-        self.allocations += 1
-        return _Lease(_allocate(self.geometry.kv_shape(tokens), self.geometry.dtype), tokens, nbytes)
-
-    async def acquire(self, tokens: int) -> _Lease:
-        """A buffer for ``tokens`` tokens (possibly longer), waiting for budget if needed."""
-        nbytes = tokens * self.geometry.bytes_per_token
-        if not self._waiters:
-            lease = self._take_idle(tokens)
-            if lease is not None:
-                return lease
-            self._evict(nbytes)
-            if self.budget.fits(nbytes):
-                return self._new(tokens, nbytes)
-            self._evict(None)
-        waiter = _Waiter(tokens, nbytes, asyncio.get_running_loop().create_future())
-        self._waiters.append(waiter)
-        try:
-            return await waiter.future
-        except BaseException:
-            fut = waiter.future
-            if fut.done() and not fut.cancelled():
-                self.release(fut.result(), reuse=True)  # served, but the waiter left
-            else:
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(waiter)
-                self._wake()
-            raise
-
-    def release(self, lease: _Lease, *, reuse: bool) -> None:
-        """Give ``lease`` back; ``reuse=False`` (the item failed) always frees it."""
-        if reuse:
-            self._drop_cancelled()
-            if self._waiters:
-                head = self._waiters[0]
-                if self._suits(lease.tokens, head.tokens):
-                    self._waiters.popleft()
-                    head.future.set_result(lease)
-                    return
-            elif self.budget.used <= self.budget.capacity:
-                self._idle.setdefault(lease.tokens, []).append(lease)
-                return
-        self._free(lease)
-        self._wake()
-
-    def _drop_cancelled(self) -> None:
-        while self._waiters and self._waiters[0].future.done():
-            self._waiters.popleft()
-
-    def _wake(self) -> None:
-        self._drop_cancelled()
-        while self._waiters and self.budget.fits(self._waiters[0].nbytes):
-            head = self._waiters.popleft()
-            head.future.set_result(self._new(head.tokens, head.nbytes))
-            self._drop_cancelled()
-
-    def clear(self) -> None:
-        """Free every idle buffer."""
-        self._evict(None)
-
-
-_FREED: Final = torch.empty(0)
-
-
-# --------------------------------------------------------------------------- running
-
-
-class _Abort(Exception):
-    """Raised by a worker to stop the batch; the reason is kept by the runner."""
-
-
-def _scrub(exc: BaseException) -> None:
-    """Clear the local variables of the (finished) frames in ``exc``'s tracebacks, so a
-    kept exception does not pin the tensors an item used."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if e.__traceback__ is not None:
-            traceback.clear_frames(e.__traceback__)
-        todo += [e.__cause__, e.__context__]
-
-
 class _Tally:
     def __init__(self, total: int, bytes_per_token: int, store: bool) -> None:
         self.total = total
@@ -678,15 +510,9 @@ def _check_options(concurrency: object, max_bytes_in_flight: object, progress: o
 
 
 async def _run_batch(
-    items: Sequence[object],
-    body: ItemBody,
-    *,
-    concurrency: int,
-    progress: ProgressHook | None,
-    return_exceptions: bool,
-    tally: _Tally,
-    budget: _ByteBudget,
+    items: Sequence[object], body: ItemBody, batch: _Settings, tally: _Tally, budget: ByteBudget
 ) -> BatchResult:
+    concurrency, progress, return_exceptions = batch.concurrency, batch.progress, batch.return_exceptions
     n = len(items)
     results: list[ItemResult | None] = [None] * n
     next_index = 0
@@ -697,7 +523,7 @@ async def _run_batch(
         try:
             result = await body(index, items[index])
         except Exception as exc:
-            _scrub(exc)
+            scrub(exc)
             return ItemResult(index, error=exc, elapsed=time.monotonic() - t0)
         return replace(result, elapsed=time.monotonic() - t0)
 
@@ -717,7 +543,7 @@ async def _run_batch(
             except Exception as exc:
                 if not abort:
                     abort.append(exc)
-                raise _Abort from None
+                raise Abort from None
 
     # Plain tasks rather than asyncio.TaskGroup: on Python 3.11 a TaskGroup whose child
     # fails while the parent waits in __aexit__ leaves a cancellation request on the
@@ -735,7 +561,7 @@ async def _run_batch(
             await asyncio.wait(workers)
     for w in workers:
         exc = None if w.cancelled() else w.exception()
-        if exc is not None and not isinstance(exc, _Abort):
+        if exc is not None and not isinstance(exc, Abort):
             raise exc  # not an item's failure: a bug
     if abort:
         raise abort[0]
@@ -754,12 +580,7 @@ def _left(start: float, timeout: float | None) -> float | None:
 async def remap_many(
     client: BulkClient,
     pairs: Iterable[RemapPair | Sequence[Any]],
-    *,
-    concurrency: int = 8,
-    max_bytes_in_flight: int = 1 << 30,
-    progress: ProgressHook | None = None,
-    return_exceptions: bool = True,
-    timeout: float | DefaultType | None = DEFAULT,
+    **options: Unpack[BatchOptions],
 ) -> BatchResult:
     """Remap many pairs: retrieve each source's KV and store it under its target.
 
@@ -772,13 +593,9 @@ async def remap_many(
         client: an open :class:`~lmcache_async.client.AsyncClient`.
         pairs: :class:`RemapPair` objects or tuples ``(source, target[, salt[, target_salt]])``;
             read once, up front.
-        concurrency: items in flight at once (>= 1).
-        max_bytes_in_flight: memory budget in bytes for the KV buffers (>= 1).
-        progress: called on the event loop after each item with a :class:`BatchProgress`.
-        return_exceptions: True (default): a failed item's exception is in its result.
-            False: the first failure cancels the batch and is raised.
-        timeout: seconds per item for its retrieve and store together (default: the
-            client's timeout; ``None``: no deadline).
+        **options: :class:`BatchOptions` (``concurrency``, ``max_bytes_in_flight``, the
+            memory budget of the KV buffers, ``progress``, ``return_exceptions``,
+            ``timeout``: seconds per item for its retrieve and store together).
 
     Returns:
         A :class:`BatchResult`: one :class:`ItemResult` per pair, in input order, and a
@@ -793,14 +610,14 @@ async def remap_many(
     locks and reservations in the background; items not started are never sent;
     ``CancelledError`` is re-raised. A timed-out item is cleaned up the same way.
     """
-    _check_options(concurrency, max_bytes_in_flight, progress)
-    deadline = resolve_timeout(timeout, client.timeout)
+    batch = _settings("remap_many", client, options)
+    deadline = batch.deadline
     items = list(pairs)
     geom = client.geometry
     cs = client.chunk_size
     axis = geom.token_axis
-    budget = _ByteBudget(max_bytes_in_flight)
-    pool = _BufferPool(budget, geom)
+    budget = ByteBudget(batch.max_bytes_in_flight)
+    pool = BufferPool(budget, geom)
 
     async def body(index: int, raw: object) -> ItemResult:
         pair = RemapPair.coerce(raw)
@@ -839,13 +656,7 @@ async def remap_many(
 
     try:
         return await _run_batch(
-            items,
-            body,
-            concurrency=concurrency,
-            progress=progress,
-            return_exceptions=return_exceptions,
-            tally=_Tally(len(items), geom.bytes_per_token, store=False),
-            budget=budget,
+            items, body, batch, _Tally(len(items), geom.bytes_per_token, store=False), budget
         )
     finally:
         pool.clear()
@@ -854,12 +665,7 @@ async def remap_many(
 async def store_many(
     client: BulkClient,
     items: Iterable[StoreItem | Sequence[Any]],
-    *,
-    concurrency: int = 8,
-    max_bytes_in_flight: int = 1 << 30,
-    progress: ProgressHook | None = None,
-    return_exceptions: bool = True,
-    timeout: float | DefaultType | None = DEFAULT,
+    **options: Unpack[BatchOptions],
 ) -> BatchResult:
     """Store many KV tensors, concurrently.
 
@@ -869,12 +675,7 @@ async def store_many(
 
     Args:
         items: :class:`StoreItem` objects or tuples ``(kv, tokens[, cache_salt])``.
-        timeout: seconds per item (default: the client's timeout).
-        concurrency: items in flight at once (as for :func:`remap_many`).
-        max_bytes_in_flight: the byte budget of the items in flight (as for
-            :func:`remap_many`).
-        progress: called after each item (as for :func:`remap_many`).
-        return_exceptions: as for :func:`remap_many`.
+        **options: :class:`BatchOptions` (``timeout``: seconds per item).
 
     Returns:
         A :class:`BatchResult`; ``stored_tokens`` is each item's whole chunks,
@@ -885,12 +686,12 @@ async def store_many(
     reserved is completed in the background; sessions are always ended. Items not
     started are never sent; ``CancelledError`` is re-raised.
     """
-    _check_options(concurrency, max_bytes_in_flight, progress)
-    deadline = resolve_timeout(timeout, client.timeout)
+    batch = _settings("store_many", client, options)
+    deadline = batch.deadline
     materialized = list(items)
     geom = client.geometry
     cs = client.chunk_size
-    budget = _ByteBudget(max_bytes_in_flight)
+    budget = ByteBudget(batch.max_bytes_in_flight)
 
     async def body(index: int, raw: object) -> ItemResult:
         item = StoreItem.coerce(raw)
@@ -908,13 +709,7 @@ async def store_many(
             budget.release(nbytes)
 
     return await _run_batch(
-        materialized,
-        body,
-        concurrency=concurrency,
-        progress=progress,
-        return_exceptions=return_exceptions,
-        tally=_Tally(len(materialized), geom.bytes_per_token, store=True),
-        budget=budget,
+        materialized, body, batch, _Tally(len(materialized), geom.bytes_per_token, store=True), budget
     )
 
 
@@ -922,12 +717,8 @@ async def retrieve_many(
     client: BulkClient,
     token_lists: Iterable[RetrieveItem | Sequence[Any]],
     *,
-    concurrency: int = 8,
-    max_bytes_in_flight: int = 1 << 30,
-    progress: ProgressHook | None = None,
-    return_exceptions: bool = True,
-    timeout: float | DefaultType | None = DEFAULT,
     device: torch.device | str | None = None,
+    **options: Unpack[BatchOptions],
 ) -> BatchResult:
     """Retrieve the KV of many prompts, concurrently.
 
@@ -939,12 +730,7 @@ async def retrieve_many(
     Args:
         token_lists: token sequences, :class:`RetrieveItem` objects, or tuples
             ``(tokens, cache_salt)``.
-        timeout: seconds per item (default: the client's timeout).
-        concurrency: items in flight at once (as for :func:`remap_many`).
-        max_bytes_in_flight: the byte budget of the items in flight (as for
-            :func:`remap_many`).
-        progress: called after each item (as for :func:`remap_many`).
-        return_exceptions: as for :func:`remap_many`.
+        **options: :class:`BatchOptions` (``timeout``: seconds per item).
         device: where each item's tensor is allocated (default: the CPU); a CUDA device
             allocates on the GPU and copies on side streams ordered after the streams
             current when the batch was called (as :meth:`AsyncClient.retrieve`'s
@@ -953,13 +739,13 @@ async def retrieve_many(
     Cancellation/timeout: as :meth:`AsyncClient.retrieve`: read locks, SHM reads and the
     session are released in the background. ``CancelledError`` is re-raised.
     """
-    _check_options(concurrency, max_bytes_in_flight, progress)
-    deadline = resolve_timeout(timeout, client.timeout)
+    batch = _settings("retrieve_many", client, options)
+    deadline = batch.deadline
     materialized = list(token_lists)
     geom = client.geometry
     cs = client.chunk_size
     axis = geom.token_axis
-    budget = _ByteBudget(max_bytes_in_flight)
+    budget = ByteBudget(batch.max_bytes_in_flight)
 
     async def body(index: int, raw: object) -> ItemResult:
         item = RetrieveItem.coerce(raw)
@@ -978,13 +764,7 @@ async def retrieve_many(
         return ItemResult(index, hit, kv=kv)
 
     return await _run_batch(
-        materialized,
-        body,
-        concurrency=concurrency,
-        progress=progress,
-        return_exceptions=return_exceptions,
-        tally=_Tally(len(materialized), geom.bytes_per_token, store=False),
-        budget=budget,
+        materialized, body, batch, _Tally(len(materialized), geom.bytes_per_token, store=False), budget
     )
 
 
@@ -993,11 +773,7 @@ async def compose_many(
     items: Iterable[ComposeItem | Sequence[Any]],
     *,
     rope: RopeSpec | None = None,
-    concurrency: int = 8,
-    max_bytes_in_flight: int = 1 << 30,
-    progress: ProgressHook | None = None,
-    return_exceptions: bool = True,
-    timeout: float | DefaultType | None = DEFAULT,
+    **options: Unpack[BatchOptions],
 ) -> BatchResult:
     """Run many compositions (:meth:`AsyncClient.compose
     <lmcache_async.AsyncClient.compose>`) concurrently, with one ``rope`` for all.
@@ -1008,13 +784,8 @@ async def compose_many(
     Args:
         items: :class:`ComposeItem` objects or tuples ``(target_tokens, parts[, salt])``.
         rope: the model's rotary embedding, for items with shifted parts.
-        concurrency: items in flight at once (as for :func:`remap_many`).
-        max_bytes_in_flight: the byte budget of the items in flight (as for
-            :func:`remap_many`).
-        progress: called after each item (as for :func:`remap_many`).
-        return_exceptions: as for :func:`remap_many`.
-        timeout: seconds per item for its retrieves and store together (default: the
-            client's timeout).
+        **options: :class:`BatchOptions` (``timeout``: seconds per item for its
+            retrieves and store together).
 
     Returns:
         A :class:`BatchResult`; per item ``retrieved_tokens`` and ``stored_tokens`` are
@@ -1025,12 +796,12 @@ async def compose_many(
     Cancellation/timeout: as :meth:`AsyncClient.compose`, per item; items not started
     are never sent; ``CancelledError`` is re-raised.
     """
-    _check_options(concurrency, max_bytes_in_flight, progress)
-    deadline = resolve_timeout(timeout, client.timeout)
+    batch = _settings("compose_many", client, options)
+    deadline = batch.deadline
     materialized = list(items)
     geom = client.geometry
     cs = client.chunk_size
-    budget = _ByteBudget(max_bytes_in_flight)
+    budget = ByteBudget(batch.max_bytes_in_flight)
 
     async def body(index: int, raw: object) -> ItemResult:
         item = ComposeItem.coerce(raw)
@@ -1048,11 +819,5 @@ async def compose_many(
         return ItemResult(index, n, n, res.stored_new, composed=res)
 
     return await _run_batch(
-        materialized,
-        body,
-        concurrency=concurrency,
-        progress=progress,
-        return_exceptions=return_exceptions,
-        tally=_Tally(len(materialized), geom.bytes_per_token, store=False),
-        budget=budget,
+        materialized, body, batch, _Tally(len(materialized), geom.bytes_per_token, store=False), budget
     )

@@ -9,39 +9,36 @@ holds and ends its session. A store whose slots were reserved is completed (all 
 chunks are committed, never some); a retrieve no longer copies into the caller's tensor.
 So a timeout or a cancellation never leaves sessions, locks or reservations behind.
 
-Layers: this module holds the lifecycle (detect the server generation, load the
-configuration, register, keep alive, re-register after a restart) and validates every
-argument; each operation's RPC sequence lives once in :mod:`lmcache_async._ops`,
-over a small channel interface; what differs between server generations is data in
-:class:`lmcache_async._wire.WireGeneration`.
+Layers (docs/internals/design.md): this module holds the public API, the argument checks
+and the client's lifecycle; a private session holds what the client has of the server
+(generation, configuration, registration, keep-alive, re-registration after a restart)
+and its half of running an operation; each operation's RPC sequence lives once, over a
+small channel interface; what differs between server generations is data.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import os
 import time
 import warnings
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence, Sized
-from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, Unpack
+from collections.abc import AsyncGenerator, Awaitable, Iterable, Mapping, Sequence, Sized
+from typing import Any, Literal, TypedDict, Unpack
 
 import torch
 
-from lmcache_async import _observing as observing, management, observe
-from lmcache_async._compose import ComposeResult, Fill, KVPart, compose
+from lmcache_async import _client_core as core, _compose, _observing as observing, bulk, management, observe
+from lmcache_async._client_core import align
 from lmcache_async._connection import DEFAULT_MAX_IN_FLIGHT, check_zmq_url
-from lmcache_async._cuda.hooks import caller_order, kv_mark, target_mark
-from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
-from lmcache_async._event_stream import KVEventStream  # issue 33
-from lmcache_async._ops import Operations, RemapResult
-from lmcache_async._ops.shm import Source
-from lmcache_async._runner import OpState, run_detached, wait_all
-from lmcache_async._session import Session, TransferMode
-from lmcache_async._tensor_checks import check_tensor_storage
+from lmcache_async._cuda.hooks import kv_mark, target_mark
+from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout
+from lmcache_async._event_stream import subscribe
+from lmcache_async._ops import Operations
+from lmcache_async._runner import OpState, wait_all
+from lmcache_async._session import Session
 from lmcache_async._wire import (
     Op,
     validate_cache_salt,
@@ -49,46 +46,24 @@ from lmcache_async._wire import (
     validate_request_configs,
     validate_tokens,
 )
+from lmcache_async.bulk import BatchOptions, BatchResult, ComposeItem, RemapPair, RetrieveItem, StoreItem
 from lmcache_async.errors import (
     ClientClosedError,
     ClientNotOpenError,
     ClientStateError,
     ForkedClientError,
-    LMCacheTimeoutError,
     ProtocolError,
-    ServerReplacedError,
     TransferError,
     WrongEventLoopError,
 )
+from lmcache_async.events import KVEvent
 from lmcache_async.geometry import KVGeometry
-from lmcache_async.hashing import check_hash_algorithm, chunk_hashes, hash_algorithm_of  # issue 33
-from lmcache_async.management import DeleteResult, WarmResult  # issue 33
+from lmcache_async.results import ComposeResult, KVPart, RemapResult, TransferMode
 from lmcache_async.rope import RopeSpec
 
-if TYPE_CHECKING:  # bulk imports this module; its types are needed for annotations only
-    from lmcache_async.bulk import (
-        BatchProgress,
-        BatchResult,
-        ComposeItem,
-        RemapPair,
-        RetrieveItem,
-        StoreItem,
-    )
-
-__all__ = [
-    "AsyncClient",
-    "ClientOptions",
-    "ComposeResult",
-    "KVPart",
-    "RemapResult",
-    "TransferMode",
-    "connect",
-]
+__all__ = ["AsyncClient", "ClientOptions", "connect"]
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-Configs = dict[str, Any] | None
 
 
 class _Lifecycle(enum.Enum):
@@ -97,42 +72,6 @@ class _Lifecycle(enum.Enum):
     OPEN = "open"
     CLOSING = "closing"
     CLOSED = "closed"
-
-
-class _Abandoned(Exception):
-    """An operation whose caller left before it sent anything (never seen by callers)."""
-
-
-#: Closes of clients collected while open, kept referenced until they are done.
-_closing_collected: set[asyncio.Task[None]] = set()
-
-
-def _close_collected(loop: asyncio.AbstractEventLoop, session: Session) -> None:
-    """On the client's running loop: close the session of a collected client (background
-    tasks stopped, unregistered, socket and HTTP session closed)."""
-    closing = loop.create_task(session.close(unregister=True), name="lmcache-close-collected")
-    _closing_collected.add(closing)
-    closing.add_done_callback(_closing_collected.discard)
-
-
-def _collected_open(loop: asyncio.AbstractEventLoop, session: Session, desc: str, pid: int) -> None:
-    """``weakref.finalize`` callback of an :class:`AsyncClient` collected while open: a
-    :class:`ResourceWarning`, then the close. On its loop, if that loop still runs (the
-    callback may run in any thread: the close is handed over thread-safely), with the
-    unregister; else here, without it."""
-    if os.getpid() != pid:
-        return  # inherited across fork: the parent owns the socket and the registration
-    warnings.warn(
-        f"{desc} was never closed; closing it now (use 'async with AsyncClient(...)' or "
-        "'await client.aclose()')",
-        ResourceWarning,
-        stacklevel=2,
-    )
-    if loop.is_running():
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(_close_collected, loop, session)
-            return
-    session.release_locally(loop)
 
 
 class ClientOptions(TypedDict, total=False):
@@ -151,8 +90,6 @@ class ClientOptions(TypedDict, total=False):
     api_key: str | None
     max_in_flight: int
     observers: Sequence[observe.Observer]
-    tracer_provider: Any
-    meter_provider: Any
 
 
 async def connect(
@@ -175,7 +112,7 @@ async def connect(
     return client
 
 
-class AsyncClient:
+class AsyncClient(core.ClientCore):
     """An asyncio client of one LMCache MP server for one model.
 
     One ZMQ DEALER socket carries all operations, any number concurrently; one aiohttp
@@ -190,7 +127,8 @@ class AsyncClient:
             requires an inference engine (vLLM) to have registered the model.
         timeout: default deadline in seconds of every operation (``None``: no deadline).
         transfer: ``"auto"`` (SHM when the server offers it and the segment maps),
-            ``"shm"`` or ``"pickle"`` to insist.
+            ``"shm"`` or ``"inline"`` to insist (``"pickle"``: the older name of
+            ``"inline"``; :attr:`transfer` reports ``"pickle"`` for both).
         num_kv_readers: read locks a lookup reserves per object (>= 1).
         ping_interval: seconds between keep-alive refreshes of the registration (<= 30);
             a refresh is also made at once when the connection comes back after a loss.
@@ -199,14 +137,11 @@ class AsyncClient:
             the connection").
         cleanup_grace: extra seconds an abandoned operation may spend cleaning up.
         metadata_ttl: seconds ``/config`` and ``/status`` stay cached.
-        prefault_shm: map the pages of each SHM slot this client writes (a store's,
-            a remap's targets) into this process (one ``madvise`` per 2 MiB run) the
-            first time a copy writes them, in the copying thread, instead of faulting
-            page by page during the copy; slots only read fault in during the copy
-            (cheaper there); the cost follows the slots this client touches, never the
-            pool's size (see :meth:`lmcache_async._shm.ShmPool.populate`). Slots whose
-            pages nobody has written yet are written through the segment's descriptor
-            instead, either way (:meth:`lmcache_async._shm.ShmPool.fill`).
+        prefault_shm: map the pages of each SHM slot this client writes (a store's, a
+            remap's targets) into this process (one ``madvise`` per 2 MiB run) the first
+            time a copy writes them, instead of faulting page by page during the copy; the
+            cost follows the slots this client touches, never the pool's size. Slots
+            nobody has written yet are written through the segment's descriptor instead.
         api_key: sent as ``Authorization: Bearer KEY`` on every HTTP call (servers
             started with an API key answer 401 without it); default: the
             ``LMCACHE_API_KEY`` environment variable. The ZMQ side has no keys.
@@ -215,12 +150,9 @@ class AsyncClient:
             unanswering server makes calls time out instead of growing the pending table.
         observers: told when each operation starts and ends
             (:class:`~lmcache_async.observe.Observer`), besides those
-            :func:`~lmcache_async.observe.add_observer` gave every client.
-        tracer_provider: an OpenTelemetry ``TracerProvider``: the client's operations
-            become spans there (:mod:`lmcache_async.otel`; needs the ``otel`` extra).
-            Neither this nor ``meter_provider`` given: OpenTelemetry is not imported.
-        meter_provider: an OpenTelemetry ``MeterProvider``: the client's operations
-            become metrics there (the same extra).
+            :func:`~lmcache_async.observe.add_observer` gave every client; for
+            OpenTelemetry spans and metrics, an
+            :class:`~lmcache_async.otel.OpenTelemetryObserver` (the ``otel`` extra).
     """
 
     def __init__(
@@ -240,8 +172,6 @@ class AsyncClient:
         api_key: str | None = None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         observers: Sequence[observe.Observer] = (),
-        tracer_provider: Any = None,
-        meter_provider: Any = None,
     ) -> None:
         check_zmq_url(url)
         if not isinstance(http_url, str) or not http_url.startswith(("http://", "https://")):
@@ -250,16 +180,18 @@ class AsyncClient:
         if geometry is not None and not isinstance(geometry, KVGeometry):
             raise TypeError(f"geometry must be a KVGeometry, got {type(geometry).__name__}")
         timeout = check_timeout(timeout, "timeout")
-        if transfer not in ("auto", "shm", "pickle"):
-            raise ValueError(f"transfer must be 'auto', 'shm' or 'pickle', got {transfer!r}")
+        if transfer not in ("auto", "shm", "inline", "pickle"):
+            raise ValueError(
+                f"transfer must be 'auto', 'shm' or 'pickle' (or 'inline', the same), got {transfer!r}"
+            )
         if isinstance(num_kv_readers, bool) or not isinstance(num_kv_readers, int) or num_kv_readers < 1:
             raise ValueError(f"num_kv_readers must be an int >= 1, got {num_kv_readers!r}")
         if not 0 < ping_interval <= 30:
             raise ValueError(f"ping_interval must be in (0, 30] seconds, got {ping_interval!r}")
         #: Told of each operation (``None``: none, and nothing is recorded).
-        self._observers = _observers(observers, tracer_provider, meter_provider)
+        self._observers = core.client_observers(observers)
         #: An observer asks for the phases of each operation.
-        self._phases = any(getattr(o, "wants_phases", False) for o in self._observers or ())
+        self._phases = any(observe.wants_phases(o) for o in self._observers or ())
         #: server.address and server.port of the records.
         self._endpoint = observing.endpoint(url)
         self.url = url
@@ -276,7 +208,7 @@ class AsyncClient:
         self._finalizer: weakref.finalize[Any, Any] | None = None
         # The session holds this client's tracking weakly: its background tasks must not
         # keep a dropped client alive (so that the finalizer can release the session).
-        track = _weak_tracker(self)
+        track = core.weak_tracker(self)
         self._session = Session(
             url,
             http_url,
@@ -352,6 +284,12 @@ class AsyncClient:
         """Read locks a lookup reserves per object."""
         return self._session.num_kv_readers
 
+    @property
+    def hash_algorithm(self) -> str:
+        """The server's ``--hash-algorithm`` (read at connect; chunk hashes: blake3 only)."""
+        self._require_open()
+        return management.hash_algorithm(self._session.meta)
+
     def __repr__(self) -> str:
         return (
             f"<AsyncClient {self.model_name!r} at {self.url} state={self._state.value} "
@@ -389,7 +327,7 @@ class AsyncClient:
             await self._session.open(lambda: _remaining(deadline))
             self._finalizer = weakref.finalize(
                 self,
-                _collected_open,
+                core.collected_open,
                 self._loop,
                 self._session,
                 f"<lmcache_async.AsyncClient {self.model_name!r} at {self.url}>",
@@ -516,132 +454,6 @@ class AsyncClient:
                 "this client was created in another process (before fork); create a new one", self._pid
             )
 
-    # ------------------------------------------------------------------ op runner
-
-    async def _run(
-        self,
-        name: str,
-        timeout: float | None,
-        body: Callable[[Operations, OpState], Awaitable[T]],
-        finish: Callable[[observe.Operation, T], None] | None = None,
-        asked: int = 0,
-        salt: str = "",
-    ) -> T:
-        """Run ``body`` over this client's operations in a task of its own (see
-        :func:`~lmcache_async._runner.run_detached`), re-registering first if needed.
-        With observers, it is an observed operation: ``finish`` fills in what its result
-        says, ``asked`` and ``salt`` are its tokens asked and cache salt."""
-        self._require_open()
-        self._check_loop()
-
-        async def run(op: OpState) -> T:
-            # Started while the server is away: wait briefly for the reconnection (then the
-            # new server is registered with first), or fail fast with a connection error.
-            session = self._session
-            await session.conn.wait_usable(op.remaining())
-            if session.watch.due():  # silence: was the server replaced behind the connection?
-                await session.watch.check_quietly(op.remaining())
-            for attempt in (1, 2):
-                try:
-                    await session.ensure_registered(op.remaining())
-                    if op.abandoned:  # the caller left before anything was sent
-                        raise _Abandoned
-                    return await body(session.operations(), op)
-                except LMCacheTimeoutError:
-                    # Unanswered prepare/commit requests are what a reaped registration looks
-                    # like; re-registering an existing id is cheap, so do it before the next op.
-                    session.stale = True
-                    raise
-                except ServerReplacedError as exc:
-                    # Everything this attempt did was on the old server (gone with it) or
-                    # sent under a retired id (nothing for the new one): run it again once,
-                    # on the new server, unless the caller left.
-                    if attempt == 2 or op.abandoned:
-                        again = " (again, after running it once more)" if attempt == 2 else ""
-                        raise ServerReplacedError(f"{name}: {exc}{again}") from exc
-                    log.debug("%s: the server was replaced while it ran; running it again", name)
-            raise AssertionError("unreachable")
-
-        if self._observers is None or finish is None:
-            return await run_detached(name, timeout, self.cleanup_grace, run, self._track)
-        record = self._record(name, asked, salt)
-        return await observing.observed(
-            self._observers,
-            record,
-            lambda: run_detached(name, timeout, self.cleanup_grace, run, self._track, record),
-            finish,
-        )
-
-    def _record(self, name: str, asked: int = 0, salt: str = "") -> observe.Operation:
-        """A new observed record of operation ``name`` (the client is open)."""
-        s = self._session
-        address, port = self._endpoint
-        return observe.Operation(
-            name,
-            address,
-            port,
-            self.model_name,
-            s.transfer,
-            s.wire.name,
-            s.chunk_size,
-            asked,
-            observe.salt_hash(salt),
-            phases=[] if self._phases else None,
-        )
-
-    async def _observe(
-        self,
-        name: str,
-        run: Callable[[], Awaitable[T]],
-        finish: Callable[[observe.Operation, T], None],
-        asked: int = 0,
-        salt: str = "",
-    ) -> T:
-        """``await run()`` as observed operation ``name`` (a bulk job, a pickle remap):
-        the parent of the operations it runs."""
-        if self._observers is None:
-            return await run()
-        return await observing.observed(self._observers, self._record(name, asked, salt), run, finish)
-
-    def _track_posted(self, fut: asyncio.Future[Any]) -> None:
-        self._posted.add(fut)
-        fut.add_done_callback(self._posted.discard)
-        self._track(fut)
-
-    def _track(self, task: asyncio.Future[Any]) -> None:
-        self._ops.add(task)
-        task.add_done_callback(self._op_done)
-
-    def _op_done(self, task: asyncio.Future[Any]) -> None:
-        self._ops.discard(task)
-        if not task.cancelled():
-            exc = task.exception()  # mark retrieved: the caller may have left
-            if exc is not None:
-                log.debug("operation task ended with %r", exc)
-
-    # ------------------------------------------------------------------ helpers
-
-    def _aligned(self, n: int) -> int:
-        return n // self._session.chunk_size * self._session.chunk_size
-
-    def _check_kv(self, kv: object, num_tokens: int) -> torch.Tensor:
-        geom = self._session.geometry
-        assert geom is not None
-        if not isinstance(kv, torch.Tensor):
-            raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
-        want = geom.kv_shape(num_tokens)
-        if kv.dim() != len(want):
-            raise ValueError(
-                f"kv must have {len(want)} dimensions {list(geom.kv_shape(-1))!s} "
-                f"(T = tokens), got shape {list(kv.shape)}"
-            )
-        if tuple(kv.shape) != want:
-            raise ValueError(f"kv has shape {list(kv.shape)}, expected {list(want)} for {num_tokens} tokens")
-        if kv.dtype != geom.dtype:
-            raise TypeError(f"kv has dtype {kv.dtype}, the geometry says {geom.dtype}")
-        check_tensor_storage(kv, "kv")
-        return kv
-
     # ------------------------------------------------------------------ operations
 
     async def lookup(
@@ -676,7 +488,7 @@ class AsyncClient:
         return await self._run(
             "lookup",
             timeout,
-            lambda ops, op: ops.lookup(op, toks, _align(len(toks), ops.reg.chunk_size), cache_salt, configs),
+            lambda ops, op: ops.lookup(op, toks, align(len(toks), ops.reg.chunk_size), cache_salt, configs),
             observing.finish_lookup,
             len(toks),
             cache_salt,
@@ -735,7 +547,7 @@ class AsyncClient:
         self._require_open()
         end = self._aligned(len(toks))
         if out is not None:
-            self._check_out(out, end)
+            core.check_out(self.geometry, out, end)
         axis = self.geometry.token_axis
         mark = target_mark(out, device)  # None unless the KV goes to a GPU
 
@@ -743,26 +555,12 @@ class AsyncClient:
             raise TransferError(self._session.cannot_retrieve)
 
         def body(ops: Operations, op: OpState) -> Awaitable[torch.Tensor | None]:
-            n = _align(len(toks), ops.reg.chunk_size)
+            n = align(len(toks), ops.reg.chunk_size)
             if out is not None:  # a new chunk size may align further than ``out`` reaches
-                n = min(n, _align(out.shape[axis], ops.reg.chunk_size))
+                n = min(n, align(out.shape[axis], ops.reg.chunk_size))
             return ops.retrieve(op, toks, n, cache_salt, configs, out, mark=mark)
 
         return await self._run("retrieve", timeout, body, observing.finish_retrieve, len(toks), cache_salt)
-
-    def _check_out(self, out: object, end: int) -> None:
-        geom = self._session.geometry
-        assert geom is not None
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        want = list(geom.kv_shape(end))
-        got = list(out.shape)
-        ax = geom.token_axis
-        if len(got) != len(want) or got[:ax] + got[ax + 1 :] != want[:ax] + want[ax + 1 :] or got[ax] < end:
-            raise ValueError(f"out has shape {got}, expected {want} (token axis may be longer)")
-        if out.dtype != geom.dtype:
-            raise TypeError(f"out has dtype {out.dtype}, the geometry says {geom.dtype}")
-        check_tensor_storage(out, "out", writable=True)
 
     async def store(
         self,
@@ -802,15 +600,7 @@ class AsyncClient:
         configs = validate_request_configs(request_configs)
         timeout = self._timeout(timeout)
         self._require_open()
-        if isinstance(kv, torch.Tensor) and kv.dim() == len(self.geometry.kv_shape(0)):
-            covered = kv.shape[self.geometry.token_axis]  # the KV may cover a prefix of tokens
-            if len(toks) < covered:
-                raise ValueError(
-                    f"kv covers {covered} tokens but tokens has {len(toks)}: tokens may be longer "
-                    "than the KV (it is stored under tokens[:T]), never shorter"
-                )
-            toks = toks[:covered]
-        kv = self._check_kv(kv, len(toks))
+        kv, toks = core.check_kv(self.geometry, kv, toks)
         # A CUDA kv: the bytes stored are kv as seen from the caller's current stream, now.
         mark = kv_mark(kv)
 
@@ -818,7 +608,7 @@ class AsyncClient:
             "store",
             timeout,
             lambda ops, op: ops.store(
-                op, kv, toks, _align(len(toks), ops.reg.chunk_size), cache_salt, configs, mark=mark
+                op, kv, toks, align(len(toks), ops.reg.chunk_size), cache_salt, configs, mark=mark
             ),
             observing.finish_store,
             len(toks),
@@ -859,35 +649,21 @@ class AsyncClient:
                 "remap",
                 timeout,
                 lambda ops, op: ops.remap(
-                    op, src, dst, _align(min(len(src), len(dst)), ops.reg.chunk_size), cache_salt, tsalt
+                    op, src, dst, align(min(len(src), len(dst)), ops.reg.chunk_size), cache_salt, tsalt
                 ),
                 observing.finish_remap,
                 len(src),
                 cache_salt,
             )
         if self._observers is None:
-            return await self._remap_pickle(src, dst, cache_salt, tsalt, timeout)
+            return await _compose.remap_inline(self, src, dst, cache_salt, tsalt, timeout)
         return await self._observe(
             "remap",
-            lambda: self._remap_pickle(src, dst, cache_salt, tsalt, timeout),
+            lambda: _compose.remap_inline(self, src, dst, cache_salt, tsalt, timeout),
             observing.finish_remap,
             len(src),
             cache_salt,
         )
-
-    async def _remap_pickle(
-        self, src: list[int], dst: list[int], cache_salt: str, tsalt: str, timeout: float | None
-    ) -> RemapResult:
-        """A remap on the pickle transport: a retrieve, then a store of what it found."""
-        n = self._aligned(min(len(src), len(dst)))
-        start = time.monotonic()
-        kv = await self.retrieve(src[:n], cache_salt, timeout=timeout)
-        if kv is None:
-            return RemapResult(0, 0, False)
-        hit = kv.shape[self.geometry.token_axis]
-        left = None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
-        new = await self.store(kv, dst[:hit], tsalt, timeout=left)
-        return RemapResult(hit, hit, new)
 
     async def compose(
         self,
@@ -930,54 +706,32 @@ class AsyncClient:
         all of them committed).
         """
         self._require_open()
-        in_pool = self._compose_in_pool if self._session.pool is not None else None
-
-        async def run() -> ComposeResult:
-            return await compose(
-                self,
-                target_tokens,
-                parts,
-                rope=rope,
-                cache_salt=cache_salt,
-                timeout=self._timeout(timeout),
-                in_pool=in_pool,
+        if self._session.pool is None:  # a recipe over retrieve and store, their parent
+            return await self._observe(
+                "compose",
+                lambda: _compose.compose_inline(
+                    self, target_tokens, parts, rope, cache_salt, self._timeout(timeout)
+                ),
+                core.finish_compose,
+                len(target_tokens) if isinstance(target_tokens, Sized) else 0,
+                cache_salt,
             )
-
-        if in_pool is not None:  # one operation of its own (observed in _compose_in_pool)
-            return await run()
-        asked = len(target_tokens) if isinstance(target_tokens, Sized) else 0
-        return await self._observe(
+        # Every check before anything is sent (the plan); then one operation in the pool.
+        deadline = self._timeout(timeout)
+        the_plan = _compose.plan(target_tokens, parts, rope, cache_salt, self.geometry, self.chunk_size)
+        reads = _compose.pool_sources(the_plan)
+        fill = _compose.slot_filler(the_plan, self.geometry, self.chunk_size, reads.index)
+        target, stored, salt = list(the_plan.target[: the_plan.stored]), the_plan.stored, the_plan.salt
+        needed = [read for _, read, _ in reads.sources]
+        cached, new = await self._run(
             "compose",
-            run,
-            lambda o, r: observing.finish_compose(
-                o,
-                [p.tokens for p in r.parts],
-                [p.tokens if p.hit else 0 for p in r.parts],
-                r.stored_tokens,
-                r.stored_new,
-            ),
-            asked,
-            cache_salt,
-        )
-
-    async def _compose_in_pool(
-        self,
-        sources: list[Source],
-        target: list[int],
-        stored: int,
-        salt: str,
-        fill: Fill,
-        timeout: float | None,
-    ) -> tuple[list[int], bool]:
-        needed = [read for _, read, _ in sources]
-        return await self._run(
-            "compose",
-            timeout,
-            lambda ops, op: ops.compose_in_pool(op, sources, target, stored, salt, fill),
+            deadline,
+            lambda ops, op: ops.compose_in_pool(op, reads.sources, target, stored, salt, fill),
             lambda o, r: observing.finish_compose(o, needed, r[0], stored, r[1]),
             len(target),
             salt,
         )
+        return _compose.pool_result(the_plan, reads, cached, new)
 
     # ------------------------------------------------------------------ misc
 
@@ -1036,27 +790,45 @@ class AsyncClient:
         self._check_loop()
         return await wait_all(self._ops, timeout)
 
+    async def kv_events(self, model_name: str | None = None, *, cursor: int = 0,
+                        incarnation: int | None = None, max_events: int = 256, ping_interval: float = 10.0,
+                        reconnect_timeout: float | None = 60.0) -> AsyncGenerator[KVEvent]:  # fmt: skip
+        """The server's KV events of ``model_name`` (default: this client's) as they come: arguments, errors,
+        cancellation: :func:`lmcache_async._event_stream.subscribe`; what they see: docs/guides/routing.md."""
+        async with subscribe(self, model_name, cursor, incarnation, max_events, ping_interval,
+                             reconnect_timeout) as stream:  # fmt: skip
+            async for event in stream:
+                yield event
+
+    async def experimental(self, *, timeout: float | DefaultType | None = DEFAULT) -> frozenset[str]:
+        """The server's advertised experimental features: :func:`lmcache_async.management.experimental`."""
+        return await management.experimental(self, timeout)
+
+    async def clear(self, *, force: bool, timeout: float | DefaultType | None = DEFAULT) -> None:
+        """DANGER: empties L1 for EVERY model and salt: see :func:`lmcache_async.management.clear`."""
+        await management.clear(self, force, timeout)
+
+    async def warm(self, tokens: Sequence[int], cache_salt: str = "", *,
+                   timeout: float | DefaultType | None = DEFAULT) -> management.WarmResult:  # fmt: skip
+        """Loads ``tokens``' chunks from L2 into L1, left there: see :func:`lmcache_async.management.warm`."""
+        return await management.warm(self, tokens, cache_salt, timeout)
+
+    async def delete(self, tokens: Sequence[int], cache_salt: str = "", *, start: int = 0,
+                     tier: management.Tier = "l1", force: bool = False,
+                     timeout: float | DefaultType | None = DEFAULT) -> management.DeleteResult:  # fmt: skip
+        """DANGER: deletes chunks for all the model's clients: see :func:`lmcache_async.management.delete`."""
+        return await management.delete(self, tokens, cache_salt, start, tier, force, timeout)
+
     # ---- bulk operations (lmcache_async.bulk) ----
-    # Thin wrappers: the implementation and its documentation live in lmcache_async.bulk,
-    # imported lazily (it imports this module for its types only).
 
     async def remap_many(
-        self,
-        pairs: Iterable[RemapPair | Sequence[Any]],
-        *,
-        concurrency: int = 8,
-        max_bytes_in_flight: int = 1 << 30,
-        progress: Callable[[BatchProgress], object] | None = None,
-        return_exceptions: bool = True,
-        timeout: float | DefaultType | None = DEFAULT,
+        self, pairs: Iterable[RemapPair | Sequence[Any]], **options: Unpack[BatchOptions]
     ) -> BatchResult:
         """Remap many (source, target) pairs concurrently: see :func:`lmcache_async.bulk.remap_many`.
 
         ``pairs`` are :class:`~lmcache_async.bulk.RemapPair` objects or tuples
-        ``(source_tokens, target_tokens[, cache_salt[, target_cache_salt]])``. At most
-        ``concurrency`` items run at once and at most ``max_bytes_in_flight`` bytes of KV
-        buffers are held (an item larger than that runs alone). ``progress`` is called on
-        the event loop after each item. ``timeout`` is per item (default: the client's).
+        ``(source_tokens, target_tokens[, cache_salt[, target_cache_salt]])``; the options,
+        :class:`~lmcache_async.bulk.BatchOptions` (``timeout`` is per item).
 
         Returns:
             A :class:`~lmcache_async.bulk.BatchResult` (per-item results in input order and
@@ -1066,376 +838,62 @@ class AsyncClient:
         Cancellation: every in-flight item is cancelled and releases its server session,
         locks and reservations in the background; ``CancelledError`` is re-raised.
         """
-        from lmcache_async import bulk
-
-        _check_iterable(pairs, "pairs")
-        self._require_open()
-        self._check_loop()
-        return await self._observe(
-            "remap_many",
-            lambda: bulk.remap_many(
-                self,
-                pairs,
-                concurrency=concurrency,
-                max_bytes_in_flight=max_bytes_in_flight,
-                progress=progress,
-                return_exceptions=return_exceptions,
-                timeout=self._timeout(timeout),
-            ),
-            observing.finish_batch,
-        )
+        core.check_iterable(pairs, "pairs")
+        return await self._job("remap_many", options, lambda: bulk.remap_many(self, pairs, **options))
 
     async def store_many(
-        self,
-        items: Iterable[StoreItem | Sequence[Any]],
-        *,
-        concurrency: int = 8,
-        max_bytes_in_flight: int = 1 << 30,
-        progress: Callable[[BatchProgress], object] | None = None,
-        return_exceptions: bool = True,
-        timeout: float | DefaultType | None = DEFAULT,
+        self, items: Iterable[StoreItem | Sequence[Any]], **options: Unpack[BatchOptions]
     ) -> BatchResult:
         """Store many ``(kv, tokens[, cache_salt])`` items concurrently: see
-        :func:`lmcache_async.bulk.store_many`.
+        :func:`lmcache_async.bulk.store_many` (options: :class:`~lmcache_async.bulk.BatchOptions`).
 
         Cancellation/timeout: as for :meth:`store`, per item; ``CancelledError`` is re-raised.
         """
-        from lmcache_async import bulk
-
-        _check_iterable(items, "items")
-        self._require_open()
-        self._check_loop()
-        with caller_order():  # GPU tensors: ordered after the caller's streams, now
-            return await self._observe(
-                "store_many",
-                lambda: bulk.store_many(
-                    self,
-                    items,
-                    concurrency=concurrency,
-                    max_bytes_in_flight=max_bytes_in_flight,
-                    progress=progress,
-                    return_exceptions=return_exceptions,
-                    timeout=self._timeout(timeout),
-                ),
-                observing.finish_batch,
-            )
+        core.check_iterable(items, "items")
+        return await self._job("store_many", options, lambda: bulk.store_many(self, items, **options), True)
 
     async def retrieve_many(
         self,
         token_lists: Iterable[RetrieveItem | Sequence[Any]],
         *,
-        concurrency: int = 8,
-        max_bytes_in_flight: int = 1 << 30,
-        progress: Callable[[BatchProgress], object] | None = None,
-        return_exceptions: bool = True,
-        timeout: float | DefaultType | None = DEFAULT,
         device: torch.device | str | None = None,
+        **options: Unpack[BatchOptions],
     ) -> BatchResult:
         """Retrieve many prompts concurrently (token lists or ``(tokens, cache_salt)``): see
-        :func:`lmcache_async.bulk.retrieve_many`. Each result's ``kv`` holds the tensor,
+        :func:`lmcache_async.bulk.retrieve_many` (options:
+        :class:`~lmcache_async.bulk.BatchOptions`). Each result's ``kv`` holds the tensor,
         on ``device`` (default: the CPU).
 
         Cancellation/timeout: as for :meth:`retrieve`, per item; ``CancelledError`` is
         re-raised.
         """
-        from lmcache_async import bulk
-
-        _check_iterable(token_lists, "token_lists")
+        core.check_iterable(token_lists, "token_lists")
         target_mark(None, device)  # a bad device= is refused before anything is sent
-        self._require_open()
-        self._check_loop()
-        with caller_order():  # GPU tensors: ordered after the caller's streams, now
-            return await self._observe(
-                "retrieve_many",
-                lambda: bulk.retrieve_many(
-                    self,
-                    token_lists,
-                    concurrency=concurrency,
-                    max_bytes_in_flight=max_bytes_in_flight,
-                    progress=progress,
-                    return_exceptions=return_exceptions,
-                    timeout=self._timeout(timeout),
-                    device=device,
-                ),
-                observing.finish_batch,
-            )
+        return await self._job(
+            "retrieve_many",
+            options,
+            lambda: bulk.retrieve_many(self, token_lists, device=device, **options),
+            True,
+        )
 
     async def compose_many(
         self,
         items: Iterable[ComposeItem | Sequence[Any]],
         *,
         rope: RopeSpec | None = None,
-        concurrency: int = 8,
-        max_bytes_in_flight: int = 1 << 30,
-        progress: Callable[[BatchProgress], object] | None = None,
-        return_exceptions: bool = True,
-        timeout: float | DefaultType | None = DEFAULT,
+        **options: Unpack[BatchOptions],
     ) -> BatchResult:
         """Run many :meth:`compose` calls (``(target_tokens, parts[, cache_salt])``)
-        concurrently: see :func:`lmcache_async.bulk.compose_many`.
+        concurrently: see :func:`lmcache_async.bulk.compose_many` (options:
+        :class:`~lmcache_async.bulk.BatchOptions`).
 
         Cancellation/timeout: as for :meth:`compose`, per item; ``CancelledError`` is
         re-raised.
         """
-        from lmcache_async import bulk
-
-        _check_iterable(items, "items")
-        self._require_open()
-        self._check_loop()
-        return await self._observe(
-            "compose_many",
-            lambda: bulk.compose_many(
-                self,
-                items,
-                rope=rope,
-                concurrency=concurrency,
-                max_bytes_in_flight=max_bytes_in_flight,
-                progress=progress,
-                return_exceptions=return_exceptions,
-                timeout=self._timeout(timeout),
-            ),
-            observing.finish_batch,
+        core.check_iterable(items, "items")
+        return await self._job(
+            "compose_many", options, lambda: bulk.compose_many(self, items, rope=rope, **options)
         )
-
-    # ---- end of bulk operations ----
-
-    def _timeout(self, timeout: float | DefaultType | None) -> float | None:
-        return resolve_timeout(timeout, self.timeout)
-
-    # ---- issue 33: KV events, chunk hashes, management calls (the logic lives in
-    # lmcache_async._event_stream, lmcache_async.hashing and lmcache_async.management)
-
-    def kv_events(
-        self,
-        model_name: str | None = None,
-        *,
-        cursor: int = 0,
-        incarnation: int | None = None,
-        max_events: int = 256,
-        ping_interval: float = 10.0,
-        reconnect_timeout: float | None = 60.0,
-    ) -> KVEventStream:
-        """The server's KV events for ``model_name`` (default: this client's model), as
-        an async iterator of :class:`~lmcache_async.events.StoredEvent`,
-        :class:`~lmcache_async.events.RemovedEvent` and
-        :class:`~lmcache_async.events.Resync` items::
-
-            async with client.kv_events() as events:
-                async for ev in events:
-                    ...
-
-        The subscription uses a random subscriber id of its own (pinged every
-        ``ping_interval`` seconds, never this client's registration id); the server sends
-        the next batch of at most ``max_events`` records (1..1024) only when the
-        consumer asked for the item after the previous batch's last one; a lost
-        connection or a restarted server is resumed from :attr:`KVEventStream.cursor`
-        (``cursor``/``incarnation`` resume a stream of an earlier process), and a
-        ``Resync`` says events were missed. ``stored`` events come only from the
-        lmcache-driven (vLLM) path: stores made by this client publish none
-        (docs/guides/routing.md).
-
-        Raises (here, nothing sent): ValueError/TypeError for bad arguments.
-        Iteration raises what :meth:`KVEventStream.__anext__` says; waiting for an
-        event has no deadline (an idle server sends nothing).
-
-        Cancellation, ``aclose()``, leaving ``async with``, or dropping the iterator:
-        the subscription is cancelled on the server.
-        """
-        name = self.model_name if model_name is None else validate_model_name(model_name)
-        stream = KVEventStream(
-            self._session.conn,
-            name,
-            cursor=cursor,
-            incarnation=incarnation,
-            max_events=max_events,
-            ping_interval=ping_interval,
-            reconnect_timeout=reconnect_timeout,
-        )
-        self._require_open()
-        self._check_loop()
-        return stream
-
-    def chunk_hashes(self, tokens: Sequence[int], *, start: int = 0, end: int | None = None) -> list[bytes]:
-        """The server's chunk hashes (32-byte blake3 digests) of ``tokens`` at this
-        server's chunk size: the hashes its KV events carry
-        (:func:`lmcache_async.hashing.chunk_hashes`; ``start``/``end`` as there).
-
-        Raises:
-            UnsupportedHashAlgorithmError: the server's ``/status`` or ``/config`` (read
-                at connect) names another hash algorithm than blake3.
-            ValueError/TypeError: bad tokens or bounds.
-        """
-        self._require_open()
-        self._check_hash_algorithm()
-        return chunk_hashes(tokens, self._session.chunk_size, start=start, end=end)
-
-    def _check_hash_algorithm(self) -> None:
-        meta = self._session.meta
-        config, status = meta._cache["config"].value, meta._cache["status"].value
-        check_hash_algorithm(hash_algorithm_of(config, status), self.http_url)
-
-    async def experimental(self, *, timeout: float | DefaultType | None = DEFAULT) -> frozenset[str]:
-        """The experimental features the server advertises (``get_experimental``):
-        0.5.6 says ``"kv_event_stream"`` when its event channel is on; 0.5.7 lists only
-        features its modules add (``"transfer_query"``), and an empty set is usual.
-
-        Raises:
-            LMCacheTimeoutError: no answer within ``timeout``. ProtocolError: not a list of str.
-        """
-        self._require_open()
-        self._check_loop()
-        reply = await self._session.conn.call(Op.GET_EXPERIMENTAL, (), timeout=self._timeout(timeout))
-        value = reply.value()
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ProtocolError(f"get_experimental answered {value!r}")
-        return frozenset(value)
-
-    async def clear(self, *, force: bool, timeout: float | DefaultType | None = DEFAULT) -> None:
-        """DANGER: empty the server's L1 cache for EVERY model and EVERY cache salt,
-        not only this client's (the ``clear`` RPC; L2 is untouched).
-
-        ``force`` must be given: ``False`` frees what no reader or writer holds (locked
-        objects and live reservations stay); ``True`` frees everything, including
-        objects other clients are reading and reservations they are filling (their
-        operations may then fail or read freed memory: only on a server nobody else uses).
-        The removals are published as ``removed`` KV events.
-
-        Raises:
-            TypeError: ``force`` is not a bool (nothing sent).
-            LMCacheTimeoutError: no answer within ``timeout`` (the clear may still run).
-        """
-        if not isinstance(force, bool):
-            raise TypeError(f"force must be a bool, got {type(force).__name__}")
-        self._require_open()
-        self._check_loop()
-        await self._session.conn.call(Op.CLEAR, (force,), timeout=self._timeout(timeout))
-
-    async def warm(
-        self,
-        tokens: Sequence[int],
-        cache_salt: str = "",
-        *,
-        poll_interval: float = 0.05,
-        timeout: float | DefaultType | None = DEFAULT,
-    ) -> WarmResult:
-        """Load ``tokens``' chunks from the server's L2 into its L1 and leave them there
-        (``POST /cache/prefetches``, polled until it completes).
-
-        Best effort: the chunks are resident but unlocked, so the next eviction may take
-        them; chunks missing from L2 are skipped (gaps allowed); ``found`` counts chunks
-        already in L1 too. Needs a server with an L2 adapter and a layout registered for
-        the model by an inference engine.
-
-        Raises:
-            ServerError: the server cannot warm (no L2, no layout for the model, no route).
-            LMCacheTimeoutError: not completed within ``timeout`` (the prefetch may go on).
-
-        Cancellation: the polling stops; the server's prefetch goes on.
-        """
-        toks = validate_tokens(tokens)
-        validate_cache_salt(cache_salt)
-        timeout = self._timeout(timeout)
-        self._require_open()
-        self._check_loop()
-        return await management.warm(
-            self._session.meta,
-            self.model_name,
-            self.geometry.world_size,
-            toks,
-            cache_salt,
-            timeout,
-            poll_interval,
-        )
-
-    async def delete(
-        self,
-        tokens: Sequence[int],
-        cache_salt: str = "",
-        *,
-        start: int = 0,
-        tier: Literal["l1", "l2", "all"] = "l1",
-        force: bool = False,
-        timeout: float | DefaultType | None = DEFAULT,
-    ) -> DeleteResult:
-        """Delete the chunks of ``tokens`` from ``start`` (a multiple of the chunk size)
-        to the last whole chunk, for this client's model and ``cache_salt``, on every
-        rank (``DELETE /cache/objects`` with keys computed here).
-
-        DANGER: the chunks go for every client of this model and salt, and a prompt
-        sharing the prefix loses it too (chunks are named by the whole prefix up to
-        them). With ``force`` locked chunks are deleted as well (a reader holding them
-        may read freed memory). ``tier="l2"``/``"all"`` also deletes from L2. Published
-        as ``removed`` KV events (L1).
-
-        Raises:
-            UnsupportedHashAlgorithmError: the server does not hash with blake3.
-            ServerError/HTTPStatusError: the server refused the delete.
-            LMCacheTimeoutError: no answer within ``timeout``.
-        """
-        toks = validate_tokens(tokens)
-        validate_cache_salt(cache_salt)
-        if tier not in ("l1", "l2", "all"):
-            raise ValueError(f"tier must be 'l1', 'l2' or 'all', got {tier!r}")
-        if not isinstance(force, bool):
-            raise TypeError(f"force must be a bool, got {type(force).__name__}")
-        timeout = self._timeout(timeout)
-        hashes = self.chunk_hashes(toks, start=start)
-        keys = management.object_keys(hashes, self.model_name, self.geometry.world_size, cache_salt)
-        self._check_loop()
-        if not keys:
-            return DeleteResult(0, 0)
-        return await management.delete(self._session.meta, keys, tier, force, timeout)
-
-    # ---- end issue 33
-
-
-def _observers(
-    given: Sequence[observe.Observer], tracer_provider: Any, meter_provider: Any
-) -> tuple[observe.Observer, ...] | None:
-    """The client's observers: ``given``, the OpenTelemetry one if a provider is given,
-    and those :func:`~lmcache_async.observe.add_observer` gave; ``None`` when none."""
-    if isinstance(given, str) or not isinstance(given, Sequence):
-        raise TypeError(f"observers must be a sequence of observers, got {type(given).__name__}")
-    found = [*given]
-    for o in found:
-        if not callable(getattr(o, "operation_started", None)) or not callable(
-            getattr(o, "operation_ended", None)
-        ):
-            raise TypeError(
-                "an observer needs operation_started(op) and operation_ended(op) methods, "
-                f"got {type(o).__name__}"
-            )
-    if tracer_provider is not None or meter_provider is not None:
-        from lmcache_async.otel import OpenTelemetryObserver  # only when asked for
-
-        found.append(OpenTelemetryObserver(tracer_provider, meter_provider))
-    found.extend(o for o in observe.observers() if o not in found)
-    return tuple(found) or None
-
-
-def _check_iterable(value: object, name: str) -> None:
-    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
-        raise TypeError(f"{name} must be an iterable of items, got {type(value).__name__}")
-
-
-#: The prefix the server gives its SHM pool's name (``engine_context._compute_shm_pool_info``).
-
-
-def _align(n: int, chunk_size: int) -> int:
-    """``n`` rounded down to whole chunks."""
-    return n // chunk_size * chunk_size
-
-
-def _weak_tracker(client: AsyncClient) -> Callable[[asyncio.Future[Any]], None]:
-    """``client._track_posted`` through a weak reference (a no-op once it is collected)."""
-    ref = weakref.ref(client)
-
-    def track(fut: asyncio.Future[Any]) -> None:
-        alive = ref()
-        if alive is not None:
-            alive._track_posted(fut)
-
-    return track
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -39,12 +39,13 @@ from typing import Any, Generic, TypeVar, Unpack
 
 import torch
 
+from lmcache_async._event_stream import subscribe
 from lmcache_async._runner import cancel_and_wait
 from lmcache_async._wire import validate_cache_salt, validate_tokens
 from lmcache_async.client import AsyncClient, ClientOptions
 from lmcache_async.errors import ClientClosedError, LMCacheConnectionError, LMCacheError
 from lmcache_async.events import RemovedEvent, Resync, StoredEvent
-from lmcache_async.hashing import chunk_hashes
+from lmcache_async.hashing import check_hash_algorithm, chunk_hashes
 
 __all__ = ["MAX_SERVERS", "Fleet", "PrefixIndex", "Route", "Routed"]
 
@@ -244,7 +245,7 @@ class Fleet:
                 raise ValueError(f"the servers of a fleet need one chunk size, got {sorted(sizes)}")
             self._cs = sizes.pop()
             for c in self.clients:
-                c._check_hash_algorithm()
+                check_hash_algorithm(c.hash_algorithm, c.http_url)
         except BaseException:
             await self.aclose()
             raise
@@ -270,7 +271,7 @@ class Fleet:
         index = self.index
         while True:
             try:
-                async with client.kv_events(reconnect_timeout=None) as stream:
+                async with subscribe(client, None, reconnect_timeout=None) as stream:
                     async for ev in stream:
                         if isinstance(ev, StoredEvent):
                             index.add(server, (ev.block_hash,))

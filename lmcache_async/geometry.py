@@ -21,7 +21,7 @@ import torch
 
 from lmcache_async.errors import ModelNotRegisteredError, ProtocolError
 
-__all__ = ["KVGeometry", "dtype_from_name", "dtype_name"]
+__all__ = ["MAX_CHUNK_BYTES", "KVGeometry", "check_server_geometry", "dtype_from_name", "dtype_name"]
 
 _DTYPES: Final[dict[str, torch.dtype]] = {
     "float16": torch.float16,
@@ -63,6 +63,27 @@ def dtype_name(dtype: torch.dtype) -> str:
         if value == dtype:
             return name
     raise ValueError(f"unsupported dtype {dtype}")
+
+
+#: The most bytes one chunk of a geometry read from a server's ``/status`` may take
+#: (64 GiB; a 70B model's 256-token chunk in bfloat16 is 80 MiB): a larger one is an
+#: absurd or hostile document, refused at connect, never used to size a tensor.
+MAX_CHUNK_BYTES: Final = 1 << 36
+
+
+def check_server_geometry(geometry: KVGeometry, chunk_size: int) -> None:
+    """Refuse a geometry from ``/status`` whose one chunk would exceed
+    :data:`MAX_CHUNK_BYTES` (e.g. ``num_layers=10**9``).
+
+    Raises:
+        ProtocolError: naming the geometry and the chunk's bytes.
+    """
+    nbytes = geometry.bytes_per_token * chunk_size
+    if nbytes > MAX_CHUNK_BYTES:
+        raise ProtocolError(
+            f"/status describes an absurd KV geometry ({geometry}): one chunk of {chunk_size} tokens "
+            f"would be {nbytes} bytes, more than {MAX_CHUNK_BYTES} (64 GiB); pass geometry= explicitly"
+        )
 
 
 @dataclass(frozen=True, slots=True)

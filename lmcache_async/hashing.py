@@ -23,7 +23,7 @@ from __future__ import annotations
 import array
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import blake3
 
@@ -32,6 +32,7 @@ from lmcache_async.errors import UnsupportedHashAlgorithmError
 __all__ = [
     "DEFAULT_HASH_ALGORITHM",
     "NONE_HASH",
+    "HashingServer",
     "check_hash_algorithm",
     "chunk_hashes",
     "hash_algorithm_of",
@@ -43,6 +44,17 @@ DEFAULT_HASH_ALGORITHM: Final = "blake3"
 NONE_HASH: Final[bytes] = blake3.blake3(b"\0" * 12).digest()
 
 
+class HashingServer(Protocol):
+    """What :func:`chunk_hashes` reads of a client (``AsyncClient`` and ``Client`` have it)."""
+
+    @property
+    def chunk_size(self) -> int: ...
+    @property
+    def hash_algorithm(self) -> str: ...
+    @property
+    def http_url(self) -> str: ...
+
+
 def _uint32_be(tokens: Sequence[int]) -> bytes:
     words = array.array("I", tokens)  # refuses anything outside [0, 2**32)
     if sys.byteorder == "little":
@@ -51,14 +63,19 @@ def _uint32_be(tokens: Sequence[int]) -> bytes:
 
 
 def chunk_hashes(
-    tokens: Sequence[int], chunk_size: int, *, start: int = 0, end: int | None = None
+    tokens: Sequence[int], chunk_size: int | HashingServer, *, start: int = 0, end: int | None = None
 ) -> list[bytes]:
     """The server's chunk hashes (32 bytes each) of ``tokens``, in chunk order.
+
+    ``chunk_hashes(tokens, client)`` (an open ``AsyncClient`` or ``Client``) computes them
+    at that server's chunk size, after checking that the server hashes with blake3 (its
+    :attr:`~lmcache_async.AsyncClient.hash_algorithm`, read at connect);
+    ``chunk_hashes(tokens, 256)`` at any chunk size, with no server to check.
 
     Args:
         tokens: token ids (ints in ``[0, 2**32)``; a list, tuple, or anything
             :func:`~lmcache_async._wire.validate_tokens` accepts).
-        chunk_size: the server's chunk size (``AsyncClient.chunk_size``).
+        chunk_size: the server's chunk size (``AsyncClient.chunk_size``), or an open client.
         start: a token position (a multiple of ``chunk_size``): only the hashes of the
             chunks from there on are returned (the chain is still computed from the
             first token).
@@ -69,10 +86,15 @@ def chunk_hashes(
         One hash per whole chunk in the range (a partial last chunk has none).
 
     Raises:
+        UnsupportedHashAlgorithmError: the client's server hashes with another algorithm.
+        ClientStateError: the client is not open.
         TypeError/ValueError: bad tokens, a chunk size below 1, or unaligned bounds.
     """
     from lmcache_async._wire import validate_tokens
 
+    if not isinstance(chunk_size, int):  # a client: its server's chunk size, if blake3
+        check_hash_algorithm(chunk_size.hash_algorithm, chunk_size.http_url)
+        chunk_size = chunk_size.chunk_size
     toks = validate_tokens(tokens)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")

@@ -18,15 +18,18 @@ The OpenTelemetry support (:mod:`lmcache_async.otel`) is one such observer. Obse
 given to one client (``observers=``), or to every client made afterwards with
 :func:`add_observer`.
 
-What is observed: ``lookup``, ``retrieve``, ``store`` and ``remap`` (one record each), and
-the bulk jobs ``retrieve_many``, ``store_many`` and ``remap_many`` (one record for the job,
+What is observed: ``lookup``, ``retrieve``, ``store``, ``remap`` and ``compose`` (one record
+each), and the bulk jobs ``retrieve_many``, ``store_many``, ``remap_many`` and
+``compose_many`` (one record for the job,
 the *parent* of one record per operation its items run). A remap on the pickle transport
 runs a retrieve and a store: they are its children. Arguments refused before anything is
 sent (a ``ValueError`` for bad tokens) are not operations and are not observed.
 
-Phases: an observer with a true ``wants_phases`` attribute makes the client note the
+Phases: an observer whose optional ``wants_phases`` attribute is true makes the client note the
 phases of each operation in :attr:`Operation.phases` (a few clock reads per operation);
 without one, nothing is noted.
+
+Profiling the blocking client's hand-overs between threads: :func:`set_trace_hook`.
 
 Privacy: a record holds no token ids and no cache salt; only counts, and the salt as a
 short hash (:attr:`Operation.cache_salt_hash`).
@@ -34,8 +37,14 @@ short hash (:attr:`Operation.cache_salt_hash`).
 Cost: a client without observers tests one attribute for ``None`` per operation, nothing
 more. Both callbacks run on the event loop, in the caller's task (``operation_started``
 before the first request is sent, ``operation_ended`` when the caller gets its result or
-error); they must not block. An exception a callback raises is logged (``WARNING``, logger
-``lmcache_async._observing``) and never reaches the caller.
+error); they must not block. An exception a callback raises never reaches the caller: an
+observer's first failure is logged with its traceback (``WARNING``, logger
+``lmcache_async._observing``), its later ones at ``DEBUG`` only, and all are counted
+(:func:`observer_failures`). A callback that takes longer than :data:`SLOW_CALLBACK_S`
+(5 ms) gets one ``WARNING`` per observer, naming it.
+
+Removal: :func:`remove_observer` undoes :func:`add_observer` (for clients made
+afterwards); :func:`lmcache_async.otel.uninstrument` undoes ``instrument``.
 
 Timeout and cancellation: the record ends when the caller stops waiting, with
 :attr:`~Operation.outcome` ``"timeout"`` or ``"cancelled"``; the server-side cleanup the
@@ -45,10 +54,28 @@ operation goes on with in the background is not part of it.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-__all__ = ["Observer", "Operation", "Outcome", "add_observer", "observers", "remove_observer", "salt_hash"]
+from lmcache_async import _trace
+
+__all__ = [
+    "SLOW_CALLBACK_S",
+    "Observer",
+    "Operation",
+    "Outcome",
+    "add_observer",
+    "observer_failures",
+    "observers",
+    "remove_observer",
+    "salt_hash",
+    "set_trace_hook",
+    "wants_phases",
+]
+
+#: Seconds: a callback slower than this gets one ``WARNING`` per observer.
+SLOW_CALLBACK_S: float = 0.005
 
 #: How an operation ended, as the caller saw it: ``"ok"`` (a result; a store or remap that
 #: found everything cached included), ``"miss"`` (a lookup or retrieve found nothing,
@@ -134,6 +161,11 @@ class Observer(Protocol):
     Both methods run on the event loop in the caller's task and must not block; what
     ``operation_started`` returns is kept in ``op.state[observer]`` for the end (and for
     the operation's children, which can read their parent's).
+
+    An observer may also have a ``wants_phases`` attribute (optional, so not a member of
+    the protocol: an observer without it still satisfies it and counts as ``False``): true
+    makes the client note the phases of each operation in :attr:`Operation.phases` for
+    every observer (see :func:`wants_phases`).
     """
 
     def operation_started(self, op: Operation) -> Any:
@@ -162,9 +194,45 @@ def remove_observer(observer: Observer) -> None:
     _installed = tuple(o for o in _installed if o is not observer)
 
 
+#: Failures counted per observer, and the observers warned of as slow (see the module).
+_failures: dict[Any, int] = {}
+_slow_warned: set[Any] = set()
+
+
+def observer_failures(observer: Observer) -> int:
+    """How many times ``observer``'s callbacks have raised in this process (0 if never).
+    Only the first failure is logged at ``WARNING``; the later ones at ``DEBUG``."""
+    return _failures.get(observer, 0)
+
+
 def observers() -> tuple[Observer, ...]:
     """The observers :func:`add_observer` gave, in order."""
     return _installed
+
+
+def wants_phases(observer: Observer) -> bool:
+    """Whether ``observer`` asks for the phases (its optional ``wants_phases`` attribute,
+    see :class:`Observer`; an object without the attribute does not)."""
+    return bool(getattr(observer, "wants_phases", False))
+
+
+def set_trace_hook(hook: Callable[[str], None] | None) -> None:
+    """Have ``hook(point)`` called at each hand-over point a blocking call passes, for
+    profiling (``benchmarks/suite/bench_facade.py --trace`` times the phases of a call with it);
+    ``None`` turns it off. The points, in a call's order:
+
+    * ``"submit"``: in the caller's thread, as the call is handed to the loop thread;
+    * ``"start"``: on the loop thread, as the call's coroutine is created;
+    * ``"send"`` / ``"sent"``: on the loop thread, around each request's send on the socket
+      (any client's, the async ones' too);
+    * ``"finish"``: on the loop thread, as the call is done;
+    * ``"wake"``: on the loop thread, as it wakes the callers whose calls finished, before
+      it waits for I/O again.
+
+    The hook runs inline at these points: it must be fast and must not raise. One hook per
+    process; a new one replaces the old.
+    """
+    _trace.hook = hook
 
 
 def salt_hash(cache_salt: str) -> str | None:

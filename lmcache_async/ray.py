@@ -78,24 +78,7 @@ __all__ = [
 URL_ENV: Final = "LMCACHE_ASYNC_URL"
 HTTP_URL_ENV: Final = "LMCACHE_ASYNC_HTTP_URL"
 
-#: The output schema, one row per input pair:
-#:
-#: * ``key``: the pair's identity (as ``remap-batch --report``);
-#: * ``id``: the input's ``id`` (null when the input has none);
-#: * ``status``: ``"hit"`` (the source's KV was found and stored under the target),
-#:   ``"miss"`` (nothing to remap) or ``"error"``;
-#: * ``retrieved_tokens`` / ``stored_tokens``: tokens moved;
-#: * ``bytes``: bytes moved (retrieved + stored tokens, times the bytes per token);
-#: * ``stored_new``: the store added at least one chunk;
-#: * ``already_cached``: a hit whose target was entirely on the server already (a retried
-#:   batch, a rerun, or a duplicate pair);
-#: * ``error_type`` / ``error``: the exception's class name and message (null on success);
-#: * ``server``: the ZMQ URL of the server the pair went to.
-OUTPUT_COLUMNS: Final = (
-    "key", "id", "status", "retrieved_tokens", "stored_tokens", "bytes", "stored_new",
-    "already_cached", "error_type", "error", "server",
-)  # fmt: skip
-
+# The output table's columns and types; OUTPUT_COLUMNS (below) documents them.
 _SCHEMA: Final = pa.schema(
     [
         ("key", pa.string()),
@@ -111,6 +94,22 @@ _SCHEMA: Final = pa.schema(
         ("server", pa.string()),
     ]
 )
+#: The output schema, one row per input pair:
+#:
+#: * ``key``: the pair's identity (as ``remap-batch --report``);
+#: * ``id``: the input's ``id`` (null when the input has none);
+#: * ``status``: ``"hit"`` (the source's KV was found and stored under the target),
+#:   ``"miss"`` (nothing to remap) or ``"error"`` (a pair with an empty source, or a
+#:   target shorter than one chunk, is an ``error`` whose text starts ``invalid pair``, as
+#:   in ``remap-batch``: nothing could ever be stored for it, so a resume retries it);
+#: * ``retrieved_tokens`` / ``stored_tokens``: tokens moved;
+#: * ``bytes``: bytes moved (retrieved + stored tokens, times the bytes per token);
+#: * ``stored_new``: the store added at least one chunk;
+#: * ``already_cached``: a hit whose target was entirely on the server already (a retried
+#:   batch, a rerun, or a duplicate pair);
+#: * ``error_type`` / ``error``: the exception's class name and message (null on success);
+#: * ``server``: the ZMQ URL of the server the pair went to.
+OUTPUT_COLUMNS: Final[tuple[str, ...]] = tuple(_SCHEMA.names)
 _DONE: Final = ("hit", "miss")
 
 #: The CPUs each actor asks Ray for by default: an actor mostly waits for its server, and
@@ -166,6 +165,17 @@ def _salt(value: Any, default: str | None) -> Any:
     return default if value is None else value
 
 
+def _check_sizes(pair: RemapPair, chunk_size: int) -> None:
+    """Refuse a pair for which nothing can ever be stored (``invalid pair: ...``)."""
+    if not pair.source_tokens:
+        raise ValueError("invalid pair: the source is empty")
+    if len(pair.target_tokens) < chunk_size:
+        raise ValueError(
+            f"invalid pair: the target has {len(pair.target_tokens)} tokens, fewer than one "
+            f"chunk ({chunk_size}): nothing would be stored"
+        )
+
+
 def _column(batch: Mapping[str, Any], name: str, n: int) -> Sequence[Any]:
     col = batch.get(name)
     return [None] * n if col is None else col
@@ -214,8 +224,9 @@ class RemapBatches:
         """Remap the batch's pairs; one output row per input row, in input order.
 
         A row that is not a valid pair is an ``error`` row (``error_type`` ``TypeError``
-        or ``ValueError``), the others still run. Blocks until every pair has finished
-        (each is bounded by the client's ``timeout``).
+        or ``ValueError``; an empty source or a target shorter than one chunk: a
+        ``ValueError`` whose text starts ``invalid pair``), the others still run. Blocks
+        until every pair has finished (each is bounded by the client's ``timeout``).
         """
         sources = batch["source"]
         n = len(sources)
@@ -244,10 +255,12 @@ class RemapBatches:
             }
             rows.append(row)
             try:
-                pairs.append(RemapPair(src, dst, salt, tsalt))
+                pair = RemapPair(src, dst, salt, tsalt)
+                _check_sizes(pair, self.client.chunk_size)
             except (TypeError, ValueError) as exc:
                 row["error_type"], row["error"] = type(exc).__name__, str(exc)
                 continue
+            pairs.append(pair)
             where.append(i)
         if pairs:
             result = self.client.remap_many(

@@ -56,8 +56,10 @@ class RopeScaling:
             rotations; its attention factor does not change a shift).
         factor: the scaling factor (> 0).
         original_max_position_embeddings: the pre-training context (llama3, yarn).
-        low_freq_factor, high_freq_factor: llama3's ramp bounds.
-        beta_fast, beta_slow: yarn's ramp bounds, in rotations.
+        low_freq_factor: llama3's lower ramp bound.
+        high_freq_factor: llama3's upper ramp bound.
+        beta_fast: yarn's ramp bound for the fast dimensions, in rotations.
+        beta_slow: yarn's ramp bound for the slow dimensions, in rotations.
         truncate: yarn rounds its ramp bounds to whole dimensions (transformers' default).
     """
 
@@ -193,7 +195,8 @@ class RopeSpec:
 
         Args:
             kv: the KV, a floating dtype, ``L`` equal to ``len(layers)`` if given.
-            delta: positions to move by (an int).
+            delta: positions to move by (an int, ``|delta| < 2**32``: beyond, the
+                float64 angle loses precision, and no real context is that long).
             out: where to write (same shape, dtype and device as ``kv``; it may be
                 ``kv`` itself); default: a new tensor.
 
@@ -203,13 +206,13 @@ class RopeSpec:
         Raises:
             ValueError/TypeError: a tensor that is not ``[2, L, T, D]`` with ``D`` a
                 multiple of ``head_dim``, a non-floating dtype, a layer count other than
-                ``len(layers)``, an ``out`` that does not match, a non-int ``delta``.
+                ``len(layers)``, an ``out`` that does not match, a non-int ``delta``,
+                ``|delta| >= 2**32``.
 
         No I/O: nothing to time out or cancel.
         """
         heads = self._check_kv(kv, "kv")
-        if isinstance(delta, bool) or not isinstance(delta, int):
-            raise TypeError(f"delta must be an int, got {type(delta).__name__}")
+        _check_delta(delta)
         if out is None:
             out = torch.empty_like(kv, memory_format=torch.contiguous_format)
         else:
@@ -231,8 +234,13 @@ class RopeSpec:
         ``out`` (same shape and dtype; may be ``keys``). The building block of
         :meth:`shift`, for callers that place keys into a larger tensor.
 
+        Raises:
+            ValueError/TypeError: tensors that do not fit, a non-int ``delta``,
+                ``|delta| >= 2**32``.
+
         No I/O: nothing to time out or cancel.
         """
+        _check_delta(delta)
         for name, t in (("keys", keys), ("out", out)):
             if not isinstance(t, torch.Tensor) or t.dim() != 3:
                 raise ValueError(f"{name} must be a [L, T, D] tensor, got {getattr(t, 'shape', t)!r}")
@@ -339,7 +347,7 @@ class RopeSpec:
         Raises:
             ValueError: dynamic NTK, LongRoPE, M-RoPE or another kind whose angle is not
                 linear in the position; a config without a rotary embedding; missing
-                sizes.
+                sizes; a numeric field that is not a number (the message names it).
         """
         cfg = _as_mapping(config)
         if not _has_rope_fields(cfg) and cfg.get("text_config") is not None:
@@ -358,8 +366,11 @@ class RopeSpec:
                 head_dim = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
             except (KeyError, TypeError, ValueError):
                 raise ValueError("the config lacks head_dim and hidden_size/num_attention_heads") from None
-        head_dim = int(head_dim)
-        default_theta = float(cfg.get("rope_theta") or cfg.get("rotary_emb_base") or 10000.0)
+        head_dim = _int_field(head_dim, "head_dim")
+        if cfg.get("rope_theta"):
+            default_theta = _float_field(cfg["rope_theta"], "rope_theta")
+        else:
+            default_theta = _float_field(cfg.get("rotary_emb_base") or 10000.0, "rotary_emb_base")
         params = cfg.get("rope_parameters")
         layer_types = cfg.get("layer_types")
         per_type: dict[str, Mapping[str, Any]] = {}
@@ -373,9 +384,9 @@ class RopeSpec:
             flat.setdefault("rope_theta", default_theta)
         partial = flat.get("partial_rotary_factor", cfg.get("partial_rotary_factor", cfg.get("rotary_pct")))
         if cfg.get("rotary_dim"):
-            rotary_dim: int | None = int(cfg["rotary_dim"])
-        elif partial is not None and float(partial) != 1.0:
-            rotary_dim = int(head_dim * float(partial))
+            rotary_dim: int | None = _int_field(cfg["rotary_dim"], "rotary_dim")
+        elif partial is not None and _float_field(partial, "partial_rotary_factor") != 1.0:
+            rotary_dim = int(head_dim * _float_field(partial, "partial_rotary_factor"))
         else:
             rotary_dim = None
         interleaved = model_type in _INTERLEAVED_MODELS
@@ -392,7 +403,7 @@ class RopeSpec:
                 raise ValueError(f"rope_parameters has no entry for the layer types {missing}")
             layers = [kinds[str(t)] for t in layer_types]
         elif cfg.get("rope_local_base_freq") and layer_types:  # Gemma 3 in transformers 4
-            local = RopeLayer(float(cfg["rope_local_base_freq"]))
+            local = RopeLayer(_float_field(cfg["rope_local_base_freq"], "rope_local_base_freq"))
             layers = [local if t == "sliding_attention" else base for t in layer_types]
         no_rope = cfg.get("no_rope_layers")
         if no_rope:
@@ -401,7 +412,11 @@ class RopeSpec:
             if len(no_rope) != len(layers):
                 raise ValueError(f"no_rope_layers has {len(no_rope)} entries for {len(layers)} layers")
             layers = [layer if use else None for layer, use in zip(layers, no_rope, strict=True)]
-        if layers is not None and num_layers is not None and len(layers) != int(num_layers):
+        if (
+            layers is not None
+            and num_layers is not None
+            and len(layers) != _int_field(num_layers, "num_hidden_layers")
+        ):
             raise ValueError(f"the config describes RoPE for {len(layers)} of {num_layers} layers")
         uniform = layers is None or all(layer == base for layer in layers)
         return cls(
@@ -415,6 +430,37 @@ class RopeSpec:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+MAX_DELTA: Final = 2**32
+"""Bound on a position delta: ``|delta|`` must be below it (float64 angles stay exact)."""
+
+
+def _check_delta(delta: object) -> None:
+    if isinstance(delta, bool) or not isinstance(delta, int):
+        raise TypeError(f"delta must be an int, got {type(delta).__name__}")
+    if not -MAX_DELTA < delta < MAX_DELTA:
+        raise ValueError(f"delta {delta} is out of range: |delta| must be below 2**32")
+
+
+def _float_field(value: object, name: str) -> float:
+    """``value`` as a float, or a ValueError naming the config field ``name``."""
+    if isinstance(value, bool):
+        raise ValueError(f"the config's {name} must be a number, got {value!r}")
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"the config's {name} must be a number, got {value!r}") from None
+
+
+def _int_field(value: object, name: str) -> int:
+    """``value`` as an int, or a ValueError naming the config field ``name``."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"the config's {name} must be an integer, got {value!r}")
+    try:
+        return int(value)  # type: ignore[call-overload,no-any-return]
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"the config's {name} must be an integer, got {value!r}") from None
 
 
 def _positive(value: object) -> bool:
@@ -473,12 +519,12 @@ def _layer_from(params: Mapping[str, Any], default_theta: float, max_pos: object
             f"rope_type {kind!r} is refused: {_REFUSED[kind]}, so a shift of cached keys is not a "
             "rotation by the position delta"
         )
-    theta = float(params.get("rope_theta") or default_theta)
+    theta = _float_field(params.get("rope_theta") or default_theta, "rope_theta")
     if kind == "default":
         return RopeLayer(theta)
     factor = params.get("factor")
     if kind == "linear":
-        return RopeLayer(theta, RopeScaling("linear", float(factor or 0)))
+        return RopeLayer(theta, RopeScaling("linear", _float_field(factor or 0, "factor")))
     omp = params.get("original_max_position_embeddings") or max_pos
     omp_int = int(omp) if isinstance(omp, int | float) and not isinstance(omp, bool) else None
     if kind == "llama3":
@@ -486,10 +532,10 @@ def _layer_from(params: Mapping[str, Any], default_theta: float, max_pos: object
             theta,
             RopeScaling(
                 "llama3",
-                float(factor or 0),
+                _float_field(factor or 0, "factor"),
                 omp_int,
-                low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-                high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+                low_freq_factor=_float_field(params.get("low_freq_factor", 1.0), "low_freq_factor"),
+                high_freq_factor=_float_field(params.get("high_freq_factor", 4.0), "high_freq_factor"),
             ),
         )
     if kind == "yarn":
@@ -499,10 +545,10 @@ def _layer_from(params: Mapping[str, Any], default_theta: float, max_pos: object
             theta,
             RopeScaling(
                 "yarn",
-                float(factor or 0),
+                _float_field(factor or 0, "factor"),
                 omp_int,
-                beta_fast=float(params.get("beta_fast") or 32.0),
-                beta_slow=float(params.get("beta_slow") or 1.0),
+                beta_fast=_float_field(params.get("beta_fast") or 32.0, "beta_fast"),
+                beta_slow=_float_field(params.get("beta_slow") or 1.0, "beta_slow"),
                 truncate=bool(params.get("truncate", True)),
             ),
         )

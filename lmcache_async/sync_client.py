@@ -30,8 +30,8 @@ by every :class:`Client` of the process::
   :class:`~lmcache_async.ForkedSyncClientError` (a :class:`SyncUsageError` and a
   :class:`~lmcache_async.ForkedClientError`; its ``close()`` is a no-op there); a new
   :class:`Client` in the child starts a loop thread of its own.
-* ``timeout`` arguments are checked by :func:`lmcache_async._defaults.check_timeout` in
-  the calling thread, before anything is submitted to the loop.
+* ``timeout`` arguments are checked (as ``AsyncClient`` checks them) in the calling
+  thread, before anything is submitted to the loop.
 * Closing is explicit (``close()`` or ``with``). A client that is garbage-collected
   unclosed, or still open at interpreter exit, is closed by a :func:`weakref.finalize`
   callback with a :class:`ResourceWarning`; there is no ``__del__``. A collected client
@@ -48,20 +48,17 @@ noticed promptly; a real SIGINT to the waiting main thread is handled at once.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
-import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar, Unpack
 
-import torch
-
-from lmcache_async import _trace
-from lmcache_async._cuda.hooks import caller_device, on_caller_streams
-from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
+from lmcache_async._defaults import DefaultType, check_timeout, resolve_timeout
 from lmcache_async._loop_thread import (
     CLOSE_EXTRA,
     EXIT_WAIT,
@@ -73,43 +70,85 @@ from lmcache_async._loop_thread import (
     refuse_on_loop_thread,
     tls,
 )
-from lmcache_async.client import AsyncClient, ClientOptions, ComposeResult, KVPart, RemapResult
-from lmcache_async.errors import (
-    ClientClosedError,
-    ForkedSyncClientError,
-    LMCacheTimeoutError,
-    SyncUsageError,
-)
-from lmcache_async.geometry import KVGeometry
+from lmcache_async._sync_methods import SyncMethods
+from lmcache_async.client import AsyncClient, ClientOptions
+from lmcache_async.errors import ClientClosedError, ForkedSyncClientError, LMCacheTimeoutError
 
-if TYPE_CHECKING:
-    from lmcache_async.bulk import BatchProgress, BatchResult, ComposeItem, RemapPair, RetrieveItem, StoreItem
-    from lmcache_async.rope import RopeSpec
-
-__all__ = ["LOOP_THREAD_NAME", "Client", "SyncUsageError", "set_trace_hook"]
+__all__ = ["FACADE", "LOOP_THREAD_NAME", "Client", "Twin"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-def set_trace_hook(hook: Callable[[str], None] | None) -> None:
-    """Have ``hook(point)`` called at each hand-over point a blocking call passes, for
-    profiling (``benchmarks/suite/bench_facade.py --trace`` times the phases of a call with it);
-    ``None`` turns it off. The points, in a call's order:
+@dataclass(frozen=True, slots=True)
+class Twin:
+    """How the blocking twin of one :class:`~lmcache_async.AsyncClient` method differs
+    from it (a :data:`FACADE` row; ``tools/gen_sync_client.py`` writes the twin).
 
-    * ``"submit"``: in the caller's thread, as the call is handed to the loop thread;
-    * ``"start"``: on the loop thread, as the call's coroutine is created;
-    * ``"send"`` / ``"sent"``: on the loop thread, around each request's send on the socket
-      (any client's, the async ones' too);
-    * ``"finish"``: on the loop thread, as the call is done;
-    * ``"wake"``: on the loop thread, as it wakes the callers whose calls finished, before
-      it waits for I/O again.
-
-    The hook runs inline at these points: it must be fast and must not raise. One hook per
-    process; a new one replaces the old.
+    Attributes:
+        bound: the caller waits at most the call's ``timeout`` plus ``cleanup_grace``
+            (False: as long as it runs, for a batch whose ``timeout`` is per item).
+        cuda: the arguments (tensors or devices) whose current CUDA streams, in the
+            caller's thread, the call is ordered after (``()``: the current GPU's, or the
+            resolved ``device``'s when given; ``None``: none).
+        device: the ``device=`` argument resolved in the caller's thread (``"cuda"`` is
+            the caller's current GPU, not the loop thread's).
+        note: a sentence the twin's docstring adds to the async method's.
     """
-    _trace.hook = hook
+
+    bound: bool = True
+    cuda: tuple[str, ...] | None = None
+    device: str | None = None
+    note: str = ""
+
+
+#: The blocking twin of each public ``AsyncClient`` method: the one table the generator
+#: (``tools/gen_sync_client.py``, checked by ``make lint``) reads, with ``AsyncClient``'s
+#: signatures and docstrings, to write :mod:`lmcache_async._sync_methods`.
+FACADE: Final = {
+    "lookup": Twin(),
+    "retrieve": Twin(
+        cuda=("out", "device"),
+        device="device",
+        note="A CUDA ``out``/``device`` is ordered after this thread's current stream, captured "
+        "before the call is handed over; on timeout or KeyboardInterrupt nothing more is copied "
+        "into ``out`` once the call has returned, except a large copy already running.",
+    ),
+    "store": Twin(
+        cuda=("kv",),
+        note="A CUDA ``kv`` is read as seen from this thread's current stream when the call is "
+        "made; a store whose slots were reserved is completed on the loop after a timeout or "
+        "KeyboardInterrupt: ``kv`` must not be modified until then.",
+    ),
+    "remap": Twin(),
+    "compose": Twin(),
+    "noop": Twin(note="The time is measured on the loop, without the facade's own hand-over."),
+    "status": Twin(),
+    "config": Twin(),
+    "drain": Twin(),
+    "remap_many": Twin(bound=False),
+    "store_many": Twin(bound=False, cuda=()),
+    "retrieve_many": Twin(bound=False, cuda=(), device="device"),
+    "compose_many": Twin(bound=False),
+    "kv_events": Twin(
+        bound=False,
+        note="Each step waits for the next event without a deadline (an idle server sends nothing); "
+        "bad arguments raise at the first step, before anything is sent.",
+    ),
+    "experimental": Twin(),
+    "clear": Twin(),
+    "warm": Twin(),
+    "delete": Twin(),
+}
+
+
+async def _step(it: AsyncIterator[T]) -> tuple[bool, T | None]:
+    """The next item of ``it`` (True, item), or (False, None) at its end."""
+    try:
+        return True, await anext(it)
+    except StopAsyncIteration:
+        return False, None
 
 
 def _bound(timeout: float | None, grace: float) -> float | None:
@@ -148,7 +187,7 @@ def _at_exit() -> None:
     _exiting = True
     for client in list(_live):
         client._finalizer()
-    lt = LoopThread._current
+    lt = LoopThread.current()
     if lt is None or not lt.alive():
         return
     # Bounded (a hung server must not hold the exit for cleanup_grace + unregister): what
@@ -168,9 +207,7 @@ def _at_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
-    LoopThread._lock = threading.RLock()
-    LoopThread._current = None
-    LoopThread._retiring = None
+    LoopThread.reset_after_fork()
     tls.__dict__.clear()
     for client in list(_live):
         client._finalizer.detach()
@@ -181,7 +218,7 @@ atexit.register(_at_exit)
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class Client:
+class Client(SyncMethods):
     """A blocking client of one LMCache MP server for one model.
 
     The same methods, arguments and return values as :class:`~lmcache_async.AsyncClient`,
@@ -216,6 +253,12 @@ class Client:
       :class:`~lmcache_async.ForkedSyncClientError` (a :class:`SyncUsageError`); create a
       new one in the child.
     * **after close** -- raises :class:`~lmcache_async.ClientClosedError`.
+    * **bulk methods** -- a batch has no overall deadline (``timeout`` is per item), so the
+      caller waits as long as it runs; Ctrl-C cancels it. ``items`` is consumed and
+      ``progress`` is called on the event-loop thread: neither may block.
+
+    The methods and properties are generated from :class:`~lmcache_async.AsyncClient`'s
+    (``tools/gen_sync_client.py``, the rows of :data:`FACADE`).
 
     Raises (constructor): as :meth:`AsyncClient.open`; ``KeyboardInterrupt`` during the
     connect closes whatever was opened.
@@ -288,46 +331,39 @@ class Client:
             raise ClientClosedError("the client is closed")
         return self._lt.submit(factory).wait(name, bound, self._grace)
 
+    def _iterate(
+        self, name: str, bound: float | None, start: Callable[[], Coroutine[Any, Any, AsyncIterator[T]]]
+    ) -> Iterator[T]:
+        """The blocking iterator over the async iterator ``start()`` makes on the loop (made
+        now, so that bad arguments raise here): each step waits for the next item (at most
+        ``bound`` seconds); leaving the iteration early (``break``, an exception, the
+        iterator collected) closes the async iterator on the loop, waiting at most
+        ``cleanup_grace``. KeyboardInterrupt during a step cancels that step, as for a call."""
+        return self._steps(name, bound, self._run(name, bound, start))
+
+    def _steps(self, name: str, bound: float | None, it: AsyncIterator[T]) -> Iterator[T]:
+        try:
+            while True:
+                more, item = self._run(name, bound, lambda: _step(it))
+                if not more:
+                    return
+                yield item  # type: ignore[misc]  # more: an item
+        finally:
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None and os.getpid() == self._pid:
+                with contextlib.suppress(ClientClosedError, LMCacheTimeoutError):
+                    self._lt.submit(aclose).wait(f"{name} close", self._grace, self._grace)
+
     def _deadline(self, timeout: float | DefaultType | None) -> float | None:
         """The call's deadline: the client's for DEFAULT; ValueError if invalid."""
         return resolve_timeout(timeout, self._async.timeout)
 
+    def _bound(self, deadline: float | None) -> float | None:
+        """The facade's wait for an operation with the (checked) deadline ``deadline``."""
+        return _bound(deadline, self._grace)
+
     # ------------------------------------------------------------------ properties
-
-    @property
-    def chunk_size(self) -> int:
-        """Tokens per chunk (the server's ``--chunk-size``)."""
-        self._check_process()
-        return self._async.chunk_size
-
-    @property
-    def geometry(self) -> KVGeometry:
-        """The KV layout in use (explicit, or derived from ``/status``)."""
-        self._check_process()
-        return self._async.geometry
-
-    @property
-    def transfer(self) -> Literal["shm", "pickle"]:
-        """``"shm"`` or ``"pickle"``: how tensors travel."""
-        self._check_process()
-        return self._async.transfer
-
-    @property
-    def server_version(self) -> str:
-        """The LMCache version the server reported at connect (``/lmc_version``)."""
-        self._check_process()
-        return self._async.server_version
-
-    @property
-    def wire_generation(self) -> str:
-        """The wire generation in use, ``"0.5.6"`` or ``"0.5.7"``."""
-        self._check_process()
-        return self._async.wire_generation
-
-    @property
-    def instance_id(self) -> int:
-        """The engine-driven registration id of this client (random, 63 bits)."""
-        return self._async.instance_id
+    # (the AsyncClient's are generated, in SyncMethods; these are the client's own)
 
     @property
     def closed(self) -> bool:
@@ -357,11 +393,8 @@ class Client:
 
     @property
     def cleanup_grace(self) -> float:
+        """Extra seconds an abandoned operation may spend cleaning up (read-only here)."""
         return self._async.cleanup_grace
-
-    @property
-    def num_kv_readers(self) -> int:
-        return self._async.num_kv_readers
 
     def __repr__(self) -> str:
         inner = repr(self._async) if hasattr(self, "_async") else "<not opened>"
@@ -425,296 +458,3 @@ class Client:
             pass  # the loop thread is gone: so are the socket and the session
         finally:
             lt.release()
-
-    # ------------------------------------------------------------------ operations
-
-    def lookup(
-        self,
-        tokens: Sequence[int],
-        cache_salt: str = "",
-        *,
-        request_configs: Mapping[str, Any] | None = None,
-        timeout: float | DefaultType | None = DEFAULT,
-    ) -> int:
-        """Length in tokens of the longest cached chunk-aligned prefix of ``tokens``.
-
-        Blocking :meth:`AsyncClient.lookup`; timeout, KeyboardInterrupt and loop-thread
-        behaviour as described in the class docstring.
-        """
-        deadline = self._deadline(timeout)
-        return self._run(
-            "lookup",
-            _bound(deadline, self._grace),
-            lambda: self._async.lookup(tokens, cache_salt, request_configs=request_configs, timeout=deadline),
-        )
-
-    def retrieve(
-        self,
-        tokens: Sequence[int],
-        cache_salt: str = "",
-        out: torch.Tensor | None = None,
-        *,
-        device: torch.device | str | None = None,
-        request_configs: Mapping[str, Any] | None = None,
-        timeout: float | DefaultType | None = DEFAULT,
-    ) -> torch.Tensor | None:
-        """The KV of the longest cached chunk-aligned prefix of ``tokens``, or ``None``.
-
-        Blocking :meth:`AsyncClient.retrieve` (``[2, L, T_hit, D]``, a view of ``out``
-        when given, else on ``device``). On timeout or KeyboardInterrupt nothing more is
-        copied into ``out`` once the call has returned, except a large copy already
-        running in a worker thread, which finishes. A CUDA ``out``/``device`` is ordered
-        after this thread's current stream, captured before the call is handed over
-        (``device="cuda"`` is this thread's current GPU).
-        """
-        deadline = self._deadline(timeout)
-        device = caller_device(device)
-        return self._run(
-            "retrieve",
-            _bound(deadline, self._grace),
-            on_caller_streams(
-                lambda: self._async.retrieve(
-                    tokens, cache_salt, out, device=device, request_configs=request_configs, timeout=deadline
-                ),
-                [out, device],
-            ),
-        )
-
-    def store(
-        self,
-        kv: torch.Tensor,
-        tokens: Sequence[int],
-        cache_salt: str = "",
-        *,
-        request_configs: Mapping[str, Any] | None = None,
-        timeout: float | DefaultType | None = DEFAULT,
-    ) -> bool:
-        """Store ``kv`` (``[2, L, T, D]``; ``[L, T, D]`` for MLA) under ``tokens``.
-
-        ``tokens`` may be longer than ``T`` (the KV is stored under ``tokens[:T]``), never
-        shorter. Blocking :meth:`AsyncClient.store`: True if at least one chunk was added, False
-        exactly when every chunk was already cached. On timeout or KeyboardInterrupt a
-        store whose slots were reserved is still completed on the loop (all chunks or
-        none); ``kv`` must not be modified until then. A CUDA ``kv`` is read as seen
-        from this thread's current stream when the call is made.
-        """
-        deadline = self._deadline(timeout)
-        return self._run(
-            "store",
-            _bound(deadline, self._grace),
-            on_caller_streams(
-                lambda: self._async.store(
-                    kv, tokens, cache_salt, request_configs=request_configs, timeout=deadline
-                ),
-                [kv],
-            ),
-        )
-
-    def remap(
-        self,
-        source_tokens: Sequence[int],
-        target_tokens: Sequence[int],
-        cache_salt: str = "",
-        target_cache_salt: str | None = None,
-        *,
-        timeout: float | DefaultType | None = DEFAULT,
-    ) -> RemapResult:
-        """Retrieve the KV of ``source_tokens`` and store it under ``target_tokens``.
-
-        Blocking :meth:`AsyncClient.remap`; the deadline covers both halves.
-        """
-        deadline = self._deadline(timeout)
-        return self._run(
-            "remap",
-            _bound(deadline, self._grace),
-            lambda: self._async.remap(
-                source_tokens, target_tokens, cache_salt, target_cache_salt, timeout=deadline
-            ),
-        )
-
-    def compose(
-        self,
-        target_tokens: Sequence[int],
-        parts: Sequence[KVPart],
-        *,
-        rope: RopeSpec | None = None,
-        cache_salt: str = "",
-        timeout: float | DefaultType | None = DEFAULT,
-    ) -> ComposeResult:
-        """Store under ``target_tokens`` the KV of cached ranges placed one after another,
-        shifted keys rotated: blocking :meth:`AsyncClient.compose`; one deadline covers
-        the retrieves and the store."""
-        deadline = self._deadline(timeout)
-        return self._run(
-            "compose",
-            _bound(deadline, self._grace),
-            lambda: self._async.compose(
-                target_tokens, parts, rope=rope, cache_salt=cache_salt, timeout=deadline
-            ),
-        )
-
-    def noop(self, *, timeout: float | DefaultType | None = DEFAULT) -> float:
-        """Round-trip a ``noop``; returns the server round-trip time in seconds (as
-        measured on the loop, without the facade's own hand-over)."""
-        deadline = self._deadline(timeout)
-        return self._run("noop", _bound(deadline, self._grace), lambda: self._async.noop(timeout=deadline))
-
-    def status(
-        self, *, max_age: float | None = None, timeout: float | DefaultType | None = DEFAULT
-    ) -> dict[str, Any]:
-        """The server's ``/status`` document (cached for ``metadata_ttl`` seconds).
-
-        The caller waits at most ``timeout`` (default: the client's) plus ``cleanup_grace``.
-        """
-        deadline = self._deadline(timeout)
-        return self._run(
-            "status",
-            _bound(deadline, self._grace),
-            lambda: self._async.status(max_age=max_age, timeout=deadline),
-        )
-
-    def config(
-        self, *, max_age: float | None = None, timeout: float | DefaultType | None = DEFAULT
-    ) -> dict[str, Any]:
-        """The server's ``/config`` document (cached for ``metadata_ttl`` seconds).
-
-        The caller waits at most ``timeout`` (default: the client's) plus ``cleanup_grace``.
-        """
-        deadline = self._deadline(timeout)
-        return self._run(
-            "config",
-            _bound(deadline, self._grace),
-            lambda: self._async.config(max_age=max_age, timeout=deadline),
-        )
-
-    def drain(self, timeout: float | DefaultType | None = DEFAULT) -> bool:
-        """Wait until operations abandoned by a timeout or an interrupt have finished their
-        server-side cleanup; True when none is left, False if ``timeout`` passed first."""
-        deadline = self._deadline(timeout)
-        return self._run("drain", _bound(deadline, self._grace), lambda: self._async.drain(deadline))
-
-    # ---- bulk operations (lmcache_async.bulk): wrap each AsyncClient bulk method here ----
-    # A batch has no overall deadline (``timeout`` is per item, and every item is bounded
-    # by it), so the caller waits as long as the batch runs; Ctrl-C cancels the batch.
-    # ``items`` is consumed and ``progress`` is called on the event-loop thread: neither
-    # may block (a blocking Client call from them raises SyncUsageError).
-
-    def remap_many(
-        self,
-        pairs: Iterable[RemapPair | Sequence[Any]],
-        *,
-        concurrency: int = 8,
-        max_bytes_in_flight: int = 1 << 30,
-        progress: Callable[[BatchProgress], object] | None = None,
-        return_exceptions: bool = True,
-        timeout: float | DefaultType | None = DEFAULT,
-    ) -> BatchResult:
-        """Remap many (source, target) pairs concurrently: blocking
-        :meth:`AsyncClient.remap_many` (see :func:`lmcache_async.bulk.remap_many`).
-
-        KeyboardInterrupt cancels the batch: every in-flight item releases its server
-        session, locks and reservations on the loop; then it is re-raised.
-        """
-        deadline = self._deadline(timeout)
-        return self._run(
-            "remap_many",
-            None,
-            lambda: self._async.remap_many(
-                pairs,
-                concurrency=concurrency,
-                max_bytes_in_flight=max_bytes_in_flight,
-                progress=progress,
-                return_exceptions=return_exceptions,
-                timeout=deadline,
-            ),
-        )
-
-    def compose_many(
-        self,
-        items: Iterable[ComposeItem | Sequence[Any]],
-        *,
-        rope: RopeSpec | None = None,
-        concurrency: int = 8,
-        max_bytes_in_flight: int = 1 << 30,
-        progress: Callable[[BatchProgress], object] | None = None,
-        return_exceptions: bool = True,
-        timeout: float | DefaultType | None = DEFAULT,
-    ) -> BatchResult:
-        """Many compositions concurrently: blocking :meth:`AsyncClient.compose_many`.
-        KeyboardInterrupt: as for :meth:`remap_many`."""
-        deadline = self._deadline(timeout)
-        return self._run(
-            "compose_many",
-            None,
-            lambda: self._async.compose_many(
-                items,
-                rope=rope,
-                concurrency=concurrency,
-                max_bytes_in_flight=max_bytes_in_flight,
-                progress=progress,
-                return_exceptions=return_exceptions,
-                timeout=deadline,
-            ),
-        )
-
-    def store_many(
-        self,
-        items: Iterable[StoreItem | Sequence[Any]],
-        *,
-        concurrency: int = 8,
-        max_bytes_in_flight: int = 1 << 30,
-        progress: Callable[[BatchProgress], object] | None = None,
-        return_exceptions: bool = True,
-        timeout: float | DefaultType | None = DEFAULT,
-    ) -> BatchResult:
-        """Store many ``(kv, tokens[, cache_salt])`` items concurrently: blocking
-        :meth:`AsyncClient.store_many`. KeyboardInterrupt: as for :meth:`remap_many`."""
-        deadline = self._deadline(timeout)
-        return self._run(
-            "store_many",
-            None,
-            on_caller_streams(
-                lambda: self._async.store_many(
-                    items,
-                    concurrency=concurrency,
-                    max_bytes_in_flight=max_bytes_in_flight,
-                    progress=progress,
-                    return_exceptions=return_exceptions,
-                    timeout=deadline,
-                ),
-                None,
-            ),
-        )
-
-    def retrieve_many(
-        self,
-        token_lists: Iterable[RetrieveItem | Sequence[Any]],
-        *,
-        concurrency: int = 8,
-        max_bytes_in_flight: int = 1 << 30,
-        progress: Callable[[BatchProgress], object] | None = None,
-        return_exceptions: bool = True,
-        timeout: float | DefaultType | None = DEFAULT,
-        device: torch.device | str | None = None,
-    ) -> BatchResult:
-        """Retrieve many prompts concurrently: blocking :meth:`AsyncClient.retrieve_many`.
-        KeyboardInterrupt: as for :meth:`remap_many`."""
-        deadline = self._deadline(timeout)
-        return self._run(
-            "retrieve_many",
-            None,
-            on_caller_streams(
-                lambda: self._async.retrieve_many(
-                    token_lists,
-                    concurrency=concurrency,
-                    max_bytes_in_flight=max_bytes_in_flight,
-                    progress=progress,
-                    return_exceptions=return_exceptions,
-                    timeout=deadline,
-                    device=caller_device(device),
-                ),
-                None if device is None else [caller_device(device)],
-            ),
-        )
-
-    # ---- end of bulk operations ----

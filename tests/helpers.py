@@ -162,4 +162,4 @@ def peek(client: AsyncClient | Client) -> ClientView:
 
 def shared_loop_thread() -> LoopThread | None:
     """The loop thread blocking clients share now (None before the first or after it exited)."""
-    return LoopThread._current
+    return LoopThread.current()

@@ -30,7 +30,7 @@ Cases:
 
 ``--trace CALLS`` times instead where one ``Client.noop()`` spends its time (the phases
 of :data:`TRACE_PHASES`), through the library's trace hook
-(:func:`lmcache_async.sync_client.set_trace_hook`).
+(:func:`lmcache_async.observe.set_trace_hook`).
 
 The async calls run in the main thread's own event loop (``asyncio.run``); the blocking
 calls are made from that same thread (so the facade's loop thread does their work while
@@ -53,7 +53,8 @@ import torch
 
 import lmcache_async as lmc
 from benchmarks.harness import facade_loop, settle
-from lmcache_async.sync_client import Client, set_trace_hook
+from lmcache_async.observe import set_trace_hook
+from lmcache_async.sync_client import Client
 
 GEOM = lmc.KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_size=16)
 MODEL = "bench-facade"

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -197,7 +198,7 @@ async def _events_part(srv: RealLMCacheServer, python: Path, n_events: int, roun
                 dtype=GEOM.dtype,
             )
             # live: one subscriber while the engine stores as fast as it can
-            async with client.kv_events(max_events=256) as events:
+            async with contextlib.aclosing(client.kv_events(max_events=256)) as events:
                 marks: list[float] = []
                 consumer = asyncio.ensure_future(_count_stored(events, n_events, model, marks))
                 end = time.monotonic() + 30
@@ -218,7 +219,7 @@ async def _events_part(srv: RealLMCacheServer, python: Path, n_events: int, roun
         for rnd in range(rounds):
             order = REPLAY_BATCHES[rnd % 4 :] + REPLAY_BATCHES[: rnd % 4]
             for m in order:
-                async with client.kv_events(max_events=m) as events:
+                async with contextlib.aclosing(client.kv_events(max_events=m)) as events:
                     t = time.perf_counter()
                     resyncs = await asyncio.wait_for(_count_stored(events, n_events, model), 300)
                     replay[m].append(n_events / (time.perf_counter() - t))

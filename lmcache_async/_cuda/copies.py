@@ -37,8 +37,9 @@ import contextvars
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import torch
@@ -58,6 +59,7 @@ __all__ = [
     "empty",
     "encode_inline",
     "pin_pool",
+    "pinned",
     "resolve_device",
     "to_device",
     "to_host",
@@ -258,22 +260,54 @@ def _host_unregister(address: int) -> int:
     return int(_cudart().cudaHostUnregister(address))
 
 
+@dataclass(slots=True)
+class _Pin:
+    """Whether one pool's mapping is registered as pinned CUDA memory: None until the
+    first CUDA copy asks (:func:`pin_pool`), then True or False; ``lock`` serializes
+    the registration and the unregistration."""
+
+    pinned: bool | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+#: The pin state of each pool a CUDA copy has used (a pool the client dropped drops out).
+_PINS: Final[weakref.WeakKeyDictionary[ShmPool, _Pin]] = weakref.WeakKeyDictionary()
+_PINS_LOCK: Final = threading.Lock()
+
+
+def _pin(pool: ShmPool) -> _Pin:
+    with _PINS_LOCK:
+        pin = _PINS.get(pool)
+        if pin is None:
+            pin = _PINS[pool] = _Pin()
+        return pin
+
+
+def pinned(pool: ShmPool) -> bool | None:
+    """Whether ``pool`` is registered as pinned memory: None until the first CUDA copy
+    asks (:func:`pin_pool`), then True or False (False again once it is unregistered)."""
+    with _PINS_LOCK:
+        pin = _PINS.get(pool)
+    return None if pin is None else pin.pinned
+
+
 def pin_pool(pool: ShmPool) -> bool:
     """Register ``pool``'s mapping as pinned memory, once (blocking: run it in a thread).
 
     Returns whether the pool is pinned. A failed registration is logged once as a
     warning; copies then use the pool as pageable memory.
     """
-    with pool.cuda_lock:
-        if pool.cuda_pinned is not None:
-            return pool.cuda_pinned
+    pin = _pin(pool)
+    with pin.lock:
+        if pin.pinned is not None:
+            return pin.pinned
         if os.environ.get("LMCACHE_ASYNC_PIN_SHM", "1") == "0":
-            pool.cuda_pinned = False
+            pin.pinned = False
             log.info("LMCACHE_ASYNC_PIN_SHM=0: the SHM pool %s is not pinned", pool.name)
             return False
         address, nbytes = pool.address_range()
         rc = _host_register(address, nbytes)
-        pool.cuda_pinned = rc == 0
+        pin.pinned = rc == 0
         if rc == 0:
             pool.call_before_close(_unpin_before_unmap)
         if rc:
@@ -284,14 +318,15 @@ def pin_pool(pool: ShmPool) -> bool:
                 pool.name,
                 rc,
             )
-        return pool.cuda_pinned
+        return pin.pinned
 
 
 def _unpin_before_unmap(pool: ShmPool) -> None:
-    with pool.cuda_lock:
-        if pool.cuda_pinned:
+    pin = _pin(pool)
+    with pin.lock:
+        if pin.pinned:
             unpin_pool(pool)
-            pool.cuda_pinned = False
+            pin.pinned = False
 
 
 def unpin_pool(pool: ShmPool) -> None:
@@ -308,7 +343,7 @@ def unpin_pool(pool: ShmPool) -> None:
 
 
 async def _ensure_pinned(pool: ShmPool | None) -> None:
-    if pool is not None and pool.cuda_pinned is None:
+    if pool is not None and pinned(pool) is None:
         await asyncio.to_thread(pin_pool, pool)
 
 
@@ -374,7 +409,7 @@ async def _copy(
     Cancellation: the copies run to their end before ``CancelledError`` is re-raised, so
     no slot is read or written by a copy that outlives its operation's step.
     """
-    if pool is not None and pool.cuda_pinned:
+    if pool is not None and pinned(pool):
         try:
             done = _launch(pairs, mark, keep_alive)
         except RuntimeError as exc:

@@ -12,6 +12,10 @@ a program that never passes a CUDA tensor never loads that module or initialises
 * :func:`caller_order`: bulk jobs capture the current GPU's stream once for all their items.
 * :func:`on_caller_streams` / :func:`caller_device`: the blocking facade captures the
   calling thread's streams and current GPU before handing a call to its loop thread.
+* :func:`to_host`, :func:`to_device`, :func:`encode_inline`: the operations' copies of a
+  call that has a mark (a CUDA tensor), forwarded to :mod:`lmcache_async._cuda.copies`.
+
+This is the only module that imports :mod:`lmcache_async._cuda.copies` (lazily, here).
 """
 
 from __future__ import annotations
@@ -26,14 +30,19 @@ from lmcache_async._host_copy import empty_host
 
 if TYPE_CHECKING:
     from lmcache_async._cuda.copies import Mark
+    from lmcache_async._shm import ShmPool
+    from lmcache_async._wire import WireGeneration
 
 __all__ = [
     "caller_device",
     "caller_order",
+    "encode_inline",
     "kv_mark",
     "new_target",
     "on_caller_streams",
     "target_mark",
+    "to_device",
+    "to_host",
 ]
 
 T = TypeVar("T")
@@ -136,3 +145,33 @@ def caller_device(device: object) -> Any:
     if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+def to_host(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], mark: Mark, pool: ShmPool | None
+) -> Coroutine[Any, Any, None]:
+    """:func:`lmcache_async._cuda.copies.to_host` (CUDA sources into host destinations, after
+    ``mark``): the coroutine, not yet started."""
+    from lmcache_async._cuda import copies as cuda
+
+    return cuda.to_host(pairs, mark, pool)
+
+
+def to_device(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], mark: Mark, pool: ShmPool | None, *, staged: bool
+) -> Coroutine[Any, Any, None]:
+    """:func:`lmcache_async._cuda.copies.to_device` (host sources into CUDA destinations,
+    after ``mark``): the coroutine, not yet started."""
+    from lmcache_async._cuda import copies as cuda
+
+    return cuda.to_device(pairs, mark, pool, staged=staged)
+
+
+def encode_inline(
+    wire: WireGeneration, tensors: Sequence[torch.Tensor], mark: Mark
+) -> Coroutine[Any, Any, bytearray]:
+    """:func:`lmcache_async._cuda.copies.encode_inline` (the inline frame of CUDA tensors,
+    staged through pinned memory): the coroutine, not yet started."""
+    from lmcache_async._cuda import copies as cuda
+
+    return cuda.encode_inline(wire, tensors, mark)

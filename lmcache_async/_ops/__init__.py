@@ -36,7 +36,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lmcache_async._ops.base import Channel, Configs, Registration, RemapResult, RetrieveState, request_id
+from lmcache_async._ops.base import (
+    Channel,
+    Configs,
+    PostingChannel,
+    Registration,
+    RemapResult,
+    RetrieveState,
+    request_id,
+)
 from lmcache_async._ops.inline import InlineSequences
 from lmcache_async._ops.shm import ShmSequences
 from lmcache_async._runner import OpState
@@ -46,7 +54,7 @@ from lmcache_async.errors import TransferError
 if TYPE_CHECKING:
     from lmcache_async._cuda.copies import Mark
 
-__all__ = ["Channel", "Operations", "Registration", "RemapResult", "request_id"]
+__all__ = ["Channel", "Operations", "PostingChannel", "Registration", "RemapResult", "request_id"]
 
 
 class Operations(ShmSequences, InlineSequences):

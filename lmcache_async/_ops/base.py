@@ -13,15 +13,15 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Protocol, TypeGuard, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeGuard, TypeVar, runtime_checkable
 
 import torch
 
 from lmcache_async import _copies as copies
+from lmcache_async._cuda import hooks as cuda_hooks
 from lmcache_async._runner import OpState
 from lmcache_async._shm import ShmPool
 from lmcache_async._wire import (
-    OP_NAMES,
     CacheKey,
     Op,
     WireGeneration,
@@ -32,6 +32,7 @@ from lmcache_async.errors import (
     TransferError,
 )
 from lmcache_async.geometry import KVGeometry
+from lmcache_async.results import RemapResult
 
 if TYPE_CHECKING:
     from lmcache_async._cuda.copies import Mark
@@ -40,6 +41,7 @@ __all__ = [
     "Channel",
     "Configs",
     "OperationsBase",
+    "PostingChannel",
     "Registration",
     "RemapResult",
     "Reserved",
@@ -54,17 +56,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Configs = dict[str, Any] | None
 
-#: The phase each request of an operation is part of (observers' ``Operation.phases``).
-PHASES: Final[dict[int, str]] = {
-    Op.LOOKUP: "lookup",
-    Op.QUERY_PREFETCH_STATUS: "prefetch wait",
-    Op.WAIT_PREFETCH_STATUS: "prefetch wait",
-    Op.PREPARE_STORE: "prepare",
-    Op.PREPARE_RETRIEVE: "prepare",
-    Op.COMMIT_STORE: "commit",
-    Op.COMMIT_RETRIEVE: "commit",
-}
-
 #: Longest single wait_prefetch_status: it blocks one of the server's CPU workers.
 PREFETCH_WAIT_SLICE: Final = 0.05
 #: How long a store whose chunks another writer reserved waits for them at most (without
@@ -75,27 +66,6 @@ WRITER_MARGIN: Final = 0.1
 #: store's error may take; with a deadline, the wait for the other writer stops this much
 #: earlier still, so the error (never a timeout) arrives within it.
 STATUS_WAIT: Final = 0.5
-
-
-@dataclass(frozen=True, slots=True)
-class RemapResult:
-    """What :meth:`AsyncClient.remap <lmcache_async.AsyncClient.remap>` did.
-
-    Attributes:
-        retrieved_tokens: tokens of the source prefix read from the cache (only as far as
-            the target's whole chunks reach).
-        stored_tokens: tokens of the target prefix written with the source KV (equal to
-            ``retrieved_tokens``).
-        stored_new: whether the store added any chunk (False when all were cached).
-    """
-
-    retrieved_tokens: int
-    stored_tokens: int
-    stored_new: bool
-
-    @property
-    def hit(self) -> bool:
-        return self.retrieved_tokens > 0
 
 
 class Channel(Protocol):
@@ -113,6 +83,18 @@ class Channel(Protocol):
         within ``timeout``, :class:`~lmcache_async.errors.LMCacheError` subclasses on a
         lost connection. Cancellation discards the reply.
         """
+        ...
+
+
+@runtime_checkable
+class PostingChannel(Channel, Protocol):
+    """A :class:`Channel` that can also send a request without waiting for its reply: the
+    cleanups (``end_session`` and the like) are then posted in the background instead of
+    awaited (:class:`~lmcache_async._channel.ConnectionChannel` is one)."""
+
+    def post(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> asyncio.Future[Any] | None:
+        """Send one request now and return the future of its reply (a
+        :class:`~lmcache_async._wire.Reply`); ``None`` when it cannot be sent at once."""
         ...
 
 
@@ -291,8 +273,12 @@ class OperationsBase:
     ) -> None:
         self.channel = channel
         #: The channel's ``post(opcode, args, timeout) -> Future[Reply] | None``, if it has one.
-        self._post: Callable[[Op, Sequence[Any], float | None], asyncio.Future[Any] | None] | None = getattr(
-            channel, "post", None
+        self._post: Callable[[Op, Sequence[Any], float | None], asyncio.Future[Any] | None] | None = (
+            channel.post if isinstance(channel, PostingChannel) else None
+        )
+        #: The channel's ``call_urgent`` (a cleanup goes before new requests), if it has one.
+        self._call_urgent: Callable[[Op, Sequence[Any], float | None], Awaitable[Any]] = getattr(
+            channel, "call_urgent", channel.call
         )
         self._track = track
         self.reg = reg
@@ -313,9 +299,7 @@ class OperationsBase:
         try:
             return await self.channel.call(opcode, args, op.remaining())
         finally:
-            record.phases.append(
-                (PHASES.get(opcode, OP_NAMES.get(opcode, str(opcode))), start, time.time_ns())
-            )
+            record.phases.append((opcode.phase, start, time.time_ns()))
 
     async def pipeline(self, op: OpState, *calls: tuple[Any, ...]) -> list[Any]:
         """Send several requests back to back (in order) and wait for all replies.
@@ -332,7 +316,7 @@ class OperationsBase:
         try:
             return await self._pipeline(op, calls)
         finally:
-            op.phase(PHASES.get(calls[0][0], OP_NAMES.get(calls[0][0], "pipeline")), start)
+            op.phase(calls[0][0].phase, start)
 
     async def _pipeline(self, op: OpState, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
         post = self._post
@@ -382,11 +366,17 @@ class OperationsBase:
         await self.cleanup_call(opcode, *args)
 
     async def cleanup_call(self, opcode: Op, *args: Any) -> Any:
-        """A cleanup RPC: its own short deadline; errors are logged, not raised."""
+        """A cleanup RPC: its own short deadline; errors are logged, not raised.
+
+        Over a channel with ``call_urgent`` (the client's connection) it takes the next
+        free place before any new request: a backlog of operations queued on the client
+        (more than ``max_in_flight`` requests) delays it only by the requests already in
+        flight, never by those queued after it, so it is not lost to its deadline.
+        """
         if not self.channel.usable:
             return None
         try:
-            return await self.channel.call(opcode, args, self.cleanup_grace)
+            return await self._call_urgent(opcode, args, self.cleanup_grace)
         except LMCacheError as exc:
             _cleanup_failed(opcode, _request_of(args), exc)
             return None
@@ -523,10 +513,8 @@ class OperationsBase:
         self, target: torch.Tensor, chunks: Sequence[torch.Tensor], mark: Mark | None = None
     ) -> None:
         if mark is not None:  # CUDA target: side streams ordered after the caller's
-            from lmcache_async._cuda import copies as cuda
-
             pairs = [(self._chunk(target, i), c) for i, c in enumerate(chunks)]
-            await cuda.to_device(pairs, mark, self.reg.pool, staged=self.reg.pool is None)
+            await cuda_hooks.to_device(pairs, mark, self.reg.pool, staged=self.reg.pool is None)
             return
         total = sum(c.numel() for c in chunks) * target.element_size()
         axis, size = self.reg.geometry.token_axis, self.reg.chunk_size

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmcache_async import _copies as copies
+from lmcache_async._cuda import hooks as cuda_hooks
 from lmcache_async._cuda.hooks import new_target
 from lmcache_async._ops.base import (
     Configs,
@@ -85,9 +86,7 @@ class InlineSequences(OperationsBase):
             chunks = [self._chunk(kv, j) for j in range(first, end // self.reg.chunk_size)]
             nbytes = sum(c.numel() for c in chunks) * kv.element_size()
             if mark is not None:  # CUDA kv: staged through pinned memory
-                from lmcache_async._cuda import copies as cuda
-
-                frame = await cuda.encode_inline(self.reg.wire, chunks, mark)
+                frame = await cuda_hooks.encode_inline(self.reg.wire, chunks, mark)
             elif nbytes >= copies.THREAD_COPY_BYTES:
                 frame = await asyncio.to_thread(encode_inline, self.reg.wire, chunks)
             else:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmcache_async import _copies as copies
+from lmcache_async._cuda import hooks as cuda_hooks
 from lmcache_async._cuda.hooks import new_target
 from lmcache_async._ops.base import (
     Configs,
@@ -197,9 +198,7 @@ class ShmSequences(OperationsBase):
         """
         try:
             if mark is not None:
-                from lmcache_async._cuda import copies as cuda
-
-                await copies.await_to_the_end(cuda.to_host(pairs, mark, self.reg.pool))
+                await copies.await_to_the_end(cuda_hooks.to_host(pairs, mark, self.reg.pool))
             else:
                 pool = self.reg.pool
                 await copies.copy_to_the_end(nbytes, lambda: copies.fill_slots(pairs, pool))

@@ -27,8 +27,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
+from typing import NoReturn
 
 from lmcache_async._version import __version__
 
@@ -51,8 +53,29 @@ _MODULES = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' too), with a hint for an option whose value
+    starts with ``-`` and a digit (``--tokens -5:3``: argparse reads ``-5:3`` as an option)."""
+
+    #: The words being parsed (set by :func:`main`; the hint needs the value).
+    argv: Sequence[str] = ()
+
+    def error(self, message: str) -> NoReturn:
+        match = re.fullmatch(r"argument (\S+): expected one argument", message)
+        if match:
+            names = match.group(1).split("/")
+            words = list(_Parser.argv)
+            for i, word in enumerate(words[:-1]):
+                if word in names and re.match(r"-\d", words[i + 1]):
+                    message += (
+                        f" (a value that starts with '-' is read as an option: write {word}={words[i + 1]})"
+                    )
+                    break
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lmcache-async",
         description="Async-first client for the LMCache MP server's KV-cache API.",
     )
@@ -89,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     instrument_from_environment(os.environ)
     parser = build_parser()
+    _Parser.argv = tuple(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:

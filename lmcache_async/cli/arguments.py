@@ -20,7 +20,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
 from lmcache_async._defaults import check_timeout
-from lmcache_async._wire import MAX_TOKEN, validate_cache_salt, validate_model_name, validate_tokens
+from lmcache_async._wire import (
+    MAX_TOKEN,
+    MAX_TOKENS,
+    validate_cache_salt,
+    validate_model_name,
+    validate_tokens,
+)
 from lmcache_async.cli.runner import DEFAULT_HTTP_URL, DEFAULT_URL, UsageError
 
 if TYPE_CHECKING:  # imported where used: it imports torch, which parsing must not pay
@@ -53,8 +59,8 @@ PACKAGE_DTYPES: Final = ("float32", "float16", "bfloat16")
 #: ``--token-start`` with ``--num-tokens`` (or make-package's chunks), a side of a
 #: ``remap-batch`` line given as ``{"start", "count"}`` or a ``SPEC``. Checked before the
 #: list is built (2**22 ids are about 150 MB as a list; a lookup of that many peaks at
-#: about 400 MB of memory).
-MAX_TOKENS: Final = 1 << 22
+#: about 400 MB of memory). The library's own bound (:data:`lmcache_async._wire.MAX_TOKENS`),
+#: so the command line refuses exactly what the library would.
 
 _RANGE: Final = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 _SIZE: Final = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)

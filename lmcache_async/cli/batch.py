@@ -115,6 +115,9 @@ def read_pairs(path: Path) -> Iterator[_Line]:
             except ValueError as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
                 yield _Line(number, text_key(text), error=f"invalid pair: {one_line(str(exc))}")
                 continue
+            except RecursionError:  # JSON nested deeper than the interpreter's recursion limit
+                yield _Line(number, text_key(text), error="invalid pair: JSON nested too deeply")
+                continue
             yield _Line(number, pair_key(src, dst, salt, tsalt), pair=(src, dst, salt, tsalt))
 
 
@@ -125,7 +128,7 @@ def _done_keys(report: Path) -> set[str]:
         return done
     with open(report, encoding="utf-8") as fh:
         for raw in fh:
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, RecursionError):
                 row = json.loads(raw)
                 if isinstance(row, dict) and row.get("status") in ("hit", "miss"):
                     done.add(str(row.get("key")))

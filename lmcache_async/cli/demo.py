@@ -40,9 +40,12 @@ __all__ = ["register"]
 
 T = TypeVar("T")
 
-#: ``--protocol``'s choices: :data:`lmcache_async.testing.PROTOCOLS` (tests/test_cli_startup.py
-#: checks they are equal), named here because importing lmcache_async.testing imports torch.
-PROTOCOLS: Final = ("0.5.6", "0.5.7")
+#: ``--generation``'s choices: :data:`lmcache_async.testing.GENERATIONS` (tests/system/
+#: test_cli_startup.py checks they are equal), named here because importing
+#: lmcache_async.testing imports torch.
+GENERATIONS: Final = ("0.5.6", "0.5.7")
+#: The earlier name of :data:`GENERATIONS`.
+PROTOCOLS: Final = GENERATIONS
 
 DEFAULT_MODEL = "lmcache-async-demo"
 _VOCAB = 32000
@@ -54,22 +57,27 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "serve",
         help="run the embedded LMCache-compatible server in the foreground",
         description=(
-            "Run the embedded LMCache-compatible MP server (ZMQ + HTTP) until SIGINT/SIGTERM. "
+            "Run the embedded LMCache-compatible MP server (ZMQ + HTTP) until SIGINT/SIGTERM "
+            "(a serve started with & by a non-interactive shell ignores SIGINT: stop it with SIGTERM). "
             "It serves the engine-driven protocol of the LMCache 0.5.6 MP server, or of the "
-            "0.5.7 generation with --protocol 0.5.7; see docs/guides/testing-your-code.md for the "
+            "0.5.7 generation with --generation 0.5.7; see docs/guides/testing-your-code.md for the "
             "differences."
         ),
     )
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=5555, help="ZMQ port (0: a free one; default 5555)")
-    serve.add_argument("--http-port", type=int, default=8080, help="HTTP port (0: a free one; default 8080)")
+    serve.add_argument("--port", type=_port, default=5555, help="ZMQ port (0: a free one; default 5555)")
+    serve.add_argument(
+        "--http-port", type=_port, default=8080, help="HTTP port (0: a free one; default 8080)"
+    )
     serve.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (default 256)")
     serve.add_argument("--mode", choices=("shm", "pickle"), default="shm", help="transfer mode (default shm)")
     serve.add_argument(
+        "--generation",
         "--protocol",
-        choices=PROTOCOLS,
+        dest="generation",
+        choices=GENERATIONS,
         default="0.5.6",
-        help="LMCache server generation whose wire to speak (default 0.5.6)",
+        help="LMCache server generation whose wire to speak (default 0.5.6; --protocol is its alias)",
     )
     serve.add_argument(
         "--size", default="1GB", help="L1 byte budget, e.g. 1073741824, 512MB, 2GB (default 1GB)"
@@ -135,6 +143,18 @@ def _model_args(parser: argparse.ArgumentParser, *, model_default: str | None) -
     parser.add_argument("--dtype", default="bfloat16", help="KV dtype (default bfloat16)")
 
 
+def _port(text: str) -> int:
+    """A port number in 0..65535 (0: a free one), checked while parsing (argparse's error
+    names the subcommand and the option; nothing heavy is imported first)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number in 0..65535 (0: a free one)")
+    return value
+
+
 def _usage(message: str) -> int:
     print(f"lmcache-async: error: {message}", file=sys.stderr)
     return 2
@@ -173,7 +193,7 @@ def _serve(args: argparse.Namespace) -> int:
             models=models,
             instance_id=args.instance_id,
             prefault=args.prefault,
-            protocol=args.protocol,
+            generation=args.generation,
         )
     except ValueError as exc:
         return _usage(str(exc))
@@ -213,7 +233,8 @@ def _print_endpoints(server: EmbeddedServer, args: argparse.Namespace) -> None:
         "url": server.url,
         "http_url": server.http_url,
         "mode": server.mode,
-        "protocol": server.protocol,
+        "generation": server.generation,
+        "protocol": server.generation,  # the earlier name, kept for scripts that read it
         "chunk_size": server.chunk_size,
         "size_bytes": server.size_bytes,
         "shm_segment": server.shm_segment,
@@ -223,7 +244,7 @@ def _print_endpoints(server: EmbeddedServer, args: argparse.Namespace) -> None:
         print(json.dumps(info), flush=True)
         return
     lines = [
-        f"lmcache-async embedded server: protocol {server.protocol}, mode {server.mode}, "
+        f"lmcache-async embedded server: generation {server.generation}, mode {server.mode}, "
         f"chunk size {server.chunk_size}, L1 {_mib(server.size_bytes)}",
         f"  url:       {server.url}",
         f"  http_url:  {server.http_url}",
@@ -267,10 +288,18 @@ def _demo(args: argparse.Namespace) -> int:
     try:
         report = asyncio.run(_demo_async(args, dtype))
     except (LMCacheError, OSError, RuntimeError, ValueError) as exc:
+        message = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, LMCacheError) and args.url is not None:
+            import aiohttp
+
+            from lmcache_async.cli.runner import _unreachable
+
+            if isinstance(exc.__cause__, aiohttp.ClientConnectorError):
+                message = _unreachable(args, exc)  # as `status` says it: "connection refused"
         if args.json:
-            print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
+            print(json.dumps({"ok": False, "error": message}))
         else:
-            print(f"lmcache-async demo: {type(exc).__name__}: {exc}", file=sys.stderr)
+            print(f"lmcache-async demo: {message}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(report, indent=2))

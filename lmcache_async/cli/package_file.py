@@ -144,16 +144,19 @@ def save_package(path: str | os.PathLike[str], package: Package) -> None:
         CommandError: the file cannot be written (its directory does not exist, the disk
             is full, ...).
     """
+    # Through a Python file: torch's own file writer reports a failed write as
+    # "basic_ios::clear: iostream error", where a Python file raises the OSError that says why.
     try:
-        torch.save(
-            {
-                "kv": package.kv.contiguous(),
-                "model_name": package.model_name,
-                "tokens": list(package.tokens),
-                "cache_salt": package.cache_salt,
-            },
-            path,
-        )
+        with open(path, "wb") as fh:
+            torch.save(
+                {
+                    "kv": package.kv.contiguous(),
+                    "model_name": package.model_name,
+                    "tokens": list(package.tokens),
+                    "cache_salt": package.cache_salt,
+                },
+                fh,
+            )
     except OSError as exc:
         raise CommandError(f"{path}: cannot write: {one_line(exc.strerror or str(exc))}") from None
     except RuntimeError as exc:  # torch's file writer reports its failures as RuntimeError

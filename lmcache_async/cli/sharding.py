@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Final, TypeVar
 
 __all__ = [
+    "MAX_SHARD_COUNT",
     "SHARD_COUNT_VAR",
     "AutoShard",
     "Shard",
@@ -50,6 +51,10 @@ _INT_RE = re.compile(r"^\s*(-?\d+)\s*$")
 #: pod's environment: set it to the Job's ``completions`` (or write ``--shard auto/N``).
 SHARD_COUNT_VAR: Final = "LMCACHE_ASYNC_SHARD_COUNT"
 
+#: The most shards a job may have (2**22, above Slurm's largest array, 4,000,001 tasks,
+#: and Kubernetes' Indexed Jobs): a larger count is a typo, refused like a count of 0.
+MAX_SHARD_COUNT: Final = 1 << 22
+
 
 @dataclass(frozen=True, slots=True)
 class Shard:
@@ -65,6 +70,8 @@ class Shard:
                 raise TypeError(f"shard {name} must be an int, got {type(value).__name__}")
         if self.count < 1:
             raise ValueError(f"shard count must be >= 1, got {self.count}")
+        if self.count > MAX_SHARD_COUNT:
+            raise ValueError(f"shard count must be at most {MAX_SHARD_COUNT}, got {self.count}")
         if not 1 <= self.index <= self.count:
             raise ValueError(f"shard index must be in 1..{self.count}, got {self.index}")
 
@@ -88,6 +95,8 @@ class AutoShard:
             isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1
         ):
             raise ValueError(f"shard count must be an int >= 1, got {self.count!r}")
+        if self.count is not None and self.count > MAX_SHARD_COUNT:
+            raise ValueError(f"shard count must be at most {MAX_SHARD_COUNT}, got {self.count}")
 
     def __str__(self) -> str:
         return "auto" if self.count is None else f"auto/{self.count}"
@@ -155,6 +164,8 @@ def _from_index(index: int, count: int, how: str) -> Shard:
     """Shard ``index + 1`` of ``count`` for the 0-based ``index`` a scheduler gives."""
     if count < 1:
         raise ValueError(f"{how}: the shard count must be >= 1, got {count}")
+    if count > MAX_SHARD_COUNT:
+        raise ValueError(f"{how}: the shard count must be at most {MAX_SHARD_COUNT}, got {count}")
     if not 0 <= index < count:
         raise ValueError(f"{how}: the index must be in 0..{count - 1}, got {index}")
     return Shard(index + 1, count)

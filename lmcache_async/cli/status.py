@@ -20,8 +20,8 @@ import aiohttp
 
 from lmcache_async._connection import Connection
 from lmcache_async._metadata import Metadata
-from lmcache_async._server_config import mp_section
-from lmcache_async._shm_segment import map_segment
+from lmcache_async._server_config import expected_pool, mp_section
+from lmcache_async._shm_segment import POOL_PREFIX, map_segment
 from lmcache_async._wire import Op
 from lmcache_async.cli.arguments import server_parent
 from lmcache_async.cli.runner import command, connect_client, emit, one_line, run_async, table
@@ -32,7 +32,7 @@ from lmcache_async.errors import LMCacheError, ProtocolError, TransferError
 
 __all__ = ["PROBE_MODEL", "SHM_PREFIX", "register", "server_version"]
 
-SHM_PREFIX: Final = "lmcache_l1_pool_"
+SHM_PREFIX: Final = POOL_PREFIX
 #: Model name of the throwaway registration of `status --probe`.
 PROBE_MODEL: Final = "lmcache-async-probe"
 
@@ -182,15 +182,12 @@ def _predict_transport(config: dict[str, Any], mode: str) -> dict[str, Any]:
     how = "predicted from /config and a map attempt"
     if mode not in ("auto", "engine_driven"):
         return {"mode": None, "how": how, "detail": "the server does not serve engine-driven clients"}
-    memory: dict[str, Any] = {}
-    with contextlib.suppress(AttributeError, TypeError, KeyError):
-        memory = dict(config["storage_manager"]["l1_manager_config"]["memory_config"])
-    shm_name = memory.get("shm_name") or ""
-    size = memory.get("size_in_bytes")
-    if not shm_name or memory.get("use_lazy") or not isinstance(size, int) or size <= 0:
+    # The client's own reading of /config (several L1 managers, a lazy pool or a DAX
+    # device mean no SHM pool), so the prediction cannot differ from what it does.
+    name, size = expected_pool(config) or ("", 0)
+    segment = name.lstrip("/")
+    if not segment or size <= 0:
         return {"mode": "pickle", "how": how, "detail": "the server has no SHM pool"}
-    bare = str(shm_name).lstrip("/")
-    segment = bare if bare.startswith(SHM_PREFIX) else SHM_PREFIX + bare
     try:
         map_segment(segment, size)[1].close()  # ShmPool's own checks, without torch
     except TransferError as exc:

@@ -17,6 +17,12 @@ mirror the real server's types field for field:
 
 :data:`ARGUMENTS` is the arity table: per generation, per operation name, the declared
 type of each argument frame. The real server requires exactly that many frames.
+
+This module repeats, on purpose, facts the client keeps in :mod:`lmcache_async._wire` (the
+key and envelope schemas, the legacy operation ids, the argument counts): the embedded
+server is an independent oracle, written from the real server's source and not from the
+client's, so that one bug cannot pass both sides. ``tests/unit/test_op_table.py`` proves
+that the two operation tables agree (every id and every generation's arity).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from lmcache_async._payload.pickle_tensors import decode_tensor_list, encode_ten
 
 __all__ = [
     "ARGUMENTS",
+    "GENERATIONS",
     "LEGACY_OPERATION_IDS",
     "LMC_VERSIONS",
     "PROTOCOLS",
@@ -43,8 +50,10 @@ __all__ = [
     "Protocol",
     "Register056",
     "Register057",
+    "ServerGeneration",
     "TensorEnvelope",
     "TensorFrame",
+    "check_generation",
     "check_protocol",
     "decode_argument",
     "decode_envelope",
@@ -55,10 +64,14 @@ __all__ = [
 ]
 
 #: A server generation whose wire the embedded server speaks.
-Protocol = Literal["0.5.6", "0.5.7"]
-PROTOCOLS: Final[tuple[Protocol, ...]] = ("0.5.6", "0.5.7")
+ServerGeneration = Literal["0.5.6", "0.5.7"]
+GENERATIONS: Final[tuple[ServerGeneration, ...]] = ("0.5.6", "0.5.7")
+#: The earlier names of :data:`ServerGeneration` and :data:`GENERATIONS` (``Protocol``
+#: shadowed :class:`typing.Protocol`); kept as aliases.
+Protocol = ServerGeneration
+PROTOCOLS: Final = GENERATIONS
 #: What ``GET /lmc_version`` answers (the real servers' strings).
-LMC_VERSIONS: Final[dict[Protocol, str]] = {"0.5.6": "0.5.6", "0.5.7": "0.5.7rc3.dev0"}
+LMC_VERSIONS: Final[dict[ServerGeneration, str]] = {"0.5.6": "0.5.6", "0.5.7": "0.5.7rc3.dev0"}
 
 #: Bytes per packed token id (big-endian uint32), 0.5.7's ``token_bytes``.
 TOKEN_STRIDE: Final = 4
@@ -79,12 +92,16 @@ class BadRequest(ValueError):
     """A request the real server would reject (it never replies to it)."""
 
 
-def check_protocol(protocol: str) -> Protocol:
-    """``protocol`` if it is one of :data:`PROTOCOLS`, else ValueError."""
-    for p in PROTOCOLS:
-        if protocol == p:
-            return p
-    raise ValueError(f"unknown protocol {protocol!r}; known: {', '.join(PROTOCOLS)}")
+def check_generation(generation: str) -> ServerGeneration:
+    """``generation`` if it is one of :data:`GENERATIONS`, else ValueError."""
+    for g in GENERATIONS:
+        if generation == g:
+            return g
+    raise ValueError(f"unknown server generation {generation!r}; known: {', '.join(GENERATIONS)}")
+
+
+#: The earlier name of :func:`check_generation`.
+check_protocol = check_generation
 
 
 def _check_salt(salt: str) -> None:
@@ -372,7 +389,7 @@ def decode_operation(frame: bytes | bytearray | memoryview) -> str:
 
 #: Per generation and operation name: the declared type of each argument frame, in order.
 #: ``int``/``bool`` arguments are decoded untyped and coerced (as the real server does).
-ARGUMENTS: Final[dict[Protocol, dict[str, tuple[Any, ...]]]] = {
+ARGUMENTS: Final[dict[ServerGeneration, dict[str, tuple[Any, ...]]]] = {
     "0.5.6": {
         "register_kv_cache_engine_driven_context": (Register056,),
         "unregister_kv_cache_engine_driven_context": (int,),

@@ -6,11 +6,11 @@ generation's typed argument decoding (:mod:`lmcache_async.testing.dialect`), the
 table, the engine -- so a test can drive an operation's RPC sequence in milliseconds and
 interrupt it anywhere::
 
-    async with InProcessServer(chunk_size=16, mode="shm", protocol="0.5.7") as srv:
-        reply = await srv.handle(Op.NOOP, [])                         # "OK"
-        await srv.handle(Op.REGISTER_ENGINE_DRIVEN, [payload_dict])   # {"shm_name": ...}
+    async with InProcessServer(chunk_size=16, mode="shm", generation="0.5.7") as srv:
+        reply = await srv.handle("noop", [])                          # "OK"
+        reg = await srv.register(geometry)                            # reg.shm_name, reg.pool_size
         try:
-            await srv.handle(Op.LOOKUP, [bad_key, 1])
+            await srv.handle("lookup", [bad_key, 1])
         except NoReply as silence:                                    # the real server says nothing
             print(silence.reason)
         assert srv.leftovers().is_clean()                             # no session, lock, transfer left
@@ -37,12 +37,21 @@ from typing import Any, Final, Literal
 
 import torch
 
-from lmcache_async._wire import PreEncoded, packb, unpackb
+from lmcache_async._wire import (
+    GENERATIONS,
+    PreEncoded,
+    RegisterPayload,
+    WireGeneration,
+    packb,
+    parse_register_response,
+    unpackb,
+)
+from lmcache_async.geometry import KVGeometry, dtype_name
 from lmcache_async.testing.dialect import (
     ARGUMENTS,
     BadRequest,
-    Protocol,
-    check_protocol,
+    ServerGeneration,
+    check_generation,
     decode_argument,
     decode_envelope,
     decode_pickled_chunks,
@@ -63,7 +72,7 @@ from lmcache_async.testing.vocabulary import (
     ServerKey,
 )
 
-__all__ = ["InProcessServer", "Lane", "NoReply", "PreparedCall"]
+__all__ = ["InProcessServer", "Lane", "NoReply", "PreparedCall", "Registration"]
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +132,30 @@ class PreparedCall:
 _Builder = Callable[["InProcessServer", list[Any]], tuple[Callable[[], Any], bool]]
 
 
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """An engine-driven registration made with :meth:`InProcessServer.register`: what a
+    client needs to drive operations against the server without sockets.
+
+    Attributes:
+        model_name: the registered model.
+        geometry: its KV geometry.
+        instance_id: the registration's id (what ``unregister`` takes).
+        chunk_size: the server's tokens per chunk.
+        wire: the client-side wire generation of the server's generation.
+        shm_name: the pool segment a client maps (``""`` in pickle mode).
+        pool_size: the pool's size in bytes (0 in pickle mode).
+    """
+
+    model_name: str
+    geometry: KVGeometry
+    instance_id: int
+    chunk_size: int
+    wire: WireGeneration
+    shm_name: str
+    pool_size: int
+
+
 class InProcessServer:
     """The embedded server's engine and request path, callable without sockets.
 
@@ -131,8 +164,10 @@ class InProcessServer:
         mode: ``"shm"`` (a POSIX shared-memory pool clients map) or ``"pickle"`` (inline
             transfers: a pickled list of tensors on 0.5.6, the msgpack tensor envelope
             on 0.5.7).
-        protocol: ``"0.5.6"`` or ``"0.5.7"``: the server generation whose wire and
-            behaviour it mirrors.
+        generation: ``"0.5.6"`` (default) or ``"0.5.7"``: the server generation whose
+            wire and behaviour it mirrors.
+        protocol: the earlier name of ``generation`` (give one or the other, or both
+            with the same value).
         size_bytes: the L1 byte budget (and pool size).
         shm_name: segment name in SHM mode (``lmcache_l1_pool_`` prefixed if needed).
         session_ttl: seconds a session lives.
@@ -151,7 +186,8 @@ class InProcessServer:
         *,
         chunk_size: int = 256,
         mode: Mode = "shm",
-        protocol: Protocol = "0.5.6",
+        generation: ServerGeneration | None = None,
+        protocol: ServerGeneration | None = None,
         size_bytes: int = 1 << 30,
         shm_name: str | None = None,
         session_ttl: float = 600.0,
@@ -162,10 +198,12 @@ class InProcessServer:
     ) -> None:
         if mode not in ("shm", "pickle"):
             raise ValueError(f"mode must be 'shm' or 'pickle', got {mode!r}")
-        self.protocol: Protocol = check_protocol(protocol)
+        if generation is not None and protocol is not None and generation != protocol:
+            raise ValueError(f"generation={generation!r} and its alias protocol={protocol!r} differ")
+        self.generation: ServerGeneration = check_generation(generation or protocol or "0.5.6")
         self.chunk_size = chunk_size
         self.mode: Mode = mode
-        self._arguments = ARGUMENTS[self.protocol]
+        self._arguments = ARGUMENTS[self.generation]
         self.engine = CacheEngine(
             chunk_size=chunk_size,
             mode=mode,
@@ -175,10 +213,15 @@ class InProcessServer:
             read_lock_ttl=read_lock_ttl,
             write_ttl=write_ttl,
             prefault=prefault,
-            semantics=SEMANTICS_057 if self.protocol == "0.5.7" else SEMANTICS_056,
+            semantics=SEMANTICS_057 if self.generation == "0.5.7" else SEMANTICS_056,
         )
         for model_name, world_size, layout in layouts:
             self.engine.register_layout(model_name, world_size, layout)
+
+    @property
+    def protocol(self) -> ServerGeneration:
+        """The earlier name of :attr:`generation`."""
+        return self.generation
 
     # ------------------------------------------------------------------ requests
 
@@ -208,7 +251,7 @@ class InProcessServer:
         """Run one request; return the reply's value as a client decodes it.
 
         Args:
-            op: the operation (``lmcache_async._wire.Op``, a legacy id, or its name).
+            op: the operation: its server name (``"lookup"``), or its legacy id.
             args: the argument values a client would send (each msgpack-encoded as the
                 client does; a ``PreEncoded`` is taken as the frame itself).
 
@@ -230,6 +273,40 @@ class InProcessServer:
         else:
             result = self.run(prepared)
         return self.reply_value(result)
+
+    async def register(
+        self, geometry: KVGeometry, *, model_name: str = "m", instance_id: int = 1234, world_size: int = 1
+    ) -> Registration:
+        """Register an engine-driven context for ``geometry`` as a client does (one
+        ``register_kv_cache_engine_driven_context`` request, one physical slot per token
+        of a chunk); what the server answered.
+
+        Raises:
+            NoReply: the real server would answer nothing (an invalid registration).
+            lmcache_async.errors.ProtocolError: the reply is malformed.
+        """
+        payload = RegisterPayload(
+            instance_id=instance_id,
+            model_name=model_name,
+            world_size=world_size,
+            block_size=geometry.block_size,
+            num_layers=geometry.num_layers,
+            hidden_dim_size=geometry.hidden_dim,
+            dtype_str=dtype_name(geometry.dtype),
+            use_mla=False,
+            num_physical_slots=self.chunk_size,
+        )
+        reply = await self.handle("register_kv_cache_engine_driven_context", [payload.to_wire()])
+        shm_name, pool_size = parse_register_response(reply)
+        return Registration(
+            model_name=model_name,
+            geometry=geometry,
+            instance_id=instance_id,
+            chunk_size=self.chunk_size,
+            wire=GENERATIONS[self.generation],
+            shm_name=shm_name,
+            pool_size=pool_size,
+        )
 
     def run(self, prepared: PreparedCall) -> Any:
         """Run a prepared call (in this thread); the handler's value (None: frameless reply).
@@ -287,7 +364,7 @@ class InProcessServer:
     # ------------------------------------------------------------------ inline codecs
 
     def _inline_decoder(self, data: bytes) -> InlineDecoder:
-        if self.protocol == "0.5.7":
+        if self.generation == "0.5.7":
 
             def decode_057(layout: LayoutSpec, count: int) -> Sequence[InlineChunk]:
                 return decode_envelope(data, shape=layout.shape, dtype=layout.dtype, count=count)
@@ -300,7 +377,7 @@ class InProcessServer:
         return decode_056
 
     def _inline_encoder(self) -> InlineEncoder:
-        if self.protocol == "0.5.7":
+        if self.generation == "0.5.7":
 
             def encode_057(views: Sequence[torch.Tensor], raw: Sequence[memoryview]) -> bytes | bytearray:
                 named = [str(v.dtype).removeprefix("torch.") for v in views]

@@ -1,7 +1,7 @@
 """An embedded, LMCache-compatible MP server for local use and tests.
 
 :class:`EmbeddedServer` speaks the wire protocol of an LMCache MP server generation --
-``protocol="0.5.6"`` (default) or ``"0.5.7"`` (the 0.5.7rc3 server: packed token keys,
+``generation="0.5.6"`` (default) or ``"0.5.7"`` (the 0.5.7rc3 server: packed token keys,
 the msgpack tensor envelope inline, the new argument frames, optional HTTP API keys) --
 over ZMQ (ROUTER, ``[identity, uid, op, *args]`` frames, legacy ids and names, silence on
 bad requests) and its HTTP API (``/``, ``/healthcheck``, ``/config``, ``/status``,
@@ -9,7 +9,7 @@ bad requests) and its HTTP API (``/``, ``/healthcheck``, ``/config``, ``/status`
 InProcessServer` (typed decoding per generation, then the cache engine), which tests can
 also call directly, without sockets (:attr:`EmbeddedServer.core`)::
 
-    async with EmbeddedServer(chunk_size=16, mode="shm", protocol="0.5.7") as srv:
+    async with EmbeddedServer(chunk_size=16, mode="shm", generation="0.5.7") as srv:
         async with AsyncClient(srv.url, srv.http_url, "m", geometry=geom) as client:
             ...
 
@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import errno
 import functools
-import hashlib
 import hmac
 import logging
 import os
@@ -43,23 +42,29 @@ import threading
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, NoReturn, TypedDict, Unpack
 
 import zmq
 import zmq.asyncio
 from aiohttp import web
 
 from lmcache_async._version import __version__
-from lmcache_async.geometry import KVGeometry, dtype_from_name
-from lmcache_async.testing.dialect import LMC_VERSIONS, BadRequest, Protocol, check_protocol, decode_operation
+from lmcache_async._zmq_context import process_context
+from lmcache_async.testing.dialect import (
+    LMC_VERSIONS,
+    BadRequest,
+    ServerGeneration,
+    check_generation,
+    decode_operation,
+)
 from lmcache_async.testing.engine import CacheEngine
 from lmcache_async.testing.inprocess import InProcessServer, NoReply, PreparedCall
+from lmcache_async.testing.models import ModelSpec, parse_size
 from lmcache_async.testing.pool import SHM_DIR, segment_name
-from lmcache_async.testing.vocabulary import LayoutSpec, Leftovers, Mode
+from lmcache_async.testing.vocabulary import Leftovers, Mode
 
-__all__ = ["EmbeddedServer", "EmbeddedServerThread", "ModelSpec", "parse_size"]
+__all__ = ["EmbeddedServer", "EmbeddedServerThread", "ModelSpec", "ServerOptions", "parse_size"]
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +73,6 @@ _State = Literal["new", "starting", "running", "stopping", "stopped"]
 #: What ``/status`` says for the engine type (the real server's value).
 ENGINE_TYPE: Final = "MPCacheServer"
 HASH_ALGORITHM: Final = "blake2b"
-_KV_FORMAT: Final = "NL_X_TWO_NB_BS_NH_HS"
 #: A reply payload at least this large is sent without a copy (``zmq`` ``copy=False``);
 #: smaller ones are copied, which is cheaper than tracking the buffer.
 ZMQ_COPY_THRESHOLD: Final = 65536
@@ -79,141 +83,38 @@ UNAUTHORIZED_BODY: Final = {"detail": "Invalid or missing API key"}
 API_KEY_HEADER: Final = "X-LMCache-API-Key"
 
 
-def parse_size(text: str | int) -> int:
-    """``"2GB"``, ``"512MiB"``, ``"64k"``, ``"1073741824"`` -> bytes (binary units).
-
-    K/KB/KiB = 1024, M/MB/MiB = 2**20, G/GB/GiB = 2**30, T/TB/TiB = 2**40 (as the real
-    server's ``--l1-size-gb``, which counts GiB). Raises ``ValueError`` otherwise.
-    """
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        s = str(text).strip().lower().replace(" ", "")
-        units = {"t": 2**40, "g": 2**30, "m": 2**20, "k": 2**10, "b": 1, "": 1}
-        number = s.rstrip("bi") if s.endswith(("ib", "b")) else s
-        unit = number[-1:] if number[-1:].isalpha() else ""
-        digits = number[: len(number) - len(unit)]
-        if unit not in units or not digits:
-            raise ValueError(f"cannot parse size {text!r} (e.g. 1073741824, 512MB, 2GB)")
-        try:
-            value = int(float(digits) * units[unit])
-        except ValueError:
-            raise ValueError(f"cannot parse size {text!r} (e.g. 1073741824, 512MB, 2GB)") from None
-    if value <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
-    return value
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """A model declared at start, as if an inference engine (vLLM) had registered it.
-
-    It appears in ``/status`` ``cache_context_meta`` in the real server's format (vLLM
-    flash-attention layout ``NL_X_TWO_NB_BS_NH_HS``), so :meth:`KVGeometry.from_status`
-    and the official SDK derive its geometry, and its object layout
-    ``[2, num_layers, chunk_size, num_kv_heads * head_dim]`` is registered so lookups of
-    the model work before any client registers.
-
-    Attributes:
-        name: model name (no ``@``).
-        num_layers, num_kv_heads, head_dim: geometry (heads per worker).
-        block_size: the engine's tokens per paged block.
-        dtype: torch dtype name, e.g. ``"bfloat16"``.
-        world_size: KV world size of the registration.
-        num_blocks: blocks of the pretended engine cache (only shown in ``/status``).
-    """
-
-    name: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int = 16
-    dtype: str = "bfloat16"
-    world_size: int = 1
-    num_blocks: int = 2048
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name or "@" in self.name:
-            raise ValueError(f"invalid model name {self.name!r}")
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "world_size", "num_blocks"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ModelSpec.{name} must be an int >= 1, got {value!r}")
-        dtype_from_name(self.dtype)
-
-    @classmethod
-    def from_geometry(cls, name: str, geometry: KVGeometry, *, num_blocks: int = 2048) -> ModelSpec:
-        """The spec of a (non-MLA) :class:`KVGeometry`."""
-        if geometry.use_mla:
-            raise ValueError("ModelSpec declares split K/V layouts only")
-        return cls(
-            name,
-            geometry.num_layers,
-            geometry.num_kv_heads,
-            geometry.head_dim,
-            geometry.block_size,
-            str(geometry.dtype).removeprefix("torch."),
-            geometry.world_size,
-            num_blocks,
-        )
-
-    @property
-    def registration_id(self) -> int:
-        """The pretended engine registration id (stable for a name and world size)."""
-        digest = hashlib.blake2b(f"{self.name}/{self.world_size}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "big") & (2**63 - 1)
-
-    def geometry(self) -> KVGeometry:
-        return KVGeometry(
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=dtype_from_name(self.dtype),
-            block_size=self.block_size,
-            world_size=self.world_size,
-        )
-
-    def layout(self, chunk_size: int) -> LayoutSpec:
-        return LayoutSpec(
-            (2, self.num_layers, chunk_size, self.num_kv_heads * self.head_dim), dtype_from_name(self.dtype)
-        )
-
-    def context_meta(self) -> dict[str, Any]:
-        """The ``cache_context_meta`` entry the real server shows for such a vLLM worker."""
-        dtype = dtype_from_name(self.dtype)
-        hidden = self.num_kv_heads * self.head_dim
-        shape = f"[2, {self.num_blocks}, {self.block_size}, {self.num_kv_heads}, {self.head_dim}]"
-        return {
-            "model_name": self.name,
-            "world_size": self.world_size,
-            "kv_cache_layout": {
-                "num_layers": self.num_layers,
-                "num_blocks": self.num_blocks,
-                "cache_size_per_token": 2 * self.num_layers * hidden * dtype.itemsize,
-                "kernel_groups": [
-                    {
-                        "kernel_group_idx": 0,
-                        "engine_group_idx": 0,
-                        "object_group_idx": 0,
-                        "num_layers": self.num_layers,
-                        "layer_indices": list(range(self.num_layers)),
-                        "tokens_per_block": self.block_size,
-                        "slots_per_block": self.block_size,
-                        "dtype": str(dtype),
-                        "engine_kv_concrete_shape": f"{self.num_layers} x {shape}",
-                        "is_mla": False,
-                        "engine_kv_format": _KV_FORMAT,
-                        "engine_kv_shape": "NL x [2, NB, BS, NH, HS]",
-                        "attention_backend": "vLLM non-MLA flash attention",
-                    }
-                ],
-            },
-        }
-
-
 #: A request queued on a lane: the peer's identity, the raw uid and op frames (echoed
 #: byte for byte in the reply) and the decoded call.
 _Queued = tuple[bytes, bytes, bytes, PreparedCall]
+
+
+class ServerOptions(TypedDict, total=False):
+    """The keyword arguments of :class:`EmbeddedServer`, written once:
+    :meth:`EmbeddedServer.start_in_thread` takes the same (``**options``), with the
+    defaults and meanings :class:`EmbeddedServer` gives."""
+
+    host: str
+    port: int
+    http_port: int
+    chunk_size: int
+    mode: Mode
+    size_bytes: int
+    shm_name: str | None
+    models: Sequence[ModelSpec]
+    session_ttl: float
+    read_lock_ttl: float
+    write_ttl: float
+    instance_id: str | None
+    prefault: bool
+    generation: ServerGeneration | None
+    protocol: ServerGeneration | None
+    api_key: str | None
+
+
+_NO_SYNC_WITH: Final = (
+    "EmbeddedServer is asynchronous: use `async with EmbeddedServer(...)` in a coroutine, "
+    "or `EmbeddedServer.start_in_thread(...)` (a context manager) from blocking code"
+)
 
 
 class EmbeddedServer:
@@ -237,10 +138,12 @@ class EmbeddedServer:
         prefault: back the whole pool with memory at start (like the real server's
             non-lazy L1): slower start and ``size_bytes`` of RAM committed, but the first
             stores do not pay for page faults. Off by default.
-        protocol: ``"0.5.6"`` (default) or ``"0.5.7"``: the server generation whose wire
-            (keys, argument frames, inline payload) and behaviour it mirrors;
+        generation: ``"0.5.6"`` (default) or ``"0.5.7"``: the server generation whose
+            wire (keys, argument frames, inline payload) and behaviour it mirrors;
             ``/lmc_version`` answers ``"0.5.6"`` or ``"0.5.7rc3.dev0"``.
-        api_key: (``protocol="0.5.7"`` only) require this HTTP API key on every route but
+        protocol: the earlier name of ``generation`` (give one or the other, or both
+            with the same value).
+        api_key: (``generation="0.5.7"`` only) require this HTTP API key on every route but
             ``/`` and ``/healthcheck`` (``Authorization: Bearer KEY`` or
             ``X-LMCache-API-Key: KEY``), else 401 with the real server's JSON body. The
             ZMQ side stays unauthenticated, as on the real server.
@@ -265,12 +168,17 @@ class EmbeddedServer:
         write_ttl: float = 600.0,
         instance_id: str | None = None,
         prefault: bool = False,
-        protocol: Protocol = "0.5.6",
+        generation: ServerGeneration | None = None,
+        protocol: ServerGeneration | None = None,
         api_key: str | None = None,
     ) -> None:
-        protocol = check_protocol(protocol)
-        if api_key is not None and (protocol != "0.5.7" or not isinstance(api_key, str) or not api_key):
-            raise ValueError("api_key needs protocol='0.5.7' and a non-empty string (0.5.6 has no API keys)")
+        if generation is not None and protocol is not None and generation != protocol:
+            raise ValueError(f"generation={generation!r} and its alias protocol={protocol!r} differ")
+        generation = check_generation(generation or protocol or "0.5.6")
+        if api_key is not None and (generation != "0.5.7" or not isinstance(api_key, str) or not api_key):
+            raise ValueError(
+                "api_key needs generation='0.5.7' and a non-empty string (0.5.6 has no API keys)"
+            )
         if mode not in ("shm", "pickle"):
             raise ValueError(f"mode must be 'shm' or 'pickle', got {mode!r}")
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -307,7 +215,7 @@ class EmbeddedServer:
         self.write_ttl = float(write_ttl)
         self.instance_id = instance_id if instance_id is not None else str(uuid.uuid4())
         self.prefault = bool(prefault)
-        self.protocol: Protocol = protocol
+        self.generation: ServerGeneration = generation
         self.api_key = api_key
         self._state: _State = "new"
         self._core: InProcessServer | None = None
@@ -379,15 +287,36 @@ class EmbeddedServer:
     def running(self) -> bool:
         return self._state == "running"
 
+    @property
+    def protocol(self) -> ServerGeneration:
+        """The earlier name of :attr:`generation`."""
+        return self.generation
+
     def __repr__(self) -> str:
         where = f"{self.url} {self.http_url}" if self._state == "running" else self._state
-        return f"<EmbeddedServer {self.protocol} {self.mode} chunk_size={self.chunk_size} {where}>"
+        return f"<EmbeddedServer {self.generation} {self.mode} chunk_size={self.chunk_size} {where}>"
 
     def _require_started(self) -> None:
         if self._state in ("new", "starting"):
             raise RuntimeError("the server has not been started")
 
     # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> NoReturn:
+        """Refuse ``with``: the server is asynchronous.
+
+        Raises:
+            TypeError: always, with the hint to use ``async with EmbeddedServer(...)`` or,
+                from blocking code, ``EmbeddedServer.start_in_thread(...)``. Nothing is
+                started.
+        """
+        raise TypeError(_NO_SYNC_WITH)
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Never reached (``__enter__`` raises); present so that type checkers see the protocol."""
+        raise TypeError(_NO_SYNC_WITH)
 
     async def __aenter__(self) -> EmbeddedServer:
         await self.start()
@@ -418,7 +347,7 @@ class EmbeddedServer:
                 InProcessServer,
                 chunk_size=self.chunk_size,
                 mode=self.mode,
-                protocol=self.protocol,
+                generation=self.generation,
                 size_bytes=self.size_bytes,
                 shm_name=self.shm_name,
                 session_ttl=self.session_ttl,
@@ -437,7 +366,10 @@ class EmbeddedServer:
             else:
                 self._core = make_core()
             self._send_lock = asyncio.Lock()
-            self._ctx = zmq.asyncio.Context()
+            # A shadow of the process's context, never terminated (as the clients' own:
+            # lmcache_async._zmq_context): a server dropped unstopped cannot hang the
+            # process when the collector finds its context.
+            self._ctx = zmq.asyncio.Context.shadow(process_context())
             sock = self._ctx.socket(zmq.ROUTER)
             self._sock = sock
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -478,7 +410,7 @@ class EmbeddedServer:
             self._state = "running"
             log.info(
                 "embedded LMCache %s server (%s) on %s and %s",
-                self.protocol,
+                self.generation,
                 self.mode,
                 self.url,
                 self.http_url,
@@ -509,9 +441,7 @@ class EmbeddedServer:
             if self._sock is not None:
                 self._sock.close(linger=0)
                 self._sock = None
-            if self._ctx is not None:
-                self._ctx.term()
-                self._ctx = None
+            self._ctx = None  # a shadow: nothing to terminate
             if self._runner is not None:
                 runner, self._runner = self._runner, None
                 await runner.cleanup()
@@ -529,49 +459,17 @@ class EmbeddedServer:
 
     @classmethod
     def start_in_thread(
-        cls,
-        *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        http_port: int = 0,
-        chunk_size: int = 256,
-        mode: Mode = "shm",
-        size_bytes: int = 1 << 30,
-        shm_name: str | None = None,
-        models: Sequence[ModelSpec] = (),
-        session_ttl: float = 600.0,
-        read_lock_ttl: float = 300.0,
-        write_ttl: float = 600.0,
-        instance_id: str | None = None,
-        prefault: bool = False,
-        protocol: Protocol = "0.5.6",
-        api_key: str | None = None,
-        start_timeout: float = 30.0,
+        cls, *, start_timeout: float = 30.0, **options: Unpack[ServerOptions]
     ) -> EmbeddedServerThread:
         """Start a server on its own event loop in a daemon thread; returns once it serves.
 
-        Same arguments as the constructor, plus ``start_timeout`` (seconds). The handle
+        The constructor's keywords (:class:`ServerOptions`), plus ``start_timeout``
+        (seconds). The handle
         has the same ``url``/``http_url``/``mode``/``chunk_size``/``shm_segment``
         attributes; ``handle.stop()`` stops the server, joins the thread and always
         removes the SHM segment. Raises whatever :meth:`start` raised, or TimeoutError.
         """
-        server = cls(
-            host=host,
-            port=port,
-            http_port=http_port,
-            chunk_size=chunk_size,
-            mode=mode,
-            size_bytes=size_bytes,
-            shm_name=shm_name,
-            models=models,
-            session_ttl=session_ttl,
-            read_lock_ttl=read_lock_ttl,
-            write_ttl=write_ttl,
-            instance_id=instance_id,
-            prefault=prefault,
-            protocol=protocol,
-            api_key=api_key,
-        )
+        server = cls(**options)
         return EmbeddedServerThread(server, start_timeout=start_timeout)
 
     # ------------------------------------------------------------------ ZMQ
@@ -758,7 +656,7 @@ class EmbeddedServer:
         return web.json_response(self.status())
 
     async def _http_lmc_version(self, request: web.Request) -> web.Response:
-        return web.json_response(LMC_VERSIONS[self.protocol])
+        return web.json_response(LMC_VERSIONS[self.generation])
 
     @web.middleware
     async def _http_auth(
@@ -800,16 +698,16 @@ class EmbeddedServerThread:
     """A running :class:`EmbeddedServer` on its own loop in a daemon thread.
 
     Created by :meth:`EmbeddedServer.start_in_thread`. Attributes mirror the server's:
-    ``url``, ``http_url``, ``mode``, ``protocol``, ``api_key``, ``chunk_size``,
-    ``shm_name``, ``shm_segment``, ``instance_id``; ``server`` is the server object itself
-    (its :meth:`~EmbeddedServer.status` and ``engine`` are thread-safe). Use as a context
-    manager or call :meth:`stop`.
+    ``url``, ``http_url``, ``mode``, ``generation`` (alias ``protocol``), ``api_key``,
+    ``chunk_size``, ``shm_name``, ``shm_segment``, ``instance_id``; ``server`` is the
+    server object itself (its :meth:`~EmbeddedServer.status` and ``engine`` are
+    thread-safe). Use as a context manager or call :meth:`stop`.
     """
 
     def __init__(self, server: EmbeddedServer, *, start_timeout: float = 30.0) -> None:
         self.server = server
         self.mode: Mode = server.mode
-        self.protocol: Protocol = server.protocol
+        self.generation: ServerGeneration = server.generation
         self.api_key = server.api_key
         self.chunk_size = server.chunk_size
         self.shm_name = server.shm_name
@@ -892,6 +790,11 @@ class EmbeddedServerThread:
     ) -> None:
         self.stop()
 
+    @property
+    def protocol(self) -> ServerGeneration:
+        """The earlier name of :attr:`generation`."""
+        return self.generation
+
     def __repr__(self) -> str:
         state = "stopped" if self._stopped else "running"
-        return f"<EmbeddedServerThread {self.protocol} {self.mode} {getattr(self, 'url', '?')} {state}>"
+        return f"<EmbeddedServerThread {self.generation} {self.mode} {getattr(self, 'url', '?')} {state}>"

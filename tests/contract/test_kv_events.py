@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 from typing import Any
 
@@ -30,7 +31,8 @@ import pytest
 
 import lmcache_async as lmc
 from lmcache_async import AsyncClient
-from lmcache_async._event_stream import BlockingKVEvents, KVEventStream
+from lmcache_async._event_stream import KVEventStream, subscribe
+from lmcache_async._reply_stream import open_streams
 from lmcache_async.errors import UnsupportedHashAlgorithmError
 from lmcache_async.events import RemovedEvent, Resync, StoredEvent
 from lmcache_async.hashing import NONE_HASH, chunk_hashes
@@ -59,6 +61,11 @@ def _client(server: Any, model: str) -> AsyncClient:
     return lmc.AsyncClient(server.url, server.http_url, model, geometry=SMALL_GEOMETRY, timeout=30)
 
 
+def _stream(c: AsyncClient, **kw: Any) -> KVEventStream:
+    """The stream ``c.kv_events(**kw)`` iterates (its cursor and counters readable)."""
+    return subscribe(c, None, **kw)
+
+
 @GENERATIONS
 async def test_removed_events_carry_the_servers_chunk_hashes(fresh_real_server: Any, generation: str) -> None:
     srv = fresh_real_server("pickle", generation)
@@ -67,14 +74,14 @@ async def test_removed_events_carry_the_servers_chunk_hashes(fresh_real_server: 
     async with _client(srv, model) as c:
         assert await c.store(random_kv(SMALL_GEOMETRY, len(tokens)), tokens) is True
         assert srv.status()["kv_events"]["unbound_stores"] == 4  # client stores publish nothing
-        async with c.kv_events() as events:
+        async with _stream(c) as events:
             first = asyncio.ensure_future(events.__anext__())
             await _wait_subscribers(srv, 1)
             await c.clear(force=False)
             ev = await asyncio.wait_for(first, 10)
             assert isinstance(ev, RemovedEvent)
             assert ev.model_name == model and ev.medium == "CPU" and ev.seq == 1
-            assert ev.block_hashes == tuple(c.chunk_hashes(tokens))
+            assert ev.block_hashes == tuple(chunk_hashes(tokens, c))
             assert ev.block_hashes == tuple(chunk_hashes(tokens, CS))
             assert len(ev.block_hashes) == 4 and all(len(h) == 32 for h in ev.block_hashes)
             assert ev.incarnation == srv.status()["kv_events"]["incarnation"] == events.incarnation
@@ -93,7 +100,7 @@ async def test_engine_path_stores_publish_stored_events(fresh_real_server: Any, 
     geometry = lmc.KVGeometry(2, 2, 8, SMALL_GEOMETRY.dtype, 4)
     with EngineWorker(srv) as eng:
         eng.register(model, num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=64)
-        async with _client(srv, model) as c, c.kv_events(max_events=2) as events:
+        async with _client(srv, model) as c, _stream(c, max_events=2) as events:
             first = asyncio.ensure_future(events.__anext__())
             await _wait_subscribers(srv, 1)
             assert await asyncio.to_thread(eng.store, tokens, random_kv(geometry, len(tokens))) is True
@@ -113,12 +120,14 @@ async def test_engine_path_stores_publish_stored_events(fresh_real_server: Any, 
 async def test_bad_max_events_is_refused_before_sending(real_server: Any, bad: int) -> None:
     async with _client(real_server, unique_model("ev")) as c:
         with pytest.raises(ValueError, match=rf"^max_events must be in 1\.\.1024, got {bad}$"):
-            c.kv_events(max_events=bad)
+            _stream(c, max_events=bad)
+        with pytest.raises(ValueError, match=rf"^max_events must be in 1\.\.1024, got {bad}$"):
+            await anext(c.kv_events(max_events=bad))  # at the first step, before anything is sent
         with pytest.raises(TypeError, match="^max_events must be an int, got bool$"):
-            c.kv_events(max_events=True)
+            _stream(c, max_events=True)
         with pytest.raises(ValueError, match=r"^cursor must be in \[0, 2\*\*63\), got -1$"):
-            c.kv_events(cursor=-1)
-        assert c._session.conn.open_streams == 0
+            await anext(c.kv_events(cursor=-1))
+        assert open_streams(c._session.conn) == 0
 
 
 @GENERATIONS
@@ -126,7 +135,7 @@ async def test_nothing_is_left_on_the_server(fresh_real_server: Any, generation:
     srv = fresh_real_server("pickle", generation)
     async with _client(srv, unique_model("ev")) as c:
         # aclose
-        events = c.kv_events()
+        events = _stream(c)
         first = asyncio.ensure_future(events.__anext__())
         await _wait_subscribers(srv, 1)
         await events.aclose()
@@ -134,23 +143,45 @@ async def test_nothing_is_left_on_the_server(fresh_real_server: Any, generation:
         with pytest.raises(StopAsyncIteration):
             await first
         # a cancelled wait (asyncio.timeout around the iteration)
-        events = c.kv_events()
+        events = _stream(c)
         with pytest.raises(TimeoutError):  # noqa: PT012 - the timeout wraps the iteration
             async with asyncio.timeout(1.0):
                 async for _ in events:
                     pass
         assert events.closed
         await _wait_subscribers(srv, 0)
-        # a bare break: the dropped iterator cancels itself
-        events = c.kv_events()
+        # the same through the public iterator
+        with pytest.raises(TimeoutError):  # noqa: PT012 - the timeout wraps the iteration
+            async with asyncio.timeout(1.0):
+                async for _ in c.kv_events():
+                    pass
+        await _wait_subscribers(srv, 0)
+        # a dropped iterator cancels itself: the stream, and the public iterator
+        events = _stream(c)
         task = asyncio.ensure_future(events.__anext__())
         await _wait_subscribers(srv, 1)
         task.cancel()
         del events, task
         gc.collect()
         await _wait_subscribers(srv, 0)
+        public = c.kv_events()
+        task = asyncio.ensure_future(anext(public))
+        await _wait_subscribers(srv, 1)
+        task.cancel()
+        del public, task
+        gc.collect()
+        await _wait_subscribers(srv, 0)
+        # aclose of the public iterator mid-wait
+        public = c.kv_events()
+        task = asyncio.ensure_future(anext(public))
+        await _wait_subscribers(srv, 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await public.aclose()
+        await _wait_subscribers(srv, 0)
         # the client's own connection is unaffected
-        assert c._session.conn.open_streams == 0
+        assert open_streams(c._session.conn) == 0
         assert await c.noop() > 0
 
 
@@ -167,7 +198,7 @@ async def test_credit_one_batch_until_the_consumer_asks(fresh_real_server: Any, 
             assert await c.store(random_kv(SMALL_GEOMETRY, CS), toks) is True
         c0 = clients[0]
         # three clears: three removed records of models[0] (re-stored in between)
-        async with c0.kv_events(max_events=1) as events:
+        async with _stream(c0, max_events=1) as events:
             first = asyncio.ensure_future(events.__anext__())
             await _wait_subscribers(srv, 1)
             toks = fresh_tokens(CS)
@@ -192,7 +223,7 @@ async def test_credit_one_batch_until_the_consumer_asks(fresh_real_server: Any, 
 async def test_a_restarted_server_resumes_with_a_resync(fresh_real_server: Any, generation: str) -> None:
     srv = fresh_real_server("pickle", generation)
     model = unique_model("ev")
-    async with _client(srv, model) as c, c.kv_events(reconnect_timeout=60) as events:
+    async with _client(srv, model) as c, _stream(c, reconnect_timeout=60) as events:
         first = asyncio.ensure_future(events.__anext__())
         await _wait_subscribers(srv, 1)
         old = srv.status()["kv_events"]["incarnation"]
@@ -216,7 +247,7 @@ async def test_a_restarted_server_resumes_with_a_resync(fresh_real_server: Any, 
         await c.clear(force=False)
         ev = await asyncio.wait_for(nxt, 30)
         assert isinstance(ev, RemovedEvent) and ev.incarnation == new and ev.seq == 1
-        assert ev.block_hashes == tuple(c.chunk_hashes(tokens))
+        assert ev.block_hashes == tuple(chunk_hashes(tokens, c))
         assert events.subscriptions >= 2
 
 
@@ -234,13 +265,13 @@ async def test_a_cursor_out_of_the_log_gives_a_lost_resync(fresh_real_server: An
         incarnation = srv.status()["kv_events"]["incarnation"]
         await _wait_for(lambda: srv.status()["kv_events"]["next_seq"] == 4)
         # a consumer that had seen nothing of this incarnation (cursor 0) but knew it
-        async with clients[2].kv_events(cursor=0, incarnation=incarnation) as events:
+        async with _stream(clients[2], cursor=0, incarnation=incarnation) as events:
             ev = await asyncio.wait_for(events.__anext__(), 10)
             assert ev == Resync("lost", incarnation, None, 3)
             ev = await asyncio.wait_for(events.__anext__(), 10)
             assert isinstance(ev, RemovedEvent) and ev.seq == 3 and ev.model_name == models[2]
         # a fresh consumer (nothing derived yet) is not told
-        async with clients[1].kv_events() as events:
+        async with _stream(clients[1]) as events:
             ev = await asyncio.wait_for(events.__anext__(), 10)
             assert isinstance(ev, RemovedEvent) and ev.seq == 2 and ev.model_name == models[1]
     finally:
@@ -260,8 +291,9 @@ async def _wait_for(pred: Any, deadline: float = 10.0) -> None:
 async def test_unsupported_hash_algorithm_is_refused(real_server: Any) -> None:
     async with _client(real_server, unique_model("ev")) as c:
         c._session.meta._cache["status"].value = {"hash_algorithm": "sha256_cbor"}
+        assert c.hash_algorithm == "sha256_cbor"
         with pytest.raises(UnsupportedHashAlgorithmError, match="hashes chunks with 'sha256_cbor'"):
-            c.chunk_hashes([1] * CS)
+            chunk_hashes([1] * CS, c)
         with pytest.raises(UnsupportedHashAlgorithmError):
             await c.delete([1] * CS)
 
@@ -285,38 +317,45 @@ def test_chunk_hashes_recipe() -> None:
         chunk_hashes(tokens, 16, end=48)
 
 
-def test_the_blocking_iterator(fresh_real_server: Any) -> None:
+def test_the_blocking_client(fresh_real_server: Any) -> None:
+    """``Client.kv_events`` is a blocking iterator (each step a call on the loop thread;
+    leaving it early cancels the subscription); the management calls and the hash
+    algorithm are there too."""
     srv = fresh_real_server("pickle")
-    model = unique_model("ev")
     tokens = fresh_tokens(2 * CS)
-    with lmc.Client(srv.url, srv.http_url, model, geometry=SMALL_GEOMETRY, timeout=30) as c:
-        assert c.store(random_kv(SMALL_GEOMETRY, len(tokens)), tokens) is True
-        loop = c._lt.loop
-        stream: KVEventStream = asyncio.run_coroutine_threadsafe(_make(c._async), loop).result(10)
-        with BlockingKVEvents(stream, loop) as events:
-            with pytest.raises(TimeoutError):
-                events.next_event(0.5)  # nothing yet; the timeout closes the stream
-            assert stream.closed
-            with pytest.raises(StopIteration):
-                next(events)
-        stream = asyncio.run_coroutine_threadsafe(_make(c._async), loop).result(10)
-        with BlockingKVEvents(stream, loop) as events:
-            asyncio.run_coroutine_threadsafe(_later_clear(c._async), loop)
-            ev = next(events)
-            assert isinstance(ev, RemovedEvent) and ev.block_hashes == tuple(chunk_hashes(tokens, CS))
-        deadline = time.monotonic() + 10
-        while _subscribers(srv) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _subscribers(srv) == 0
+    kv = random_kv(SMALL_GEOMETRY, len(tokens))
+    with lmc.Client(srv.url, srv.http_url, unique_model("ev"), geometry=SMALL_GEOMETRY, timeout=30) as c:
+        assert c.hash_algorithm == "blake3"
+        assert chunk_hashes(tokens, c) == chunk_hashes(tokens, CS)
+        assert c.experimental() == frozenset({"kv_event_stream"})
+        with pytest.raises(ValueError, match=r"^max_events must be in 1\.\.1024, got 0$"):
+            next(c.kv_events(max_events=0))
+        assert c.store(kv, tokens) is True
+        events = c.kv_events()
+        timer = threading.Timer(0.5, c.clear, kwargs={"force": False})
+        timer.start()
+        ev = next(events)
+        timer.join()
+        assert isinstance(ev, RemovedEvent) and ev.block_hashes == tuple(chunk_hashes(tokens, CS))
+        assert _subscribers(srv) == 1
+        del events  # left early (the iterator dropped): cancelled on the server
+        _wait_subscribers_blocking(srv, 0)
+        assert c.store(kv, tokens) is True
+        assert c.warm(tokens) == WarmResult(2, 2, 2)  # no L2: "found" counts what L1 holds
+        for ev in c.kv_events():  # the earlier clear is still in the server's log: read at once
+            assert isinstance(ev, RemovedEvent)
+            break
+        assert c.delete(tokens) == DeleteResult(2, 0)
+        _wait_subscribers_blocking(srv, 0)
+        assert c.lookup(tokens) == 0
 
 
-async def _make(c: AsyncClient) -> KVEventStream:
-    return c.kv_events()
-
-
-async def _later_clear(c: AsyncClient) -> None:
-    await asyncio.sleep(0.5)
-    await c.clear(force=False)
+def _wait_subscribers_blocking(server: Any, n: int, deadline: float = 10.0) -> None:
+    end = time.monotonic() + deadline
+    while _subscribers(server) != n:
+        if time.monotonic() > end:
+            raise AssertionError(f"{_subscribers(server)} subscribers, expected {n}")
+        time.sleep(0.05)
 
 
 @GENERATIONS
@@ -359,7 +398,7 @@ async def test_a_subscription_nobody_pings_is_reaped_and_resumed(
     keep another alive, and the reaped stream subscribes again from its cursor."""
     srv = fresh_real_server("pickle", generation, extra_args=["--worker-reap-timeout-seconds", "30"])
     async with _client(srv, unique_model("ev")) as c:
-        pinged, silent = c.kv_events(ping_interval=5), c.kv_events(ping_interval=30)
+        pinged, silent = _stream(c, ping_interval=5), _stream(c, ping_interval=30)
         waits = [asyncio.ensure_future(s.__anext__()) for s in (pinged, silent)]
         await _wait_subscribers(srv, 2)
         t0 = time.monotonic()

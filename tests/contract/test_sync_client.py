@@ -23,6 +23,7 @@ import textwrap
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,9 +43,10 @@ from lmcache_async import (
     connect,
 )
 from lmcache_async.client import ClientOptions
-from lmcache_async.errors import LoopThreadCallError
-from lmcache_async.sync_client import LOOP_THREAD_NAME, Client, SyncUsageError
+from lmcache_async.errors import LoopThreadCallError, SyncUsageError
+from lmcache_async.sync_client import FACADE, LOOP_THREAD_NAME, Client
 from tests.helpers import peek, shared_loop_thread
+from tools import gen_sync_client
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_size=16)
 MODEL = f"test-sync-client-{os.getpid()}"
@@ -146,6 +148,9 @@ def _params(fn: Any) -> tuple[list[tuple[str, Any, Any, Any]], Any]:
     sig = inspect.signature(fn)
     params = [(p.name, p.kind, p.default, p.annotation) for p in sig.parameters.values()]
     ret = sig.return_annotation
+    for stream in ("AsyncIterator[", "AsyncGenerator["):  # an async iterator's twin is an Iterator
+        if isinstance(ret, str) and ret.startswith(stream):
+            ret = "Iterator[" + ret[len(stream) :]
     return params, ("Client" if ret == "AsyncClient" else ret)
 
 
@@ -196,6 +201,124 @@ def test_the_parity_check_catches_a_new_unwrapped_method() -> None:
     problems = _parity_problems(Grown, Client)
     assert any("Client.compact is missing" in p for p in problems)
     assert any(".noop(" in p for p in problems)
+
+
+def test_the_twins_are_what_the_generator_writes() -> None:
+    """``_sync_methods.py`` is ``tools/gen_sync_client.py``'s output for the current
+    ``AsyncClient`` and ``FACADE`` (what ``make lint`` checks with ``--check``)."""
+    assert gen_sync_client.OUTPUT.read_text() == gen_sync_client.generate()
+    assert gen_sync_client.main(["--check"]) == 0
+    assert set(FACADE) == {
+        name
+        for name, member in inspect.getmembers_static(AsyncClient)
+        if not name.startswith("_")
+        and (inspect.iscoroutinefunction(member) or inspect.isasyncgenfunction(member))  # kv_events
+        and name not in ("open", "aclose")
+    }
+
+
+def _grown(method: str, row: str = "Twin()", imports: str = "") -> tuple[str, str]:
+    """client.py with ``method`` added to AsyncClient (and ``imports``), and sync_client.py
+    with ``row`` as its FACADE row (``""``: none)."""
+    client = gen_sync_client.CLIENT.read_text()
+    client = client.replace("\nclass AsyncClient(", f"\n{imports}\n\nclass AsyncClient(", 1)
+    client = client.replace(
+        "    async def noop(", f"{textwrap.indent(textwrap.dedent(method), '    ')}\n    async def noop(", 1
+    )
+    sync = gen_sync_client.SYNC_CLIENT.read_text()
+    if row:
+        name = method.split("def ", 1)[1].split("(", 1)[0]
+        sync = sync.replace('    "drain": Twin(),', f'    "drain": Twin(),\n    "{name}": {row},', 1)
+    return client, sync
+
+
+def test_the_generator_refuses_a_method_without_a_row_and_a_row_without_a_method() -> None:
+    client, sync = _grown("async def compact(self, tokens: list[int]) -> int:\n    return 0\n", row="")
+    with pytest.raises(gen_sync_client.GenerationError, match="AsyncClient.compact has no FACADE row"):
+        gen_sync_client.generate(client, sync)
+    sync = gen_sync_client.SYNC_CLIENT.read_text().replace(
+        '    "drain": Twin(),', '    "drain": Twin(),\n    "gone": Twin(),'
+    )
+    with pytest.raises(
+        gen_sync_client.GenerationError, match="FACADE rows without an AsyncClient method: gone"
+    ):
+        gen_sync_client.generate(None, sync)
+    client, sync = _grown("async def compact(self, tokens: list[int]) -> int:\n    return 0\n")
+    with pytest.raises(
+        gen_sync_client.GenerationError, match="compact: a bounded twin needs a timeout parameter"
+    ):
+        gen_sync_client.generate(client, sync)
+
+
+_TICKS = """
+async def ticks(self, n: int, *, timeout: float | DefaultType | None = DEFAULT) -> AsyncIterator[int]:
+    \"\"\"Count from 0 to n - 1.\"\"\"
+    for i in range(n):
+        yield i
+"""
+
+
+def _ticking_client_class(method: str = _TICKS) -> type[Client]:
+    """A Client whose generated twins include one of ``method``, an async iterator."""
+    client, sync = _grown(
+        method, "Twin(bound=False)", imports="from collections.abc import AsyncIterator  # noqa: E402"
+    )
+    source = gen_sync_client.generate(client, sync)
+    module = types.ModuleType("generated_sync_methods")
+    exec(compile(source, "<generated>", "exec"), module.__dict__)
+    return type("TickingClient", (module.SyncMethods, Client), {})
+
+
+def test_an_async_iterator_becomes_a_blocking_iterator_closed_on_break(
+    real_server_pickle: RealLMCacheServer,
+) -> None:
+    """An ``async def ... -> AsyncIterator[T]`` (an async generator, or a coroutine
+    returning an async iterator) gets a twin returning ``Iterator[T]``: each step is a
+    blocking call on the loop, and leaving the loop early closes the async iterator there
+    (its ``finally`` has run when the ``for`` is left)."""
+    import collections.abc
+
+    cls = _ticking_client_class()
+    assert inspect.signature(cls.ticks).return_annotation == "Iterator[int]"  # type: ignore[attr-defined]
+    events: list[str] = []
+
+    async def ticks(
+        self: AsyncClient, n: int, *, timeout: float | None = None
+    ) -> collections.abc.AsyncIterator[int]:
+        assert threading.current_thread().name == LOOP_THREAD_NAME
+        try:
+            for i in range(n):
+                await asyncio.sleep(0)
+                yield i
+        finally:
+            events.append(f"closed after timeout={timeout}")
+
+    srv = real_server_pickle
+    with cls(srv.url, srv.http_url, MODEL, geometry=GEOM, timeout=7) as c:
+        c._async.ticks = types.MethodType(ticks, c._async)  # type: ignore[attr-defined]
+        assert list(c.ticks(3)) == [0, 1, 2]  # type: ignore[attr-defined]
+        assert events == ["closed after timeout=7.0"]
+        for i in c.ticks(1000):  # type: ignore[attr-defined]
+            if i == 2:
+                break
+        assert events == ["closed after timeout=7.0"] * 2  # closed on the loop when the for was left
+        with pytest.raises(ValueError, match="timeout"):
+            c.ticks(3, timeout=-1)  # type: ignore[attr-defined]  # checked in the caller's thread, at the call
+    with pytest.raises(ClientClosedError):
+        c.ticks(3)  # type: ignore[attr-defined]
+
+
+def test_a_coroutine_returning_an_async_iterator_is_awaited_for_its_iterator() -> None:
+    method = """
+async def stream(self, n: int) -> AsyncIterator[int]:
+    \"\"\"A stream made by a coroutine.\"\"\"
+    return self._numbers(n)
+"""
+    client, sync = _grown(method, "Twin(bound=False)", imports="from collections.abc import AsyncIterator")
+    source = gen_sync_client.generate(client, sync)
+    twin = source.split("    def stream(", 1)[1].split("\n\n    def ", 1)[0]
+    assert 'return self._iterate("stream", None, lambda: self._async.stream(n))' in twin
+    assert "ready(" not in twin and "-> Iterator[int]:" in twin
 
 
 def test_constructor_and_connect_take_the_async_clients_arguments() -> None:

@@ -12,14 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from lmcache_async._wire import OP_NAMES, Op, PreEncoded, packb, unpackb
+from lmcache_async._wire import Op, PreEncoded, packb, unpackb
 from lmcache_async.errors import ProtocolError
 
 __all__ = ["NO_PAYLOAD", "Request", "decode_request", "encode_reply"]
 
 #: Marks a reply without a payload frame.
 NO_PAYLOAD: Final = object()
-_OPS_BY_NAME: Final = {name: Op(i) for i, name in OP_NAMES.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,13 +43,12 @@ def decode_request(frames: Sequence[bytes | memoryview]) -> Request:
     if isinstance(raw_op, bool) or not isinstance(raw_op, int | str):
         raise ProtocolError(f"operation frame must be an int or str, got {type(raw_op).__name__}")
     op: Op | str
-    if isinstance(raw_op, int):
-        try:
-            op = Op(raw_op)
-        except ValueError:
+    try:
+        op = Op.from_wire(raw_op)
+    except ValueError:
+        if isinstance(raw_op, int):
             raise ProtocolError(f"unknown operation id {raw_op}") from None
-    else:
-        op = _OPS_BY_NAME.get(raw_op, raw_op)
+        op = raw_op
     return Request(bytes(frames[0]), bytes(frames[1]), op, tuple(frames[2:]))
 
 

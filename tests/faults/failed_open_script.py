@@ -1,7 +1,7 @@
-"""A process whose first clients fail inside ``Connection.open()`` after the ZMQ context
-exists (``connect`` refused by the socket), then collects its garbage and opens working
-clients (tests/faults/test_failed_open.py runs it in a subprocess under a deadline: a context
-leaked by a failed open hangs the thread that collects it).
+"""A process whose first clients fail inside ``Connection.open()`` after their ZMQ sockets
+exist (``connect`` refused by the socket), then collects its garbage and opens working
+clients (tests/faults/test_failed_open.py runs it in a subprocess under a deadline: sockets
+left open by a failed open once hung the thread that collected their context).
 
     python tests/faults/failed_open_script.py
 
@@ -29,8 +29,8 @@ def _refuse(self: zmq.Socket[Any], addr: str) -> None:
     raise zmq.ZMQError(errno.EINVAL)
 
 
-def _contexts() -> int:
-    return sum(issubclass(type(o), zmq.Context) and not o.closed for o in gc.get_objects())
+def _sockets() -> int:
+    return sum(issubclass(type(o), zmq.Socket) and not o.closed for o in gc.get_objects())
 
 
 async def _async_client(url: str, http_url: str, ticks: list[int]) -> None:
@@ -59,7 +59,7 @@ async def _failing_async(url: str, http_url: str) -> str:
 
 def main() -> None:
     with EmbeddedServer().start_in_thread() as srv:
-        before = _contexts()
+        before = _sockets()
         real_connect = zmq.Socket.connect
         zmq.Socket.connect = _refuse  # type: ignore[method-assign,assignment]
         try:
@@ -73,7 +73,7 @@ def main() -> None:
             zmq.Socket.connect = real_connect  # type: ignore[method-assign]
         start = time.monotonic()
         gc.collect()
-        print(f"contexts_left={_contexts() - before}", flush=True)
+        print(f"sockets_left={_sockets() - before}", flush=True)
         print(f"collect_s={time.monotonic() - start:.3f}", flush=True)
         ticks = [0]
         asyncio.run(_async_client(srv.url, srv.http_url, ticks))

@@ -1,6 +1,6 @@
 """A client that cannot open releases everything it made: a mistyped URL is refused at
-construction, and a failure inside ``Connection.open()`` closes the socket, its monitor and
-the ZMQ context (a leaked context blocks whichever thread garbage-collects it)."""
+construction, and a failure inside ``Connection.open()`` closes the socket and its monitor
+(the ZMQ context is the process's, never terminated: nothing can block collecting them)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,32 @@ BAD_URLS = [
         "tcp://host:port (the HTTP endpoint is http_url)",
     ),
     ("localhost:5555", "url must look like tcp://host:port, got 'localhost:5555'"),
+    # QA-4 n4: a second port read as "port '1' is not a port number".
+    (
+        "tcp://127.0.0.1:5555:1",
+        "url 'tcp://127.0.0.1:5555:1' has more than one ':' after the host (tcp://host:port; "
+        "an IPv6 address goes in brackets, tcp://[::1]:5555)",
+    ),
+    (
+        "tcp://::1:5555",
+        "url 'tcp://::1:5555' has more than one ':' after the host (tcp://host:port; "
+        "an IPv6 address goes in brackets, tcp://[::1]:5555)",
+    ),
+    # QA-4 n4: a 300-character host was a raw UnicodeError (idna: label too long) at open.
+    (
+        f"tcp://{'a' * 300}:5555",
+        f"url 'tcp://{'a' * 300}:5555': {'a' * 40!r}... is not a host name "
+        "(at most 253 characters, in dot-separated labels of 1 to 63)",
+    ),
+    (
+        f"tcp://{'b' * 64}.example:5555",
+        f"url 'tcp://{'b' * 64}.example:5555': {'b' * 40!r}... is not a host name "
+        "(at most 253 characters, in dot-separated labels of 1 to 63)",
+    ),
+    (
+        "tcp://a..b:5555",
+        "url 'tcp://a..b:5555': 'a..b' is not a host name (at most 253 characters, in dot-separated labels of 1 to 63)",
+    ),
 ]
 
 
@@ -97,15 +123,15 @@ async def test_an_unresolvable_host_is_reported_as_such() -> None:
 
 @pytest.mark.anyio
 async def test_bad_urls_leave_nothing_behind_and_the_next_client_works_at_once() -> None:
-    def open_contexts() -> int:
+    def open_sockets() -> int:
         gc.collect()
-        return sum(issubclass(type(o), zmq.Context) and not o.closed for o in gc.get_objects())
+        return sum(issubclass(type(o), zmq.Socket) and not o.closed for o in gc.get_objects())
 
-    before = open_contexts()
+    before = open_sockets()
     for url, message in BAD_URLS:
         with pytest.raises(ValueError, match=re.escape(message)):
             lmc.AsyncClient(url, "http://127.0.0.1:9", "m")
-    assert open_contexts() == before  # refused before any socket or context existed
+    assert open_sockets() == before  # refused before any socket existed
     ticks = 0
 
     async def tick() -> None:
@@ -127,7 +153,7 @@ async def test_bad_urls_leave_nothing_behind_and_the_next_client_works_at_once()
         ticker.cancel()
 
 
-def test_a_failed_open_releases_the_zmq_context_so_collecting_it_hangs_nothing() -> None:
+def test_a_failed_open_releases_its_zmq_sockets_so_collecting_them_hangs_nothing() -> None:
     # In a subprocess under a deadline: the defect froze the collecting thread for good.
     proc = subprocess.run(
         [sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, check=False
@@ -142,7 +168,7 @@ def test_a_failed_open_releases_the_zmq_context_so_collecting_it_hangs_nothing()
         re.fullmatch(r"\w+_error=cannot open a ZMQ connection to tcp://127\.0\.0\.1:\d+: Invalid argument", e)
         for e in errors
     )
-    assert values["contexts_left"] == "0"
+    assert values["sockets_left"] == "0"
     assert values["sync_lookup"] == "0"
     assert int(values["ticks"]) > 0
 

@@ -20,6 +20,7 @@ import torch
 
 import lmcache_async as lmc
 from lmcache_async import _wire as wire
+from lmcache_async._metadata import Metadata
 from lmcache_async._payload.tensor_envelope import decode_tensor_envelope, encode_tensor_envelope
 from lmcache_async._wire import Op
 from tests.fakes import server_wire
@@ -353,3 +354,60 @@ async def test_an_shm_store_sends_prepare_store_with_empty_skipped_chunks(
     raw = await asyncio.to_thread(Path(f"/dev/shm/{shm_segment}").read_bytes)
     written = torch.frombuffer(bytearray(raw[: kv.numel() * 2]), dtype=torch.bfloat16).view(SHAPE)
     assert torch.equal(written, kv)
+
+
+# --------------------------------------------------------------------------- absurd /status (QA-4 n2)
+
+
+def _meta_entry(model: str, num_layers: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """A ``cache_context_meta`` entry as a vLLM-style registration writes it."""
+    return {
+        "model_name": model,
+        "world_size": 1,
+        "kv_cache_layout": {
+            "num_layers": num_layers,
+            "kernel_groups": [
+                {
+                    "engine_kv_format": "NL_X_TWO_NB_BS_NH_HS",
+                    "engine_kv_concrete_shape": f"{num_layers} x [2, 16, 16, {heads}, {head_dim}]",
+                    "tokens_per_block": 16,
+                    "dtype": "torch.bfloat16",
+                }
+            ],
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    ("layers", "heads", "head_dim", "chunk_bytes"),
+    [(10**9, 2, 8, 2 * 10**9 * 16 * CS * 2), (2, 10**6, 10**6, 2 * 2 * 10**12 * CS * 2)],
+)
+async def test_an_absurd_geometry_in_status_is_refused_at_connect(
+    layers: int, heads: int, head_dim: int, chunk_bytes: int
+) -> None:
+    status = {"cache_context_meta": {"0": _meta_entry("m", layers, heads, head_dim)}, "active_sessions": 0}
+    routes = {
+        "/config": {"mp": {"chunk_size": CS, "supported_transfer_mode": "auto", "instance_id": "x"}},
+        "/status": status,
+    }
+    async with json_http_server(routes) as http, FakeRouter() as router:
+        with pytest.raises(lmc.ProtocolError) as info:
+            await lmc.connect(router.url, http, "m", timeout=5)
+        geometry = lmc.KVGeometry(layers, heads, head_dim, torch.bfloat16, block_size=16)
+        assert str(info.value) == (
+            f"/status describes an absurd KV geometry ({geometry}): one chunk of {CS} tokens would be "
+            f"{chunk_bytes} bytes, more than 68719476736 (64 GiB); pass geometry= explicitly"
+        )
+        assert router.requests == []  # refused before the ZMQ connection is used
+
+
+async def test_a_deeply_nested_status_is_a_protocol_error() -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    async with json_http_server({"/status": deep}) as http:
+        meta = Metadata(http)
+        try:
+            with pytest.raises(lmc.ProtocolError) as info:
+                await meta.status(max_age=0, timeout=5)
+            assert str(info.value) == f"GET {http}/status: invalid JSON (nested too deeply)"
+        finally:
+            await meta.close()

@@ -326,3 +326,46 @@ async def test_defect_11_inputs_are_refused_before_anything_is_sent(http_stub: s
                 await coro
         assert peek(c).next_request_uid() == sent_before + 1  # nothing was sent meanwhile
         await c.aclose()
+
+
+async def test_too_many_tokens_are_refused_by_every_operation_before_anything_is_sent(http_stub: str) -> None:
+    """QA-4 N2: no token list longer than ``MAX_TOKENS`` (2**22) reaches the wire, in any
+    operation; ``range(2**40)`` is refused from its length at once (it used to be walked
+    on the event loop for ever)."""
+
+    def bound(name: str, n: int) -> str:
+        return f"{name} has {n} tokens; at most 4194304 (2**22) are accepted"
+
+    huge, over = range(2**40), range(4_194_305)
+    kv = torch.zeros(SMALL_GEOMETRY.kv_shape(CS), dtype=torch.bfloat16)
+    toks = list(range(CS))
+    async with FakeRouter(Switch()) as router:
+        c = await lmc.connect(router.url, http_stub, "m", geometry=SMALL_GEOMETRY, timeout=5)
+        sent_before = peek(c).next_request_uid()
+        loop_start = asyncio.get_running_loop().time()
+        cases: list[tuple[Coroutine[Any, Any, Any], str]] = [
+            (c.lookup(huge), bound("tokens", 2**40)),
+            (c.lookup(over), bound("tokens", 4_194_305)),
+            (c.retrieve(huge), bound("tokens", 2**40)),
+            (c.store(kv, huge), bound("tokens", 2**40)),
+            (c.remap(huge, toks), bound("source_tokens", 2**40)),
+            (c.remap(toks, over), bound("target_tokens", 4_194_305)),
+            (c.compose(huge, [lmc.KVPart(toks)]), bound("target_tokens", 2**40)),
+        ]
+        for coro, message in cases:
+            with pytest.raises(ValueError, match=r"are accepted$") as info:
+                await coro
+            assert str(info.value) == message
+        with pytest.raises(ValueError, match=r"are accepted$") as info:
+            lmc.KVPart(huge)
+        assert str(info.value) == bound("source_tokens", 2**40)
+        batches = [
+            await c.store_many([(kv, huge)]),
+            await c.retrieve_many([huge]),
+            await c.remap_many([(toks, huge)]),
+        ]
+        errors = [str(batch[0].error) for batch in batches]
+        assert errors == [bound("tokens", 2**40), bound("tokens", 2**40), bound("target_tokens", 2**40)]
+        assert asyncio.get_running_loop().time() - loop_start < 5  # nothing was walked
+        assert peek(c).next_request_uid() == sent_before + 1  # nothing was sent meanwhile
+        await c.aclose()

@@ -1,5 +1,5 @@
 """An AsyncClient that is never closed, or closed from another event loop, releases its
-socket, ZMQ context and HTTP session (and, where its loop still runs, its registration on
+sockets and HTTP session (and, where its loop still runs, its registration on
 the server), with a warning that names it."""
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ GEOMETRY = lmc.KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.
 TOKENS = list(range(16))
 
 
-def _open_contexts() -> int:
+def _open_sockets() -> int:
+    """ZMQ sockets open in this process (a client has two: its DEALER and its monitor's;
+    the context is the process's, never terminated)."""
     gc.collect()
-    return sum(issubclass(type(o), zmq.Context) and not o.closed for o in gc.get_objects())
+    return sum(issubclass(type(o), zmq.Socket) and not o.closed for o in gc.get_objects())
 
 
 def _registered(srv: Any) -> list[int]:
@@ -58,7 +60,7 @@ async def _drop_open_clients(srv: Any, n: int) -> list[int]:
 
 
 def test_clients_dropped_unclosed_on_a_running_loop_are_closed_and_unregistered(server: Any) -> None:
-    contexts = _open_contexts()
+    sockets = _open_sockets()
 
     async def main() -> None:
         tasks = len(asyncio.all_tasks())
@@ -72,29 +74,29 @@ def test_clients_dropped_unclosed_on_a_running_loop_are_closed_and_unregistered(
                 await asyncio.sleep(0.01)
 
     asyncio.run(main())
-    assert _open_contexts() == contexts
+    assert _open_sockets() == sockets
 
 
 def test_a_client_collected_after_its_loop_closed_releases_its_socket_with_a_warning(server: Any) -> None:
-    contexts = _open_contexts()
+    sockets = _open_sockets()
     holder: list[lmc.AsyncClient] = []
 
     async def main() -> None:
         holder.append(await lmc.connect(server.url, server.http_url, "m", geometry=GEOMETRY, timeout=10))
 
     asyncio.run(main())
-    assert _open_contexts() == contexts + 1
+    assert _open_sockets() == sockets + 2
     with pytest.warns(ResourceWarning) as caught:  # noqa: PT031 - the drop and the collection
         holder.clear()
         gc.collect()
     # One warning: the HTTP keep-alive socket of the closed loop was closed, not left to
     # its transport's collection (which warns "unclosed transport").
     assert [str(w.message) for w in caught] == [_never_closed(server.url)]
-    assert _open_contexts() == contexts
+    assert _open_sockets() == sockets
 
 
 def test_a_client_left_open_by_an_ended_asyncio_run_can_be_closed_from_another(server: Any) -> None:
-    contexts = _open_contexts()
+    sockets = _open_sockets()
 
     async def open_it() -> lmc.AsyncClient:
         return await lmc.connect(server.url, server.http_url, "m", geometry=GEOMETRY, timeout=10)
@@ -109,7 +111,7 @@ def test_a_client_left_open_by_an_ended_asyncio_run_can_be_closed_from_another(s
     with pytest.warns(RuntimeWarning, match=f"^{re.escape(message)}$"):
         asyncio.run(client.aclose())
     assert client.closed
-    assert _open_contexts() == contexts
+    assert _open_sockets() == sockets
     asyncio.run(client.aclose())  # idempotent, silent
     with pytest.raises(lmc.ClientClosedError):
         asyncio.run(client.lookup(TOKENS))
@@ -123,7 +125,7 @@ async def _lookup_with_a_new_client(srv: Any) -> int:
 
 
 def test_closing_from_another_loop_while_the_owner_loop_runs_closes_it_there(server: Any) -> None:
-    contexts = _open_contexts()
+    sockets = _open_sockets()
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -140,7 +142,7 @@ def test_closing_from_another_loop_while_the_owner_loop_runs_closes_it_there(ser
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
-    assert _open_contexts() == contexts
+    assert _open_sockets() == sockets
 
 
 @contextlib.contextmanager

@@ -406,14 +406,14 @@ async def test_shm_pool_is_pinned_once_and_unregistered_before_unmap(
     c = aclient(gpu_server, geom)
     async with c:
         pool = peek(c).pool
-        assert pool is not None and pool.cuda_pinned is None  # nothing before a CUDA copy
+        assert pool is not None and cuda.pinned(pool) is None  # nothing before a CUDA copy
         for _ in range(2):
             tokens = fresh_tokens(2 * CS)
             kv = rand_kv(geom, len(tokens))
             assert await c.store(kv, tokens) is True
             got = await c.retrieve(tokens, device="cuda")
             assert got is not None and torch.equal(got, kv)
-        assert pool.cuda_pinned is True
+        assert cuda.pinned(pool) is True
         address, _ = pool.address_range()
         buffer = peek(c).pool_buffer
         assert buffer is not None and buffer[:16].is_pinned()
@@ -447,7 +447,7 @@ async def test_unpinnable_pool_falls_back_with_a_warning(
         got = await c.retrieve(tokens, device="cuda")
         assert got is not None and torch.equal(got, kv)
         pool = peek(c).pool
-        assert pool is not None and pool.cuda_pinned is False
+        assert pool is not None and cuda.pinned(pool) is False
     warnings = [r.getMessage() for r in caplog.records if r.name == "lmcache_async._cuda.copies"]
     assert len(warnings) == 1
     assert "cannot pin the SHM pool" in warnings[0] and "cudaHostRegister error 1" in warnings[0]

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_async import AsyncClient, LMCacheTimeoutError, bulk
+from lmcache_async import AsyncClient, LMCacheTimeoutError, _batching, bulk
 from lmcache_async.bulk import BatchProgress, RemapPair, RetrieveItem, StoreItem
 from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv
 
@@ -87,7 +87,7 @@ def chunked(n: int) -> int:
 
 
 async def test_byte_budget_is_fifo_and_runs_oversized_requests_alone() -> None:
-    budget = bulk._ByteBudget(10)
+    budget = _batching.ByteBudget(10)
     order: list[str] = []
 
     async def take(name: str, n: int) -> None:
@@ -115,7 +115,7 @@ async def test_byte_budget_is_fifo_and_runs_oversized_requests_alone() -> None:
 
 
 async def test_byte_budget_cancelled_waiters_release_their_place_and_bytes() -> None:
-    budget = bulk._ByteBudget(4)
+    budget = _batching.ByteBudget(4)
     await budget.acquire(2)
     first = asyncio.ensure_future(budget.acquire(4))  # must wait
     second = asyncio.ensure_future(budget.acquire(1))  # queued behind first
@@ -141,7 +141,7 @@ async def test_byte_budget_cancelled_waiters_release_their_place_and_bytes() -> 
 
 async def test_buffer_pool_hands_buffers_over_and_counts_idle_ones() -> None:
     per_chunk = CS * BPT
-    pool = bulk._BufferPool(bulk._ByteBudget(2 * per_chunk), SMALL_GEOMETRY)
+    pool = _batching.BufferPool(_batching.ByteBudget(2 * per_chunk), SMALL_GEOMETRY)
     one = await pool.acquire(CS)
     two = await pool.acquire(CS)
     assert pool.allocations == 2 and pool.budget.used == 2 * per_chunk
@@ -292,7 +292,7 @@ async def test_remap_stores_from_pooled_buffers_and_respects_the_budget(
         weakref.finalize(t, live.pop, key, None)
         return t
 
-    monkeypatch.setattr(bulk, "_allocate", tracking_allocate)
+    monkeypatch.setattr(_batching, "allocate", tracking_allocate)
     budget = 5 * CS * BPT  # five chunks
     chunk_counts = [1, 2, 3, 4, 2, 1, 3, 8, 2, 4, 1, 3, 2, 4, 1, 2] * 3  # 8 chunks > budget
     tokens = fresh_tokens(len(chunk_counts) * 400)
@@ -504,4 +504,8 @@ def test_client_methods_mirror_the_module_functions() -> None:
         for pname in list(func.parameters)[2:]:
             if pname != "timeout":
                 assert method.parameters[pname].default == func.parameters[pname].default
-            assert method.parameters[pname].kind is inspect.Parameter.KEYWORD_ONLY
+            assert method.parameters[pname].kind is func.parameters[pname].kind
+            assert method.parameters[pname].kind in (
+                inspect.Parameter.KEYWORD_ONLY,
+                inspect.Parameter.VAR_KEYWORD,
+            )

@@ -920,6 +920,8 @@ def test_remap_batch_lines_past_the_bounds_or_not_utf8_fail_alone(
         not_utf8,  # line 5
         b"# a comment in Latin-1: caf\xe9 (ignored like any comment)",
         json.dumps({"source": {"start": 4294967290, "count": 16}, "target": "16:32"}).encode(),
+        b"[" * 5000,  # line 8: nested past the recursion limit (QA-4 n1)
+        b'{"source": "0:16", "target": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5001,
     ]
     pairs, report = tmp_path / "pairs.jsonl", tmp_path / "report.jsonl"
     pairs.write_bytes(b"\n".join(text) + b"\n")
@@ -930,14 +932,19 @@ def test_remap_batch_lines_past_the_bounds_or_not_utf8_fail_alone(
         4: "invalid pair: target: 5000000 tokens; at most 4194304 are accepted",
         5: f"invalid pair: 'utf-8' codec can't decode byte 0xe9 in position {at}: invalid continuation byte",
         7: outside,
+        8: "invalid pair: JSON nested too deeply",
+        9: "invalid pair: JSON nested too deeply",
     }
     code, out, err = run_main(capsys, "remap-batch", str(pairs), "--url", srv.url, "--http-url", srv.http_url,
                               "--timeout", "30", *GEOMETRY_FLAGS, "--model-name", model, "--report", str(report),
                               "--json")  # fmt: skip
     assert code == 1
     summary = json.loads(out)
-    assert (summary["pairs"], summary["hits"], summary["misses"], summary["failures"]) == (6, 1, 0, 5)
-    assert err == "".join(f"{PROG} remap-batch: failed: line {n}: {e}\n" for n, e in errors.items())
+    assert (summary["pairs"], summary["hits"], summary["misses"], summary["failures"]) == (8, 1, 0, 7)
+    first = list(errors.items())[:5]  # stderr names the first five, the report has them all
+    assert err == "".join(f"{PROG} remap-batch: failed: line {n}: {e}\n" for n, e in first) + (
+        f"{PROG} remap-batch: ... and 2 more failures (see the report)\n"
+    )
     rows = {}
     for raw in report.read_text().splitlines():
         row = json.loads(raw)
@@ -984,9 +991,13 @@ def test_outputs_that_cannot_be_written_are_one_line_errors(
         ["retrieve", *server, "--model-name", model, "--tokens", f"{tokens[0]}:{tokens[0] + 32}", "--output",
          "/dev/full"],
     ):  # fmt: skip
-        code, out, err = run_main(capsys, *argv)
-        assert (code, out) == (1, ""), argv
-        assert err.startswith(f"{PROG} {argv[0]}: error: /dev/full: cannot write: ") and err.count("\n") == 1
+        error = f"{PROG} {argv[0]}: error: /dev/full: cannot write: No space left on device\n"
+        assert run_main(capsys, *argv) == (1, "", error), argv
+    # A file that opens but refuses the write (QA-4 n6: was torch's "basic_ios::clear: iostream
+    # error"); /proc/version opens for root and fails the write, and refuses the open otherwise.
+    why = "Input/output error" if os.geteuid() == 0 else "Permission denied"
+    error = f"{PROG} make-package: error: /proc/version: cannot write: {why}\n"
+    assert run_main(capsys, *make, "--output", "/proc/version") == (1, "", error)
 
 
 def test_a_file_that_is_not_a_package_is_told_what_a_package_is(
@@ -1203,3 +1214,59 @@ def test_an_api_keyed_server_needs_the_key_from_the_environment(
     assert json.loads(done.stdout)["stored_tokens"] == 32
     got = asyncio.run(_retrieve(srv, model, dst, "", api_key=KEY))
     assert got is not None and torch.equal(got, kv)
+
+
+def test_a_negative_looking_value_gets_the_equals_hint(capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(["lookup", *NOWHERE, "--model-name", "m", "--tokens", "-5:3"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"{PROG} lookup: error: argument --tokens: expected one argument (a value that starts "
+        "with '-' is read as an option: write --tokens=-5:3)"
+    )
+    with pytest.raises(SystemExit):  # a missing value that is not a negative number: no hint
+        main(["lookup", *NOWHERE, "--model-name", "m", "--tokens", "--json"])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"{PROG} lookup: error: argument --tokens: expected one argument"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--port", "99999"], "argument --port: 99999 is not a port number in 0..65535 (0: a free one)"),
+        (["--http-port", "-1"], "argument --http-port: -1 is not a port number in 0..65535 (0: a free one)"),
+        (["--port", "x"], "argument --port: 'x' is not a port number"),
+    ],
+)
+def test_serve_refuses_a_bad_port_while_parsing(argv: list[str], message: str) -> None:
+    """In a fresh interpreter: the error names the subcommand, and torch is not imported."""
+    code = (
+        "import sys\n"
+        "from lmcache_async.cli import main\n"
+        "try:\n"
+        f"    main(['serve', *{argv!r}])\n"
+        "except SystemExit as exc:\n"
+        "    print('exit', exc.code, 'torch' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.stdout == "exit 2 False\n"
+    assert proc.stderr.splitlines()[-1] == f"{PROG} serve: error: {message}"
+
+
+def test_demo_says_connection_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["demo", "--url", "tcp://127.0.0.1:9", "--http-url", "http://127.0.0.1:9", "--timeout", "5"]
+    assert run_main(capsys, *args) == (
+        1,
+        "",
+        f"{PROG} demo: cannot reach the LMCache server at http://127.0.0.1:9: connection refused\n",
+    )
+    code, out, err = run_main(capsys, *args, "--json")
+    assert (code, json.loads(out), err) == (
+        1,
+        {"ok": False, "error": "cannot reach the LMCache server at http://127.0.0.1:9: connection refused"},
+        "",
+    )

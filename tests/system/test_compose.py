@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_async import AsyncClient, Client, ComposeItem, ComposeResult, KVPart, RopeSpec
-from lmcache_async._compose import PartResult
+from lmcache_async import AsyncClient, Client, ComposeItem, ComposeResult, KVPart, PartResult, RopeSpec
 from tests.helpers import SESSION_CHUNK_SIZE, SMALL_GEOMETRY, fresh_tokens, peek, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio

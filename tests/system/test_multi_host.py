@@ -335,9 +335,11 @@ async def test_remote_client_of_an_shm_server_is_told_at_connect_and_retrieve_fa
         "client on the server's host, or start the server with --shm-name '' to serve KV over TCP. "
         "store and lookup work."
     )
-    with caplog.at_level(logging.WARNING, logger="lmcache_async.client"):
+    with caplog.at_level(logging.WARNING, logger="lmcache_async._session"):
         async with client_of(cluster.a, model) as remote_a:
-            assert [r.getMessage() for r in caplog.records if r.name == "lmcache_async.client"] == [expected]
+            assert [r.getMessage() for r in caplog.records if r.name == "lmcache_async._session"] == [
+                expected
+            ]
             assert remote_a.transfer == "pickle"
             # A miss fails too, before anything is sent: never a silent miss.
             with pytest.raises(TransferError) as info:

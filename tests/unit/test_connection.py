@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgpack
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -280,5 +281,61 @@ async def test_a_waiter_handed_a_place_and_cancelled_passes_it_on() -> None:
                 await second
             assert (await third).value() == "OK"
             assert (conn.in_flight, conn._busy, len(conn._place_waiters)) == (0, 0, 0)
+        finally:
+            await conn.close()
+
+
+async def test_an_urgent_call_takes_the_next_place_before_queued_calls() -> None:
+    """A cleanup (``urgent``) waiting for a place is sent before every ordinary call that
+    was already waiting (QA-4 N1: cleanups waited behind thousands of new lookups, past
+    their deadline, and were dropped); the ordinary ones then follow in arrival order."""
+    async with FakeRouter(lambda req: [("sleep", 0.05), ("reply", msgpack.unpackb(req.args[0]))]) as router:
+        conn = Connection(router.url, max_in_flight=1)
+        await conn.open()
+        try:
+            first = asyncio.create_task(conn.call(Op.END_SESSION, ("first",), timeout=5))
+            await asyncio.sleep(0.01)
+            queued = [asyncio.create_task(conn.call(Op.END_SESSION, (f"q{i}",), timeout=5)) for i in range(3)]
+            await asyncio.sleep(0.01)
+            cleanup = asyncio.create_task(conn.call(Op.END_SESSION, ("cleanup",), timeout=5, urgent=True))
+            await asyncio.sleep(0.01)
+            assert (len(conn._place_waiters), len(conn._urgent_waiters)) == (3, 1)
+            # While an urgent call waits, nothing ordinary jumps in through send_nowait.
+            assert conn.send_nowait(Op.END_SESSION, ("posted",), timeout=5) is None
+            got = [(await t).value() for t in (first, cleanup, *queued)]
+            assert got == ["first", "cleanup", "q0", "q1", "q2"]
+            assert [msgpack.unpackb(r.args[0]) for r in router.requests] == [
+                "first",
+                "cleanup",
+                "q0",
+                "q1",
+                "q2",
+            ]
+            assert (conn.in_flight, conn._busy, len(conn._place_waiters), len(conn._urgent_waiters)) == (
+                0,
+                0,
+                0,
+                0,
+            )
+        finally:
+            await conn.close()
+
+
+async def test_an_urgent_waiter_that_times_out_leaves_the_queue_and_its_place() -> None:
+    """An urgent call whose deadline passes while it waits for a place sends nothing,
+    says so (no request id) and leaves no waiter or place behind."""
+    async with FakeRouter(lambda req: [("sleep", 0.3), ("reply", "OK")]) as router:
+        conn = Connection(router.url, max_in_flight=1)
+        await conn.open()
+        try:
+            first = asyncio.create_task(conn.call(Op.NOOP, (), timeout=5))
+            await asyncio.sleep(0.01)
+            with pytest.raises(LMCacheTimeoutError, match=r"^end_session: no reply") as info:
+                await conn.call(Op.END_SESSION, ("x",), timeout=0.05, urgent=True)
+            assert info.value.request_id is None
+            assert len(conn._urgent_waiters) == 0
+            assert (await first).value() == "OK"
+            assert (conn.in_flight, conn._busy) == (0, 0)
+            assert [r.op for r in router.requests] == [Op.NOOP]
         finally:
             await conn.close()

@@ -33,7 +33,7 @@ import zmq.asyncio
 from harness.workers import EngineWorker, SDKWorker
 from lmcache_async._payload.pickle_tensors import encode_tensor_list
 from lmcache_async._wire import Op
-from lmcache_async.testing import EmbeddedServer, InProcessServer, ModelSpec, NoReply, Protocol
+from lmcache_async.testing import EmbeddedServer, InProcessServer, ModelSpec, NoReply, ServerGeneration
 
 pytestmark = pytest.mark.anyio
 
@@ -41,7 +41,7 @@ CS = 16
 SHAPE = (2, 2, CS, 8)
 NBYTES = 2 * 2 * CS * 8 * 4
 IID = 77
-PROTOCOLS: list[Protocol] = ["0.5.6", "0.5.7"]
+PROTOCOLS: list[ServerGeneration] = ["0.5.6", "0.5.7"]
 
 
 def register_payload(model: str = "m") -> dict[str, Any]:
@@ -126,7 +126,7 @@ async def hits(srv: InProcessServer, protocol: str, tokens: list[int], rid: str,
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-async def test_lmc_version_and_register_reply(protocol: Protocol) -> None:
+async def test_lmc_version_and_register_reply(protocol: ServerGeneration) -> None:
     async with EmbeddedServer(chunk_size=CS, mode="shm", size_bytes=1 << 20, protocol=protocol) as srv:
         status, body, _ = await asyncio.to_thread(_get, f"{srv.http_url}/lmc_version")
         assert (status, body) == (200, {"0.5.6": "0.5.6", "0.5.7": "0.5.7rc3.dev0"}[protocol])
@@ -141,7 +141,7 @@ async def test_lmc_version_and_register_reply(protocol: Protocol) -> None:
 
 async def test_keys_must_be_in_the_protocols_form() -> None:
     tokens = list(range(100, 100 + 2 * CS))
-    pairs: list[tuple[Protocol, Protocol]] = [("0.5.6", "0.5.7"), ("0.5.7", "0.5.6")]
+    pairs: list[tuple[ServerGeneration, ServerGeneration]] = [("0.5.6", "0.5.7"), ("0.5.7", "0.5.6")]
     for protocol, other in pairs:
         with InProcessServer(chunk_size=CS, mode="pickle", size_bytes=1 << 20, protocol=protocol) as srv:
             await srv.handle(Op.REGISTER_ENGINE_DRIVEN, [register_payload()])
@@ -396,7 +396,7 @@ def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, Any, dic
 
 
 async def test_http_api_key() -> None:
-    with pytest.raises(ValueError, match=r"api_key needs protocol='0\.5\.7'"):
+    with pytest.raises(ValueError, match=r"api_key needs generation='0\.5\.7'"):
         EmbeddedServer(api_key="k")
     with pytest.raises(ValueError, match="api_key needs"):
         EmbeddedServer(protocol="0.5.7", api_key="")
@@ -648,3 +648,31 @@ def test_the_057_dialect_side_by_side_with_the_real_057_server(
         ("status", CS),
         ("sessions/jobs", 0, 0, CS),
     ]
+
+
+def test_generation_and_its_alias_protocol() -> None:
+    import inspect
+
+    from lmcache_async.testing import GENERATIONS, PROTOCOLS, ServerOptions
+
+    assert GENERATIONS == PROTOCOLS == ("0.5.6", "0.5.7")
+    for make in (EmbeddedServer, InProcessServer):
+        srv: Any = make(chunk_size=CS, mode="pickle", size_bytes=1 << 20, generation="0.5.7")
+        assert (srv.generation, srv.protocol) == ("0.5.7", "0.5.7")
+        assert make(chunk_size=CS, mode="pickle", size_bytes=1 << 20, protocol="0.5.7").generation == "0.5.7"
+        assert make(chunk_size=CS, mode="pickle", size_bytes=1 << 20).generation == "0.5.6"
+        with pytest.raises(ValueError, match=r"^generation='0.5.7' and its alias protocol='0.5.6' differ$"):
+            make(generation="0.5.7", protocol="0.5.6")
+        with pytest.raises(ValueError, match=r"^unknown server generation '0.5.8'; known: 0.5.6, 0.5.7$"):
+            make(generation="0.5.8")  # type: ignore[arg-type]
+        if isinstance(srv, InProcessServer):
+            srv.close()
+    # ServerOptions names exactly the constructor's keywords (start_in_thread takes them).
+    params = inspect.signature(EmbeddedServer).parameters
+    assert list(ServerOptions.__annotations__) == list(params)
+    assert ServerOptions.__total__ is False
+    handle = EmbeddedServer.start_in_thread(
+        chunk_size=CS, mode="pickle", size_bytes=1 << 20, generation="0.5.7"
+    )
+    with handle:
+        assert (handle.generation, handle.protocol, handle.server.chunk_size) == ("0.5.7", "0.5.7", CS)

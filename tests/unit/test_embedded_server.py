@@ -116,7 +116,7 @@ class Raw:
         """Request frames: via :func:`wire.encode_request` for a well-formed request with a
         legacy id, by hand otherwise (names, wrong arity, unknown ids)."""
         self.uid += 1
-        if isinstance(op, Op) and len(args) == wire.OP_ARITY[op]:
+        if isinstance(op, Op) and len(args) == op.arity:
             return [bytes(f) for f in wire.encode_request(self.uid, op, args)]
         return [packb(self.uid), packb(op), *(packb(a) for a in args)]
 
@@ -580,6 +580,18 @@ def test_start_in_thread_from_sync_code() -> None:
     assert not os.path.exists(handle.shm_segment)
     with pytest.raises(ValueError, match="mode"):
         EmbeddedServer.start_in_thread(mode="tcp")  # type: ignore[arg-type]
+
+
+def test_plain_with_is_refused_with_the_hint() -> None:
+    server = EmbeddedServer(chunk_size=CS, size_bytes=1 << 16)
+    with pytest.raises(TypeError) as info:
+        with server:
+            pass  # pragma: no cover
+    assert str(info.value) == (
+        "EmbeddedServer is asynchronous: use `async with EmbeddedServer(...)` in a coroutine, "
+        "or `EmbeddedServer.start_in_thread(...)` (a context manager) from blocking code"
+    )
+    assert server.shm_segment is not None and not os.path.exists(server.shm_segment)  # nothing started
 
 
 # --------------------------------------------------------------------------- the client

@@ -75,7 +75,7 @@ def test_state_errors_keep_their_old_bases() -> None:
         assert issubclass(cls, lmc.ClientStateError) and issubclass(cls, RuntimeError), cls
         assert issubclass(cls, lmc.LMCacheError)
     assert issubclass(lmc.ForkedSyncClientError, lmc.ForkedClientError)
-    assert lmc.SyncUsageError is lmc.sync_client.SyncUsageError  # the old import path
+    assert "SyncUsageError" not in lmc.sync_client.__all__  # one home: lmcache_async.errors
 
 
 @pytest.mark.parametrize(
@@ -158,7 +158,7 @@ def test_default_is_a_typed_singleton() -> None:
     assert list(DefaultType) == [DEFAULT]
     assert repr(DEFAULT) == "DEFAULT"
     assert pickle.loads(pickle.dumps(DEFAULT)) is DEFAULT
-    assert bulk.CLIENT_DEFAULT is DEFAULT  # the old name still works
+    assert not hasattr(bulk, "CLIENT_DEFAULT")  # one name: lmcache_async.DEFAULT
     timeout: float | DefaultType | None = DEFAULT
     assert resolve_timeout(timeout, 60.0) == 60.0
     assert resolve_timeout(None, 60.0) is None

@@ -43,9 +43,7 @@ from lmcache_async._payload.tensor_envelope import encode_tensor_envelope
 from lmcache_async._runner import OpState
 from lmcache_async._shm import ShmPool
 from lmcache_async.errors import LMCacheError, LMCacheTimeoutError, ProtocolError, UnsafePayloadError
-from lmcache_async.geometry import dtype_name
-from lmcache_async.testing import InProcessServer, NoReply
-from lmcache_async.testing.dialect import Protocol
+from lmcache_async.testing import InProcessServer, NoReply, ServerGeneration
 from tests.helpers import SMALL_GEOMETRY
 from tests.plugins.hypothesis_budget import examples
 
@@ -487,29 +485,16 @@ async def _run_tampered(
     srv = InProcessServer(
         chunk_size=OPS_CS,
         mode=mode,
-        protocol=cast(Protocol, generation.name),
+        generation=cast(ServerGeneration, generation.name),
         size_bytes=4 << 20,
         shm_name=name,
     )
     pool: ShmPool | None = None
     try:
         geom = SMALL_GEOMETRY
-        payload = wire.RegisterPayload(
-            instance_id=7,
-            model_name="m",
-            world_size=1,
-            block_size=geom.block_size,
-            num_layers=geom.num_layers,
-            hidden_dim_size=geom.hidden_dim,
-            dtype_str=dtype_name(geom.dtype),
-            use_mla=False,
-            num_physical_slots=OPS_CS,
-        )
-        shm_name, pool_size = wire.parse_register_response(
-            await srv.handle(wire.Op.REGISTER_ENGINE_DRIVEN, [payload.to_wire()])
-        )
-        pool = ShmPool(shm_name, pool_size) if shm_name else None
-        reg = Registration("m", geom, OPS_CS, generation, 7, pool=pool, server_has_shm=bool(shm_name))
+        made = await srv.register(geom, instance_id=7)
+        pool = ShmPool(made.shm_name, made.pool_size) if made.shm_name else None
+        reg = Registration("m", geom, OPS_CS, generation, 7, pool=pool, server_has_shm=bool(made.shm_name))
         channel = TamperingChannel(srv, generation)
         ops = Operations(channel, reg, cleanup_grace=1.0)
         toks, other = list(range(100, 100 + OPS_END)), list(range(900, 900 + OPS_END))

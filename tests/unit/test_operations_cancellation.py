@@ -29,12 +29,9 @@ from lmcache_async._wire import (
     GEN_0_5_6,
     GEN_0_5_7,
     Op,
-    RegisterPayload,
     WireGeneration,
-    parse_register_response,
 )
 from lmcache_async.errors import LMCacheTimeoutError
-from lmcache_async.geometry import dtype_name
 from lmcache_async.rope import RopeSpec
 from lmcache_async.testing import InProcessServer, NoReply
 from tests.helpers import SMALL_GEOMETRY
@@ -85,31 +82,17 @@ class Harness:
         self._base = int.from_bytes(os.urandom(2), "little") * 10_000
 
     async def register(self) -> None:
-        geom = SMALL_GEOMETRY
-        payload = RegisterPayload(
-            instance_id=1234,
-            model_name="m",
-            world_size=1,
-            block_size=geom.block_size,
-            num_layers=geom.num_layers,
-            hidden_dim_size=geom.hidden_dim,
-            dtype_str=dtype_name(geom.dtype),
-            use_mla=False,
-            num_physical_slots=CS,
-        )
-        shm_name, pool_size = parse_register_response(
-            await self.srv.handle(Op.REGISTER_ENGINE_DRIVEN, [payload.to_wire()])
-        )
-        if shm_name:
-            self.pool = ShmPool(shm_name, pool_size)
+        made = await self.srv.register(SMALL_GEOMETRY)
+        if made.shm_name:
+            self.pool = ShmPool(made.shm_name, made.pool_size)
         self.reg = Registration(
-            model_name="m",
-            geometry=geom,
-            chunk_size=CS,
+            model_name=made.model_name,
+            geometry=made.geometry,
+            chunk_size=made.chunk_size,
             wire=self.wire,
-            instance_id=1234,
+            instance_id=made.instance_id,
             pool=self.pool,
-            server_has_shm=bool(shm_name),
+            server_has_shm=bool(made.shm_name),
             fifo_cpu=self.fifo_cpu,
         )
 

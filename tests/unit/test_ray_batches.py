@@ -110,6 +110,18 @@ def test_one_batch_rows_and_targets(embedded_server_shm: Any) -> None:
         (None, "hit", 2 * CS, True),
         (None, "hit", CS, True),
     ]
+    # Pairs for which nothing can be stored: errors (so a resume retries them), not misses.
+    short = {
+        "source": np.array([np.array(sources[1]), np.array([], dtype=np.int64)], dtype=object),
+        "target": np.array([np.array(fresh_tokens(CS - 1)), np.array([], dtype=np.int64)], dtype=object),
+    }
+    rows = remap(short).to_pylist()
+    assert [(r["status"], r["error_type"], r["error"], r["stored_tokens"]) for r in rows] == [
+        ("error", "ValueError",
+         f"invalid pair: the target has {CS - 1} tokens, fewer than one chunk ({CS}): nothing would be stored", 0),
+        ("error", "ValueError", "invalid pair: the source is empty", 0),
+    ]  # fmt: skip
+    assert ray_mod.done_keys(rows) == set()
     remap.client.close()
 
 

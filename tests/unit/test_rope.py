@@ -124,6 +124,15 @@ def test_bad_arguments_are_refused() -> None:
         spec.shift(random_kv(), 1.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="out is"):
         spec.shift(random_kv(), 1, out=random_kv(torch.bfloat16))
+    kv = random_kv()
+    for delta in (2**32, -(2**32), 10**30, 2**63, -(2**63) - 1):
+        with pytest.raises(ValueError, match="out of range") as info:
+            spec.shift(kv, delta)
+        assert str(info.value) == f"delta {delta} is out of range: |delta| must be below 2**32"
+        with pytest.raises(ValueError, match=r"\|delta\| must be below 2\*\*32"):
+            spec.rotate_keys(kv[0], delta, out=kv[0].clone())
+    edge = spec.shift(kv, 2**32 - 1)  # the largest accepted delta
+    assert torch.equal(spec.shift(kv, -(2**32) + 1, out=edge.clone())[1], kv[1])
     with pytest.raises(ValueError, match=r"rotary_dim must be an even int in \[2, head_dim=64\], got 33"):
         RopeSpec(HD, rotary_dim=33)
     with pytest.raises(ValueError, match="theta must be a number > 0"):
@@ -354,6 +363,42 @@ def test_per_layer_types_and_no_rope_layers() -> None:
 def test_refused_kinds(config: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         RopeSpec.from_hf_config(config)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"head_dim": "64", "rope_theta": [1]}, "the config's rope_theta must be a number, got [1]"),
+        ({"head_dim": [64], "rope_theta": 1e4}, "the config's head_dim must be an integer, got [64]"),
+        ({"head_dim": 64.5, "rope_theta": 1e4}, "the config's head_dim must be an integer, got 64.5"),
+        (
+            {"head_dim": 64, "rope_theta": 1e4, "rope_scaling": {"rope_type": "linear", "factor": "x"}},
+            "the config's factor must be a number, got 'x'",
+        ),
+        (
+            {"head_dim": 64, "rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": {}}},
+            "the config's low_freq_factor must be a number, got {}",
+        ),
+        (
+            {"head_dim": 64, "rope_theta": 1e4, "rotary_dim": "a"},
+            "the config's rotary_dim must be an integer, got 'a'",
+        ),
+        ({"head_dim": 64, "rope_theta": True}, "the config's rope_theta must be a number, got True"),
+    ],
+    ids=[
+        "theta-list",
+        "head_dim-list",
+        "head_dim-fraction",
+        "factor-str",
+        "low_freq-dict",
+        "rotary_dim",
+        "bool",
+    ],
+)
+def test_non_numeric_config_fields_are_named(config: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match="the config's ") as info:
+        RopeSpec.from_hf_config(config)
+    assert str(info.value) == message
 
 
 def test_from_a_real_transformers_5_config_object_with_yarn() -> None:

@@ -22,7 +22,14 @@ from lmcache_async.cli.sharding import (
 
 @pytest.mark.parametrize(
     ("text", "index", "count"),
-    [("1/1", 1, 1), ("1/4", 1, 4), ("4/4", 4, 4), (" 2 / 3 ", 2, 3), ("10/12", 10, 12)],
+    [
+        ("1/1", 1, 1),
+        ("1/4", 1, 4),
+        ("4/4", 4, 4),
+        (" 2 / 3 ", 2, 3),
+        ("10/12", 10, 12),
+        ("4194304/4194304", 4194304, 4194304),
+    ],
 )
 def test_parse_shard(text: str, index: int, count: int) -> None:
     shard = parse_shard(text)
@@ -36,6 +43,8 @@ def test_parse_shard(text: str, index: int, count: int) -> None:
         ("0/4", "shard index must be in 1..4, got 0"),
         ("5/4", "shard index must be in 1..4, got 5"),
         ("1/0", "shard count must be >= 1, got 0"),
+        ("1/4194305", "shard count must be at most 4194304, got 4194305"),
+        ("1/99999999999999999999", "shard count must be at most 4194304, got 99999999999999999999"),
         ("1", "a shard is written I/N with 1 <= I <= N (e.g. 1/4), got '1'"),
         ("a/b", "a shard is written I/N with 1 <= I <= N (e.g. 1/4), got 'a/b'"),
         ("-1/4", "a shard is written I/N with 1 <= I <= N (e.g. 1/4), got '-1/4'"),
@@ -124,6 +133,7 @@ def test_shard_arg_auto(text: str, expected: Shard | AutoShard) -> None:
     ("text", "message"),
     [
         ("auto/0", "shard count must be an int >= 1, got 0"),
+        ("auto/4194305", "shard count must be at most 4194304, got 4194305"),
         ("auto/x", "a shard is written I/N with 1 <= I <= N (e.g. 1/4), got 'auto/x'"),
         ("Auto", "a shard is written I/N with 1 <= I <= N (e.g. 1/4), got 'Auto'"),
     ],
@@ -207,6 +217,11 @@ def test_shard_from_env(env: dict[str, str], count: int | None, shard: Shard, so
         ({"JOB_COMPLETION_INDEX": "one", SHARD_COUNT_VAR: "2"}, None, "JOB_COMPLETION_INDEX='one' is not an integer"),
         ({"JOB_COMPLETION_INDEX": "0", SHARD_COUNT_VAR: "0"}, None,
          "JOB_COMPLETION_INDEX=0 of 0: the shard count must be >= 1, got 0"),
+        ({"JOB_COMPLETION_INDEX": "0", SHARD_COUNT_VAR: "99999999999999999999"}, None,  # QA-4 n6
+         "JOB_COMPLETION_INDEX=0 of 99999999999999999999: the shard count must be at most 4194304, "
+         "got 99999999999999999999"),
+        ({"RANK": "0", "WORLD_SIZE": "4194305"}, None,
+         "RANK=0 of WORLD_SIZE=4194305: the shard count must be at most 4194304, got 4194305"),
         (
             {"SLURM_ARRAY_TASK_ID": "3"},
             None,

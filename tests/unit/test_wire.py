@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import enum
+import time
+from collections.abc import Sequence
+from typing import Any
 
 import msgpack
 import numpy
@@ -141,6 +144,51 @@ def test_bad_salts(salt: str, message: str) -> None:
 def test_salt_type() -> None:
     with pytest.raises(TypeError, match="cache_salt must be a str, got int"):
         wire.validate_cache_salt(3)
+
+
+def test_token_lists_longer_than_the_bound_are_refused_before_they_are_walked() -> None:
+    """QA-4 N2: ``lookup(range(2**40))`` walked its ids on the event loop for ever. The
+    length is checked first (``len()``), for every kind of sequence, with one bound that
+    the command line shares."""
+    from lmcache_async.cli.arguments import MAX_TOKENS as CLI_MAX_TOKENS
+
+    assert wire.MAX_TOKENS == CLI_MAX_TOKENS == 4_194_304
+    n = wire.MAX_TOKENS
+    assert wire.validate_tokens(range(n)) == list(range(n))  # the bound itself is accepted
+    too_long = f"tokens has {n + 1} tokens; at most 4194304 (2**22) are accepted"
+    for tokens in (
+        range(n + 1),
+        [0] * (n + 1),
+        (0,) * (n + 1),
+        numpy.zeros(n + 1, dtype=numpy.int64),
+        torch.zeros(n + 1, dtype=torch.int64),
+    ):
+        with pytest.raises(ValueError, match=r"are accepted$") as info:
+            wire.validate_tokens(tokens)
+        assert str(info.value) == too_long
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"are accepted$") as info:
+        wire.validate_tokens(range(2**40), "source_tokens")
+    assert str(info.value) == "source_tokens has 1099511627776 tokens; at most 4194304 (2**22) are accepted"
+    with pytest.raises(ValueError, match=r"are accepted$") as info:
+        wire.validate_tokens(range(2**70))
+    assert (
+        str(info.value) == "tokens has more tokens than fit in an index; at most 4194304 (2**22) are accepted"
+    )
+    # A lazy sequence is never walked: a broken one that says it is long fails on its length.
+    with pytest.raises(ValueError, match=r"^tokens has 4194305 tokens"):
+        wire.validate_tokens(_LongLazy())
+    assert time.perf_counter() - start < 0.1
+
+
+class _LongLazy(Sequence[int]):
+    """A sequence that claims 2**22 + 1 ids and raises if any is read."""
+
+    def __len__(self) -> int:
+        return wire.MAX_TOKENS + 1
+
+    def __getitem__(self, index: Any) -> Any:
+        raise AssertionError("an id was read")
 
 
 def test_tokens_validation() -> None:

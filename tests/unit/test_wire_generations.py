@@ -53,7 +53,7 @@ def test_0_5_7_appends_the_new_trailing_frames() -> None:
     assert bytes(explicit[-1]) == b"\x91\x92\x00\x10"
     assert len(wire.encode_request(3, Op.PREPARE_STORE, [key, 5], GEN_0_5_6)) == 4
     for op in (Op.COMMIT_STORE, Op.PREPARE_RETRIEVE, Op.COMMIT_RETRIEVE, Op.LOOKUP, Op.END_SESSION):
-        assert GEN_0_5_7.arity(op) == GEN_0_5_6.arity(op) == wire.OP_ARITY[op]
+        assert GEN_0_5_7.arity(op) == GEN_0_5_6.arity(op) == op.arity
     with pytest.raises(ValueError, match=r"prepare_store takes 3 argument frames, got 4 \(the 0.5.7 wire\)"):
         wire.encode_request(3, Op.PREPARE_STORE, [key, 5, (), ()], GEN_0_5_7)
     with pytest.raises(ValueError, match=r"prepare_store takes 2 argument frames, got 3 \(the 0.5.6 wire\)"):

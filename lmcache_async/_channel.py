@@ -1,0 +1,63 @@
+"""The channel of the client's ZMQ connection (:class:`ConnectionChannel`), beside
+:class:`~lmcache_async._connection.Connection`: what the operations
+(:mod:`lmcache_async._ops`) send their requests through, retired when the server behind the
+connection is found replaced."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from lmcache_async._connection import Connection
+from lmcache_async._wire import Op, op_name
+from lmcache_async.errors import ServerReplacedError
+
+__all__ = ["ConnectionChannel", "replaced_message"]
+
+
+class ConnectionChannel:
+    """The channel (:class:`~lmcache_async._ops.PostingChannel`) of a ZMQ connection, for
+    the operations of one server: when that server is found replaced, the channel is
+    retired (a new one serves the new server) and its operations' requests fail at once
+    with :class:`~lmcache_async.errors.ServerReplacedError`, cleanups included (nothing of
+    theirs exists there)."""
+
+    __slots__ = ("_conn", "retired")
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self.retired = False
+
+    @property
+    def usable(self) -> bool:
+        return not self.retired and self._conn.usable
+
+    async def call(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> Any:
+        if self.retired:
+            raise ServerReplacedError(replaced_message(opcode, self._conn.url))
+        reply = await self._conn.call(opcode, args, timeout=timeout)
+        return reply.value()
+
+    async def call_urgent(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> Any:
+        """:meth:`call` for a cleanup: it takes the next free place on the connection
+        before any new request (see :meth:`~lmcache_async._connection.Connection.call`)."""
+        if self.retired:
+            raise ServerReplacedError(replaced_message(opcode, self._conn.url))
+        reply = await self._conn.call(opcode, args, timeout=timeout, urgent=True)
+        return reply.value()
+
+    def post(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> asyncio.Future[Any] | None:
+        """Send a request now and return the future of its reply (a
+        :class:`~lmcache_async._wire.Reply`) without waiting; ``None`` when it cannot be
+        sent at once (see :meth:`~lmcache_async._connection.Connection.send_nowait`)."""
+        if self.retired:
+            return None
+        return self._conn.send_nowait(opcode, args, timeout=timeout)
+
+
+def replaced_message(opcode: Op, url: str) -> str:
+    return (
+        f"{op_name(opcode)}: the LMCache server behind {url} was replaced (a new server instance, "
+        "with no visible disconnect); the client registers with the new one"
+    )
