@@ -8,8 +8,10 @@
 
 The public modules are ``client``, ``sync_client``, ``bulk``, ``results``, ``geometry``, ``rope``,
 ``errors``, ``defaults`` (``DEFAULT``, what a ``timeout=`` means), ``kvcache`` (the official SDK's
-drop-in), ``hf`` (transformers), ``ray`` (Ray Data), ``testing`` (the embedded server), ``observe``
-(the operation hook), ``otel`` (OpenTelemetry) and ``cli``; modules
+drop-in), ``hf`` (transformers), ``hf_blend`` (the selective repair of composed prompts), ``ray``
+(Ray Data), ``testing`` (the embedded server), ``observe`` (the operation hook), ``otel``
+(OpenTelemetry), ``events`` (KV events), ``hashing`` (the server's chunk hashes), ``management``
+(capabilities, warm, delete, clear), ``fleet`` (routing by cached prefix) and ``cli``; modules
 whose name starts with ``_`` are the implementation, with no promise. The names below are
 re-exported here from their public homes.
 """
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
         ForkedClientError as ForkedClientError,
         ForkedSyncClientError as ForkedSyncClientError,
         HTTPStatusError as HTTPStatusError,
+        KVEventsDisabledError as KVEventsDisabledError,
         LayoutMismatchError as LayoutMismatchError,
         LMCacheConnectionError as LMCacheConnectionError,
         LMCacheError as LMCacheError,
@@ -66,11 +69,27 @@ if TYPE_CHECKING:
         UnfilledReservationError as UnfilledReservationError,
         UnknownServerVersionWarning as UnknownServerVersionWarning,
         UnsafePayloadError as UnsafePayloadError,
+        UnsupportedHashAlgorithmError as UnsupportedHashAlgorithmError,
         UnsupportedServerVersionError as UnsupportedServerVersionError,
         WrongEventLoopError as WrongEventLoopError,
     )
+    from lmcache_async.events import (
+        RemovedEvent as RemovedEvent,
+        Resync as Resync,
+        StoredEvent as StoredEvent,
+    )
+    from lmcache_async.fleet import (
+        Fleet as Fleet,
+    )
     from lmcache_async.geometry import (
         KVGeometry as KVGeometry,
+    )
+    from lmcache_async.hashing import (
+        chunk_hashes as chunk_hashes,
+    )
+    from lmcache_async.management import (
+        DeleteResult as DeleteResult,
+        WarmResult as WarmResult,
     )
     from lmcache_async.observe import (
         Observer as Observer,
@@ -139,6 +158,10 @@ _EXPORTS: Final[dict[str, tuple[str, ...]]] = {
         "remove_observer",
     ),
     "lmcache_async.otel": ("instrument", "uninstrument"),
+    "lmcache_async.events": ("RemovedEvent", "Resync", "StoredEvent"),
+    "lmcache_async.hashing": ("chunk_hashes",),
+    "lmcache_async.management": ("DeleteResult", "WarmResult"),
+    "lmcache_async.fleet": ("Fleet",),
 }
 _HOME: Final[dict[str, str]] = {name: module for module, names in _EXPORTS.items() for name in names}
 

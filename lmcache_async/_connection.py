@@ -211,6 +211,7 @@ class PendingTable:
 
     def __init__(self) -> None:
         self._entries: dict[int, _Entry] = {}
+        self.streams: dict[int, Any] = {}  # uid: its _reply_stream.ReplyStream (many replies)
         self._uids = itertools.count()
         self.dropped_unknown = 0
         self.dropped_mismatch = 0
@@ -233,6 +234,8 @@ class PendingTable:
 
     def resolve(self, reply: Reply) -> bool:
         """Route a reply; returns False (and counts it) if it was dropped."""
+        if self.streams and (stream := self.streams.get(reply.uid)) is not None:
+            return bool(stream.accept(reply, self))
         entry = self._entries.get(reply.uid)
         if entry is None or entry.future.done():
             self.dropped_unknown += 1
@@ -246,14 +249,20 @@ class PendingTable:
         return True
 
     def fail_all(self, exc_factory: Any) -> int:
-        """Fail every in-flight future with ``exc_factory(op)`` and empty the table;
-        returns how many."""
-        entries = list(self._entries.values())
+        """Fail every in-flight future (and open stream) with ``exc_factory(op)`` and
+        empty the table; returns how many."""
+        entries, streams = list(self._entries.values()), list(self.streams.values())
         self._entries.clear()
+        self.streams.clear()
         for entry in entries:
             if not entry.future.done():
                 entry.future.set_exception(exc_factory(entry.op))
-        return len(entries)
+        for stream in streams:
+            stream.fail(exc_factory(stream.op))
+        return len(entries) + len(streams)
+
+    def next_uid(self) -> int:
+        return next(self._uids)
 
 
 class Connection:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from lmcache_async._cuda.hooks import caller_device, on_caller_streams
 from lmcache_async._defaults import DEFAULT
+from lmcache_async._loop_thread import ready
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
@@ -18,9 +19,11 @@ if TYPE_CHECKING:
 
     import torch
 
+    from lmcache_async import management
     from lmcache_async._defaults import DefaultType
     from lmcache_async.bulk import BatchOptions, BatchResult, ComposeItem, RemapPair, RetrieveItem, StoreItem
     from lmcache_async.client import AsyncClient
+    from lmcache_async.events import KVEvent
     from lmcache_async.geometry import KVGeometry
     from lmcache_async.results import ComposeResult, KVPart, RemapResult
     from lmcache_async.rope import RopeSpec
@@ -98,6 +101,12 @@ class SyncMethods:
     def num_kv_readers(self) -> int:
         """Read locks a lookup reserves per object."""
         return self._async.num_kv_readers
+
+    @property
+    def hash_algorithm(self) -> str:
+        """The server's ``--hash-algorithm`` (read at connect; chunk hashes: blake3 only)."""
+        self._check_process()
+        return self._async.hash_algorithm
 
     def lookup(self, tokens: Sequence[int], cache_salt: str = "", *, request_configs: Mapping[str, Any] | None = None, timeout: float | DefaultType | None = DEFAULT) -> int:
         """Length in tokens of the longest cached chunk-aligned prefix of ``tokens``.
@@ -191,6 +200,56 @@ class SyncMethods:
         """
         deadline = self._deadline(timeout)
         return self._run("drain", self._bound(deadline), lambda: self._async.drain(deadline))
+
+    def kv_events(self, model_name: str | None = None, *, cursor: int = 0, incarnation: int | None = None, max_events: int = 256, ping_interval: float = 10.0, reconnect_timeout: float | None = 60.0) -> Iterator[KVEvent]:
+        """The server's KV events of ``model_name`` (default: this client's) as they come: arguments, errors,
+        cancellation: :func:`lmcache_async._event_stream.subscribe`; what they see: docs/guides/routing.md.
+
+        Blocking :meth:`AsyncClient.kv_events <lmcache_async.AsyncClient.kv_events>` (its
+        arguments, result, errors and cancellation) (an iterator: each step is a blocking call;
+        leaving it early closes the stream); the caller waits as long as it runs (``timeout`` is
+        per item), and Ctrl-C cancels it. Each step waits for the next event without a deadline
+        (an idle server sends nothing); bad arguments raise at the first step, before anything
+        is sent.
+        """
+        return self._iterate("kv_events", None, lambda: ready(self._async.kv_events(model_name, cursor=cursor, incarnation=incarnation, max_events=max_events, ping_interval=ping_interval, reconnect_timeout=reconnect_timeout)))
+
+    def experimental(self, *, timeout: float | DefaultType | None = DEFAULT) -> frozenset[str]:
+        """The server's advertised experimental features: :func:`lmcache_async.management.experimental`.
+
+        Blocking :meth:`AsyncClient.experimental <lmcache_async.AsyncClient.experimental>` (its
+        arguments, result, errors and cancellation); the caller waits at most ``timeout +
+        cleanup_grace``.
+        """
+        deadline = self._deadline(timeout)
+        return self._run("experimental", self._bound(deadline), lambda: self._async.experimental(timeout=deadline))
+
+    def clear(self, *, force: bool, timeout: float | DefaultType | None = DEFAULT) -> None:
+        """DANGER: empties L1 for EVERY model and salt: see :func:`lmcache_async.management.clear`.
+
+        Blocking :meth:`AsyncClient.clear <lmcache_async.AsyncClient.clear>` (its arguments,
+        result, errors and cancellation); the caller waits at most ``timeout + cleanup_grace``.
+        """
+        deadline = self._deadline(timeout)
+        return self._run("clear", self._bound(deadline), lambda: self._async.clear(force=force, timeout=deadline))
+
+    def warm(self, tokens: Sequence[int], cache_salt: str = "", *, timeout: float | DefaultType | None = DEFAULT) -> management.WarmResult:
+        """Loads ``tokens``' chunks from L2 into L1, left there: see :func:`lmcache_async.management.warm`.
+
+        Blocking :meth:`AsyncClient.warm <lmcache_async.AsyncClient.warm>` (its arguments,
+        result, errors and cancellation); the caller waits at most ``timeout + cleanup_grace``.
+        """
+        deadline = self._deadline(timeout)
+        return self._run("warm", self._bound(deadline), lambda: self._async.warm(tokens, cache_salt, timeout=deadline))
+
+    def delete(self, tokens: Sequence[int], cache_salt: str = "", *, start: int = 0, tier: management.Tier = "l1", force: bool = False, timeout: float | DefaultType | None = DEFAULT) -> management.DeleteResult:
+        """DANGER: deletes chunks for all the model's clients: see :func:`lmcache_async.management.delete`.
+
+        Blocking :meth:`AsyncClient.delete <lmcache_async.AsyncClient.delete>` (its arguments,
+        result, errors and cancellation); the caller waits at most ``timeout + cleanup_grace``.
+        """
+        deadline = self._deadline(timeout)
+        return self._run("delete", self._bound(deadline), lambda: self._async.delete(tokens, cache_salt, start=start, tier=tier, force=force, timeout=deadline))
 
     def remap_many(self, pairs: Iterable[RemapPair | Sequence[Any]], **options: Unpack[BatchOptions]) -> BatchResult:
         """Remap many (source, target) pairs concurrently: see :func:`lmcache_async.bulk.remap_many`.

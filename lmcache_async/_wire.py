@@ -147,6 +147,8 @@ class Op(enum.IntEnum):
     PING = (22, "ping", 1)
     NOOP = (24, "noop", 0)
     GET_EXPERIMENTAL = (32, "get_experimental", 0)
+    # string-only (no legacy id): instance_id, model_name, cursor, max_events; streaming
+    SUBSCRIBE_KV_EVENTS = (-1, "subscribe_kv_events", 4)
 
     @property
     def wire(self) -> int | str:

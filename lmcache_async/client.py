@@ -25,16 +25,17 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Awaitable, Iterable, Mapping, Sequence, Sized
+from collections.abc import AsyncGenerator, Awaitable, Iterable, Mapping, Sequence, Sized
 from typing import Any, Literal, TypedDict, Unpack
 
 import torch
 
-from lmcache_async import _client_core as core, _compose, _observing as observing, bulk, observe
+from lmcache_async import _client_core as core, _compose, _observing as observing, bulk, management, observe
 from lmcache_async._client_core import align
 from lmcache_async._connection import DEFAULT_MAX_IN_FLIGHT, check_zmq_url
 from lmcache_async._cuda.hooks import kv_mark, target_mark
 from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout
+from lmcache_async._event_stream import subscribe
 from lmcache_async._ops import Operations
 from lmcache_async._runner import OpState, wait_all
 from lmcache_async._session import Session
@@ -55,6 +56,7 @@ from lmcache_async.errors import (
     TransferError,
     WrongEventLoopError,
 )
+from lmcache_async.events import KVEvent
 from lmcache_async.geometry import KVGeometry
 from lmcache_async.results import ComposeResult, KVPart, RemapResult, TransferMode
 from lmcache_async.rope import RopeSpec
@@ -281,6 +283,12 @@ class AsyncClient(core.ClientCore):
     def num_kv_readers(self) -> int:
         """Read locks a lookup reserves per object."""
         return self._session.num_kv_readers
+
+    @property
+    def hash_algorithm(self) -> str:
+        """The server's ``--hash-algorithm`` (read at connect; chunk hashes: blake3 only)."""
+        self._require_open()
+        return management.hash_algorithm(self._session.meta)
 
     def __repr__(self) -> str:
         return (
@@ -781,6 +789,35 @@ class AsyncClient(core.ClientCore):
         timeout = self._timeout(timeout)
         self._check_loop()
         return await wait_all(self._ops, timeout)
+
+    async def kv_events(self, model_name: str | None = None, *, cursor: int = 0,
+                        incarnation: int | None = None, max_events: int = 256, ping_interval: float = 10.0,
+                        reconnect_timeout: float | None = 60.0) -> AsyncGenerator[KVEvent]:  # fmt: skip
+        """The server's KV events of ``model_name`` (default: this client's) as they come: arguments, errors,
+        cancellation: :func:`lmcache_async._event_stream.subscribe`; what they see: docs/guides/routing.md."""
+        async with subscribe(self, model_name, cursor, incarnation, max_events, ping_interval,
+                             reconnect_timeout) as stream:  # fmt: skip
+            async for event in stream:
+                yield event
+
+    async def experimental(self, *, timeout: float | DefaultType | None = DEFAULT) -> frozenset[str]:
+        """The server's advertised experimental features: :func:`lmcache_async.management.experimental`."""
+        return await management.experimental(self, timeout)
+
+    async def clear(self, *, force: bool, timeout: float | DefaultType | None = DEFAULT) -> None:
+        """DANGER: empties L1 for EVERY model and salt: see :func:`lmcache_async.management.clear`."""
+        await management.clear(self, force, timeout)
+
+    async def warm(self, tokens: Sequence[int], cache_salt: str = "", *,
+                   timeout: float | DefaultType | None = DEFAULT) -> management.WarmResult:  # fmt: skip
+        """Loads ``tokens``' chunks from L2 into L1, left there: see :func:`lmcache_async.management.warm`."""
+        return await management.warm(self, tokens, cache_salt, timeout)
+
+    async def delete(self, tokens: Sequence[int], cache_salt: str = "", *, start: int = 0,
+                     tier: management.Tier = "l1", force: bool = False,
+                     timeout: float | DefaultType | None = DEFAULT) -> management.DeleteResult:  # fmt: skip
+        """DANGER: deletes chunks for all the model's clients: see :func:`lmcache_async.management.delete`."""
+        return await management.delete(self, tokens, cache_salt, start, tier, force, timeout)
 
     # ---- bulk operations (lmcache_async.bulk) ----
 

@@ -22,6 +22,8 @@ Where callers already catch a builtin, the error also derives from it::
      |    |    +-- UnsafePayloadError                        a pickle reply that is not plain tensors
      |    |    +-- LayoutMismatchError                       KV of another geometry under the model
      |    +-- UnsupportedServerVersionError                  /lmc_version: a generation not spoken
+     |    +-- KVEventsDisabledError                          the server's KV-event channel is off
+     |    +-- UnsupportedHashAlgorithmError                  chunk hashes a client cannot compute
      |    +-- HTTPStatusError                                an HTTP route answered other than 200
      |         +-- AuthenticationError (also PermissionError) 401: an API key is needed or wrong
      +-- TransferError                                       a store/retrieve could not move the data
@@ -52,6 +54,7 @@ __all__ = [
     "ForkedClientError",
     "ForkedSyncClientError",
     "HTTPStatusError",
+    "KVEventsDisabledError",
     "LMCacheConnectionError",
     "LMCacheError",
     "LMCacheTimeoutError",
@@ -66,6 +69,7 @@ __all__ = [
     "UnfilledReservationError",
     "UnknownServerVersionWarning",
     "UnsafePayloadError",
+    "UnsupportedHashAlgorithmError",
     "UnsupportedServerVersionError",
     "WrongEventLoopError",
 ]
@@ -236,6 +240,17 @@ class UnsupportedServerVersionError(ServerError):
     def __init__(self, version: object, reason: str) -> None:
         self.version = version
         super().__init__(f"unsupported LMCache server version {version!r}: {reason}")
+
+
+class KVEventsDisabledError(ServerError):
+    """The server's KV-event channel is off (``--kv-event-log-size 0`` or
+    ``--disable-observability``): it answers subscriptions with ``enabled=False``
+    (:meth:`lmcache_async.AsyncClient.kv_events`)."""
+
+
+class UnsupportedHashAlgorithmError(ServerError):
+    """The server hashes chunks with an algorithm a client cannot reproduce (only the
+    default ``--hash-algorithm blake3`` can be: :mod:`lmcache_async.hashing`)."""
 
 
 class HTTPStatusError(ServerError):

@@ -131,6 +131,15 @@ FACADE: Final = {
     "store_many": Twin(bound=False, cuda=()),
     "retrieve_many": Twin(bound=False, cuda=(), device="device"),
     "compose_many": Twin(bound=False),
+    "kv_events": Twin(
+        bound=False,
+        note="Each step waits for the next event without a deadline (an idle server sends nothing); "
+        "bad arguments raise at the first step, before anything is sent.",
+    ),
+    "experimental": Twin(),
+    "clear": Twin(),
+    "warm": Twin(),
+    "delete": Twin(),
 }
 
 

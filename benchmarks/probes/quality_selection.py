@@ -13,7 +13,7 @@ stop (``_StopForward``, ``_decoder_layers``), ``_forward``, ``_cache_layers``.
 
 Variants (each at ``--fraction`` of each document's tokens):
 
-* ``plain``: no repair; ``base``: :func:`hf.select_and_recompute` as shipped (layer 1);
+* ``plain``: no repair; ``base``: :func:`hf_blend.select_and_recompute` as shipped (layer 1);
 * ``L<n>``: the same, selecting at layer ``n``;
 * ``+``-joined options: ``ml<n>``: the deviation summed over layers 1..n; ``norm``: each
   layer's deviation divided by its mean first; ``konly`` / ``vonly``: keys or values only;
@@ -39,7 +39,7 @@ import torch
 
 from benchmarks.suite import bench_quality as bq
 from benchmarks.suite.quality_corpus import corpus
-from lmcache_async import AsyncClient, RopeSpec, hf
+from lmcache_async import AsyncClient, RopeSpec, hf, hf_blend
 from lmcache_async.testing import EmbeddedServer, trained
 
 
@@ -52,12 +52,12 @@ def _early_kv(
     cache = hf.kv_to_cache(kv[:, :, :exact], g, config=model.config)
 
     def stop(*_: Any) -> None:
-        raise hf._StopForward
+        raise hf_blend._StopForward
 
-    handle = hf._decoder_layers(model)[upto].register_forward_hook(stop)
+    handle = hf_blend._decoder_layers(model)[upto].register_forward_hook(stop)
     try:
         hf._forward(model, toks[exact:total], cache, exact)
-    except hf._StopForward:
+    except hf_blend._StopForward:
         pass
     finally:
         handle.remove()
@@ -87,9 +87,11 @@ def repair(
     if name == "plain":
         return []
     if name == "base":
-        return hf.select_and_recompute(model, toks, kv, spans, f, select_layer=1, exact=exact)
+        return hf_blend.select_and_recompute(model, toks, kv, spans, f, select_layer=1, exact=exact)
     if name.startswith("L") and name[1:].isdigit():
-        return hf.select_and_recompute(model, toks, kv, spans, f, select_layer=int(name[1:]), exact=exact)
+        return hf_blend.select_and_recompute(
+            model, toks, kv, spans, f, select_layer=int(name[1:]), exact=exact
+        )
     opts = name.split("+")
 
     def num(prefix: str, default: int) -> int:
@@ -127,8 +129,8 @@ def repair(
     chosen.sort()
     if chosen:
         if "rounds2" in opts:
-            hf._recompute_at(model, toks, kv, chosen[: len(chosen) // 2])
-        hf._recompute_at(model, toks, kv, chosen)
+            hf_blend._recompute_at(model, toks, kv, chosen[: len(chosen) // 2])
+        hf_blend._recompute_at(model, toks, kv, chosen)
     return chosen
 
 

@@ -16,7 +16,7 @@ documents + question`` (chat template) is served from LMCache after one of:
 * ``plain``: :meth:`AsyncClient.compose` (documents' keys rotated to their new positions);
 * ``first_k``: :func:`hf.compose_and_repair` with ``recompute=16`` (each document's first
   16 tokens recomputed; EPIC's idea);
-* ``blend_<f>``: :func:`hf.compose_and_blend` with ``recompute_fraction`` f in 0, 0.05, 0.10,
+* ``blend_<f>``: :func:`hf_blend.compose_and_blend` with ``recompute_fraction`` f in 0, 0.05, 0.10,
   0.15, 0.30, and 0.50 and 1.0 for reference (CacheBlend's selection at layer 1; 1.0 is
   the full prefill's KV to float rounding).
 
@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from benchmarks.suite.quality_corpus import QASet, corpus
-from lmcache_async import AsyncClient, KVPart, RopeSpec, hf
+from lmcache_async import AsyncClient, KVPart, RopeSpec, hf, hf_blend
 from lmcache_async.testing import EmbeddedServer, trained
 
 CS = 16
@@ -120,7 +120,7 @@ def _method(
             )
         else:
             f = float(name.removeprefix("blend_"))
-            out = await hf.compose_and_blend(
+            out = await hf_blend.compose_and_blend(
                 client, model, target, parts, recompute_fraction=f, cache_salt=salt
             )
         return out.recomputed_tokens

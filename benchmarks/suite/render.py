@@ -6,7 +6,7 @@ and the hand-written notes.
 
 (``make bench`` runs it after the suite; ``make bench-render`` runs it alone.) Reads every
 ``<results>/*.json`` written by the suite (``rtt``, ``facade``, ``concurrent``, ``single_shm``,
-``single_pickle``, ``fresh``, ``untouched``, ``remap``, ``compose``, ``observe``, ``quality``;
+``single_pickle``, ``fresh``, ``untouched``, ``remap``, ``compose``, ``observe``, ``quality``, ``fleet``;
 ``*-0.5.7.json`` for the next server generation) and
 any ``cuda*.json`` (from ``benchmarks/probes/bench_cuda.py``, rendered generically as
 tables). A section whose JSON is missing is listed as not measured. Rendering the
@@ -59,6 +59,7 @@ COMMANDS = {
     "compose": ".venv/bin/python -m benchmarks.suite.bench_compose",
     "observe": ".venv/bin/python -m benchmarks.suite.bench_observe",
     "quality": ".venv/bin/python -m benchmarks.suite.bench_quality --out benchmarks/results/0.1.0/quality.json",
+    "fleet": ".venv/bin/python -m benchmarks.suite.bench_fleet",
 }
 #: The KV-editing guide: render writes the quality tables between these markers too.
 GUIDE = ROOT / "docs" / "guides" / "kv-editing.md"
@@ -676,6 +677,94 @@ class Page:
         self.add(table(heads, rows))
         self.notes("observe")
 
+    # ------------------------------------------------------------ fleet
+    def fleet(self, doc: dict[str, Any] | None) -> None:
+        self.add("\n## KV events and the fleet (`kv_events`, `PrefixIndex`, `Fleet`)\n\n")
+        if doc is None:
+            self.add(f"Not measured in this run (`{COMMANDS['fleet']}`).\n")
+            self.notes("fleet")
+            return
+        res = doc["result"]
+        self.add(stamp_line(doc) + "\n")
+
+        def rng(v: dict[str, Any], digits: int = 0, unit: str = "") -> str:
+            return f"{v['median']:,.{digits}f}{unit} ({v['min']:,.{digits}f}-{v['max']:,.{digits}f})"
+
+        ix = res["index"]
+        self.add(
+            f"**Prefix index** (no server): {ix['chunks']:,} chunks over {ix['servers']} servers; a "
+            f"{ix['prompt_tokens']}-token prompt whose every chunk one server holds (the walk's worst case), "
+            f"{ix['lookups_per_round']:,} lookups a round, {ix['rounds']} round(s); the chunk hashes of the "
+            "prompt (blake3) and the index walk timed apart. Memory: "
+            f"**{ix['tracemalloc_bytes_per_chunk']} bytes per chunk** (`tracemalloc`: traced bytes after the "
+            f"fill minus before; `sys.getsizeof` sum: {ix['getsizeof_bytes_per_chunk']}), so "
+            f"{ix['tracemalloc_bytes_per_chunk'] * 1e6 / 2**20:.0f} MiB per million chunks. Filling: "
+            f"{ix['fill_us_per_chunk']} µs a chunk; inserting into the full index (the oldest dropped): "
+            f"{ix['insert_full_us_per_chunk']} µs a chunk.\n\n"
+        )
+        self.add(
+            table(
+                ["chunk size", "chunks", "chunk hashes µs", "walk (hit) µs", "walk (miss) µs", "lookup µs"],
+                [
+                    [
+                        str(r["chunk_size"]),
+                        str(r["prompt_chunks"]),
+                        rng(r["hash_us"], 1),
+                        rng(r["walk_hit_us"], 1),
+                        rng(r["walk_miss_us"], 2),
+                        rng(r["lookup_us"], 1),
+                    ]
+                    for r in ix["rows"]
+                ],
+            )
+        )
+        ev = res.get("events")
+        if ev:
+            lv = ev["live"]
+            self.add(
+                f"\n**KV events**, one subscriber, {ev['events']:,} `stored` events from {ev['generator']}. "
+                f"Live (batches of {lv['max_events']}): the engine produced {lv['generated_per_s']:,} events/s "
+                f"and the subscriber took them in as they came ({lv['consumed_per_s']:,}/s; its last event "
+                f"{lv['lag_after_last_store_ms']} ms after the last store returned, negative: before; "
+                f"{lv['resyncs']} resyncs). Replay from cursor 0 (the same events, still in the server's "
+                f"log): what one subscriber takes in, {ev['rounds']} round(s).\n\n"
+            )
+            self.add(
+                table(
+                    ["records a batch (`max_events`)", "events/s"],
+                    [[str(r["max_events"]), rng(r["events_per_s"])] for r in ev["replay_per_s"]],
+                )
+            )
+        fl = res.get("fleet")
+        if fl:
+            us_, vs = fl["us_per_retrieve"], fl["vs_routed"]
+            self.add(
+                f"\n**Routed retrieve** ({fl['case']}, {fl['prompts']} prompts a round, {fl['rounds']} "
+                "round(s), rotating order): `Fleet.retrieve` (the index names the server) against a "
+                "`lookup` on every server then the retrieve from the longest hit, and a retrieve from every "
+                "server keeping the hit; µs per prompt, and the other way over routed, per round (> 1: "
+                "routing is faster).\n\n"
+            )
+            self.add(
+                table(
+                    ["", "µs per retrieve", "over routed"],
+                    [
+                        ["routed (`Fleet.retrieve`)", rng(us_["routed"]), ""],
+                        [
+                            "lookup on every server, then retrieve",
+                            rng(us_["lookup_all"]),
+                            rng(vs["lookup_all"], 2, "x"),
+                        ],
+                        [
+                            "retrieve from every server",
+                            rng(us_["retrieve_all"]),
+                            rng(vs["retrieve_all"], 2, "x"),
+                        ],
+                    ],
+                )
+            )
+        self.notes("fleet")
+
     # ------------------------------------------------------------ facade
     def facade(self, doc: dict[str, Any] | None) -> None:
         self.add("\n## The blocking facade (`Client` vs `AsyncClient`)\n\n")
@@ -1127,6 +1216,7 @@ def render(results: Path, notes: Path, img_dir: Path) -> str:
     page.compose(docs.get("compose"))
     page.observe(docs.get("observe"))
     page.quality(docs.get("quality"))
+    page.fleet(docs.get("fleet"))
     page.facade(docs.get("facade"))
     page.rtt(docs.get("rtt"))
     page.cuda(cuda)

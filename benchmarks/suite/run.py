@@ -1,8 +1,8 @@
 """The whole benchmark suite in one command: ``make bench`` (or ``make bench-quick``).
 
     .venv/bin/python -m benchmarks.suite [--quick] [--generation 0.5.6|0.5.7]
-        [--sections rtt facade concurrent single_shm fresh untouched remap compose observe single_pickle quality]
-        [--no-render]
+        [--sections rtt facade concurrent single_shm fresh untouched remap compose observe single_pickle
+                    quality fleet] [--no-render]
         [--out DIR]
 
 ``BENCH_QUICK=1`` in the environment is the same as ``--quick``. Starts the real LMCache
@@ -37,6 +37,9 @@ Sections (module, what):
   accuracy, greedy agreement and KL to the full prefill for plain composition, the first-k
   and the selective repair, and the time to first token at 1k-4k tokens (the full profile:
   50 sets, about 20 minutes on 2 CPUs).
+* ``fleet`` (bench_fleet.py): KV events one subscriber keeps up with, the prefix index's
+  lookup time and memory per chunk, a routed retrieve vs asking every server (two
+  servers of its own, chunk size 16; no SDK counterpart).
 
 The quick profile (fewer iterations, rounds and remap pairs) proves the pipeline in a few
 minutes; its figures are marked as such on the page. Only the single-operation sections
@@ -63,6 +66,7 @@ from benchmarks.suite import (
     bench_compose,
     bench_concurrent,
     bench_facade,
+    bench_fleet,
     bench_fresh,
     bench_observe,
     bench_quality,
@@ -85,7 +89,7 @@ SHM_SECTIONS = (
 )
 #: Sections that start no server (the trained model's, on an embedded server).
 LOCAL_SECTIONS = ("quality",)
-ALL_SECTIONS = (*SHM_SECTIONS, "single_pickle", *LOCAL_SECTIONS)
+ALL_SECTIONS = (*SHM_SECTIONS, "single_pickle", *LOCAL_SECTIONS, "fleet")
 GEN057_SECTIONS = ("single_shm", "single_pickle")
 
 PROFILES: dict[str, dict[str, Any]] = {
@@ -109,6 +113,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "compose": {"layers": 8, "iters": 3, "rounds": 1},
         "observe": {"prompts": 256, "rounds": 1, "concurrency": [8, 64]},
         "quality": {"sets": 8, "new_tokens": 16, "contexts": [1024], "reps": 1},
+        "fleet": {"events": 4096, "rounds": 1, "prompts": 16, "index_chunks": 1_000_000},
     },
     "full": {
         "shm_l1_gb": 10,
@@ -130,6 +135,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "compose": {"layers": 32, "iters": 4, "rounds": 3},
         "observe": {"prompts": 256, "rounds": 5, "concurrency": [8, 64]},
         "quality": {"sets": 50, "new_tokens": 16, "contexts": [1024, 2048, 4096], "reps": 2},
+        "fleet": {"events": 16384, "rounds": 3, "prompts": 64, "index_chunks": 1_000_000},
     },
 }
 
@@ -141,6 +147,8 @@ def _run_section(name: str, shm: RealLMCacheServer | None, pickle: RealLMCacheSe
     if name == "single_pickle":
         assert pickle is not None
         return bench_client.section(pickle, python=python, generation=generation, **prof["single_pickle"])
+    if name == "fleet":  # two servers of its own (chunk size 16)
+        return bench_fleet.section(python=python, **prof["fleet"])
     assert shm is not None
     if name == "single_shm":
         return bench_client.section(shm, python=python, generation=generation, **prof["single"])

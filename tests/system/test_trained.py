@@ -5,7 +5,7 @@ real servers of both generations, SHM and inline:
 * the seed's KV edit on real text (``examples/kv_edit_experiment.py --weights trained``):
   the target served from the source's KV answers exactly as the source, in French; served
   from its own prompt (the control) it answers in German;
-* :func:`hf.compose_and_blend`: ``recompute_fraction=0`` stores the plain composition
+* :func:`hf_blend.compose_and_blend`: ``recompute_fraction=0`` stores the plain composition
   bitwise; 1 stores the full prefill's KV (to float32 rounding: 1e-4 of the largest
   value, the same bound as a moved part in tests/system/test_compose_hf.py); a fraction
   in between recomputes exactly ``round(f * tokens)`` of each part; bad fractions are
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from harness.real_server import REPO_ROOT, RealLMCacheServer
-from lmcache_async import AsyncClient, KVPart, RopeSpec, hf
+from lmcache_async import AsyncClient, KVPart, RopeSpec, hf, hf_blend
 from lmcache_async.testing import trained
 from tests.helpers import unique_model
 
@@ -170,14 +170,14 @@ async def test_blend_fraction_0_is_plain_composition_and_1_the_full_prefill(
     plain_kv = await c.retrieve(target, "plain")
     assert plain_kv is not None and plain_kv.shape[2] == stored
 
-    zero = await hf.compose_and_blend(c, smollm, target, parts, recompute_fraction=0, cache_salt="f0")
+    zero = await hf_blend.compose_and_blend(c, smollm, target, parts, recompute_fraction=0, cache_salt="f0")
     assert zero.recomputed_tokens == 0 and zero.recomputed_positions == () and zero.compute_ms < 50
     assert zero.kv is not None and torch.equal(zero.kv, plain_kv)
     got = await c.retrieve(target, "f0")
     assert got is not None and torch.equal(got, plain_kv)  # stored bitwise
 
     full = hf.prefill(smollm, target[:stored]).kv
-    one = await hf.compose_and_blend(c, smollm, target, parts, recompute_fraction=1.0, cache_salt="f1")
+    one = await hf_blend.compose_and_blend(c, smollm, target, parts, recompute_fraction=1.0, cache_salt="f1")
     system = parts[0].length
     assert one.recomputed_positions == tuple(range(system, stored))  # the exact system prompt is kept
     assert one.kv is not None and torch.equal(one.kv[:, :, :system], plain_kv[:, :, :system])
@@ -187,7 +187,9 @@ async def test_blend_fraction_0_is_plain_composition_and_1_the_full_prefill(
     assert got is not None and torch.equal(got, one.kv)  # the stored KV is what the model reads
     assert float((plain_kv - full).abs().max()) > 100 * err  # plain composition is far from it
 
-    part = await hf.compose_and_blend(c, smollm, target, parts, recompute_fraction=0.15, cache_salt="f15")
+    part = await hf_blend.compose_and_blend(
+        c, smollm, target, parts, recompute_fraction=0.15, cache_salt="f15"
+    )
     spans = [(system, system + parts[1].length), (system + parts[1].length, stored)]
     want = sum(int(0.15 * (b - a) + 0.5) for a, b in spans)
     assert part.recomputed_tokens == want and len(set(part.recomputed_positions)) == want
@@ -207,7 +209,7 @@ async def test_blend_refuses_bad_fractions_before_sending(
     target = _tokens(SYSTEM + DOCS[0] + QUESTION)
     parts = [KVPart(target[:32], cache_salt="")]
     with pytest.raises(ValueError, match=r"^recompute_fraction must be a number in \[0, 1\], got "):
-        await hf.compose_and_blend(c, smollm, target, parts, recompute_fraction=bad, cache_salt="bad")
+        await hf_blend.compose_and_blend(c, smollm, target, parts, recompute_fraction=bad, cache_salt="bad")
     with pytest.raises(ValueError, match=r"^select_layer must be an int in 0\.\.29, got 30$"):
-        await hf.compose_and_blend(c, smollm, target, parts, recompute_fraction=0.1, select_layer=30)
+        await hf_blend.compose_and_blend(c, smollm, target, parts, recompute_fraction=0.1, select_layer=30)
     assert await c.lookup(target[:32]) == 0 and await c.lookup(target, "bad") == 0  # nothing sent or stored

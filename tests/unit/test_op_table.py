@@ -11,8 +11,9 @@ from lmcache_async._wire import GENERATIONS, Op
 from lmcache_async.testing.dialect import ARGUMENTS, GENERATIONS as SERVER_GENERATIONS, LEGACY_OPERATION_IDS
 
 #: The operations the client knows that the embedded server does not serve: the CUDA-IPC
-#: registration (GPU-driven transfers; this client registers engine-driven contexts).
-NOT_SERVED = {Op.REGISTER_KV_CACHE, Op.UNREGISTER_KV_CACHE}
+#: registration (GPU-driven transfers; this client registers engine-driven contexts), and
+#: the KV-event stream (string-only and streaming; only the real servers publish events).
+NOT_SERVED = {Op.REGISTER_KV_CACHE, Op.UNREGISTER_KV_CACHE, Op.SUBSCRIBE_KV_EVENTS}
 
 
 def test_each_id_is_the_servers_legacy_id_and_a_string_only_op_has_none() -> None:

@@ -1,0 +1,158 @@
+"""Streaming requests on the client's ZMQ connection (issue 33): one request, many replies,
+as the server's ``subscribe_kv_events`` answers (beside
+:class:`~lmcache_async._connection.Connection`, whose reply table routes a stream's
+replies to its :class:`ReplyStream`).
+
+The server sends one item, then waits for an ``ack`` control frame ``[uid, b"", b"ack"]``
+before it sends the next; ``[uid, b"", b"cancel"]`` ends the stream on the server; the
+stream ends with a frameless reply ``[uid, op]``. Streams take no place among the
+connection's ``max_in_flight``. The socket is the connection's own (made from the
+process-wide ZMQ context, :mod:`lmcache_async._zmq_context`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from lmcache_async._connection import Connection, PendingTable
+from lmcache_async._wire import Op, Reply, encode_request, op_name, packb
+from lmcache_async.errors import LMCacheConnectionError
+
+__all__ = ["ReplyStream", "open_stream", "open_streams"]
+
+log = logging.getLogger(__name__)
+
+
+class ReplyStream:
+    """The replies of one streaming request, in arrival order.
+
+    :meth:`next` hands them out; :meth:`ack` grants the server credit for the next;
+    :meth:`cancel` ends the stream on the server. It ends with the server's frameless
+    reply (:meth:`next` returns ``None``) or with the connection's loss or close
+    (:meth:`next` raises it).
+    """
+
+    def __init__(self, conn: Connection, uid: int, op: Op) -> None:
+        self._conn = conn
+        self.uid = uid
+        self.op = op
+        self._uid_frame = packb(uid)
+        self._items: collections.deque[Reply] = collections.deque()
+        self._error: BaseException | None = None
+        self.ended = False  # the frameless end arrived, or the stream failed
+        self._waiter: asyncio.Future[None] | None = None
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def accept(self, reply: Reply, table: PendingTable) -> bool:
+        """A reply for this stream's uid (from the connection's reply table): kept, or
+        dropped (and counted) when it echoes another operation."""
+        if reply.op != self.op.wire:
+            table.dropped_mismatch += 1
+            log.warning("dropping stream item %d: op %r echoed for %s", reply.uid, reply.op, op_name(self.op))
+            return False
+        if reply.payload is None:  # the frameless end of the stream
+            table.streams.pop(self.uid, None)
+            self.ended = True
+        else:
+            self._items.append(reply)
+        self._wake()
+        return True
+
+    def fail(self, exc: BaseException) -> None:
+        """End the stream with ``exc`` (the connection was lost or closed)."""
+        if not self.ended:
+            self.ended = True
+            self._error = exc
+        self._wake()
+
+    async def next(self) -> Reply | None:
+        """The next item, or ``None`` once the server ended the stream.
+
+        Waits without a deadline (an idle stream sends nothing): the caller bounds it.
+
+        Raises:
+            LMCacheConnectionError: the connection was lost (or its reader stopped).
+            ClientClosedError: the connection was closed.
+
+        Cancellation: nothing is consumed; the stream stays open.
+        """
+        while True:
+            if self._items:
+                return self._items.popleft()
+            if self.ended:
+                if self._error is not None:
+                    raise self._error
+                return None
+            assert self._conn._loop is not None
+            self._waiter = self._conn._loop.create_future()
+            await self._waiter
+
+    def ack(self) -> bool:
+        """Grant the server credit for the next item; False when it could not be sent
+        (the connection is down: the stream is then failed by the loss anyway)."""
+        return self._control(b"ack")
+
+    def cancel(self) -> bool:
+        """Ask the server to end the stream (it answers with the frameless end, which is
+        dropped: the stream is forgotten here at once); False when it could not be sent
+        (disconnected or closed: the server's stream ends with the lost peer, or by its
+        liveness reaper)."""
+        self._conn._table.streams.pop(self.uid, None)
+        if not self.ended:
+            self.ended = True
+            self._wake()
+        return self._control(b"cancel")
+
+    def _control(self, action: bytes) -> bool:
+        conn = self._conn
+        if not conn.usable:
+            return False
+        try:
+            return conn._send([self._uid_frame, b"", action], self.op)
+        except LMCacheConnectionError:
+            return False
+
+
+async def open_stream(
+    conn: Connection, op: Op, args: Sequence[Any] = (), *, timeout: float | None
+) -> ReplyStream:
+    """Send a streaming request on ``conn``; its items arrive on the returned stream.
+
+    ``timeout`` bounds the send only (a peer not yet ready); the items have no deadline.
+
+    Raises:
+        LMCacheConnectionError: not connected, or not ready in time (nothing sent).
+        ClientClosedError: the connection is closed.
+
+    Cancellation (while waiting for the peer to be ready): the request is not sent and
+    the stream is forgotten.
+    """
+    conn._check_sendable(op)
+    start = time.monotonic()
+    table = conn._table
+    stream = ReplyStream(conn, table.next_uid(), op)
+    table.streams[stream.uid] = stream
+    sent = False
+    try:
+        frames = encode_request(stream.uid, op, args, conn.wire)
+        if not conn._send(frames, op):
+            await conn._send_when_ready(frames, op, start, timeout)
+        sent = True
+        return stream
+    finally:
+        if not sent:
+            table.streams.pop(stream.uid, None)
+
+
+def open_streams(conn: Connection) -> int:
+    """Streaming requests open on ``conn``."""
+    return len(conn._table.streams)

@@ -1,0 +1,292 @@
+"""The selective repair of composed prompts (CacheBlend's idea) on a transformers model.
+
+:func:`compose_and_blend` composes cached documents into a prompt (as
+:meth:`~lmcache_async.AsyncClient.compose`), then recomputes, in each document after the
+first, the share ``recompute_fraction`` of its tokens whose KV deviates most from a prefill
+of the composed prompt at an early layer, attending over the composed KV in front of
+them, and stores the result; :func:`select_and_recompute` is that repair alone, on a KV
+the caller composed (no I/O). The first-k repair is :func:`lmcache_async.hf.compose_and_repair`;
+which of these edits are exact and which approximate, with the measured quality:
+``docs/guides/kv-editing.md``.
+
+Every argument is checked before anything is sent; a miss stores nothing; what is stored
+is the KV the model reads. Model computation runs on :func:`lmcache_async.hf.run_model`'s
+worker thread: no deadline of its own, and a cancelled call cannot stop a forward pass
+already running (its result is discarded, nothing is stored).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import DynamicCache
+
+from lmcache_async import _compose
+from lmcache_async._compose import KVPart
+from lmcache_async._defaults import DEFAULT, DefaultType
+from lmcache_async.hf import (
+    ComposedPrompt,
+    _cache_layers,
+    _compose_repair_store,
+    _forward,
+    _model_device,
+    _model_dtype,
+    _prompt,
+    _text_config,
+    cache_to_kv,
+    geometry_from_model,
+    kv_to_cache,
+)
+from lmcache_async.rope import RopeSpec
+
+if TYPE_CHECKING:
+    from lmcache_async.client import AsyncClient
+
+__all__ = ["compose_and_blend", "select_and_recompute"]
+
+
+def _check_fraction(recompute_fraction: float) -> float:
+    if (
+        isinstance(recompute_fraction, bool)
+        or not isinstance(recompute_fraction, int | float)
+        or not 0.0 <= recompute_fraction <= 1.0  # NaN fails this too
+    ):
+        raise ValueError(f"recompute_fraction must be a number in [0, 1], got {recompute_fraction!r}")
+    return float(recompute_fraction)
+
+
+def _decoder_layers(model: Any) -> torch.nn.ModuleList:
+    """The model's decoder layers (the ``ModuleList`` of ``num_hidden_layers`` modules)."""
+    n = int(_text_config(model.config).num_hidden_layers)
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and len(layers) == n:
+        return layers
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return module
+    raise ValueError(f"cannot find the model's {n} decoder layers (a ModuleList of {n} modules)")
+
+
+class _StopForward(Exception):
+    """Raised by a forward hook to end a forward pass after an early layer."""
+
+
+def _layer_kv(
+    model: Any, toks: list[int], kv: torch.Tensor, start: int, end: int, layer: int
+) -> torch.Tensor:
+    """The KV at ``layer`` of ``toks[start:end]`` prefilled over ``kv[:, :, :start]``,
+    ``[2, end - start, D]``; the layers after ``layer`` are not run."""
+    geometry = geometry_from_model(model)
+    device = _model_device(model)
+    if start:
+        cache = kv_to_cache(kv[:, :, :start], geometry, config=model.config, device=device)
+    else:
+        cache = DynamicCache(config=model.config)
+
+    def stop(*_: Any) -> None:
+        raise _StopForward
+
+    handle = _decoder_layers(model)[layer].register_forward_hook(stop)
+    try:
+        _forward(model, toks[start:end], cache, start)
+    except _StopForward:
+        pass
+    finally:
+        handle.remove()
+    key, value = _cache_layers(cache)[layer]
+    h, hd = geometry.num_kv_heads, geometry.head_dim
+    out = torch.empty((2, end - start, h * hd), dtype=geometry.dtype, device=key.device)
+    out[0].view(end - start, h, hd).copy_(key[0, :, start:end].transpose(0, 1))
+    out[1].view(end - start, h, hd).copy_(value[0, :, start:end].transpose(0, 1))
+    return out
+
+
+def _exact_prefix(the_plan: _compose.Plan) -> int:
+    """Target tokens at the start whose composed KV is the full prefill's: a first part
+    that is its source's own prefix, at its own positions, with the target's tokens."""
+    first = the_plan.placements[0]
+    part = first.part
+    if first.offset or part.start or not first.placed:
+        return 0
+    if tuple(part.source_tokens[: first.placed]) != the_plan.target[: first.placed]:
+        return 0
+    return first.placed
+
+
+def select_and_recompute(
+    model: Any, tokens: Sequence[int], kv: torch.Tensor, spans: Sequence[tuple[int, int]],
+    recompute_fraction: float, *, select_layer: int = 1, exact: int = 0,
+) -> list[int]:  # fmt: skip
+    """The selective repair on a composed KV, in place (no I/O; CacheBlend's selection).
+
+    ``kv`` (``[2, L, T, D]``) holds the KV of ``tokens[:T]`` as composed from cached
+    parts; ``kv[:, :, :exact]`` is already the full prefill's. The tokens after ``exact``
+    are prefilled through layers ``0 .. select_layer`` only, and in each span ``[a, b)``
+    (a part's tokens) the ``round(recompute_fraction * (b - a))`` tokens whose composed KV
+    at ``select_layer`` differs most from that prefill's (squared distance of key and
+    value) are chosen. The chosen tokens are then recomputed through every layer in one
+    pass, each attending to the composed KV of the tokens before it that were not chosen
+    and to the recomputed KV of those that were, and their KV replaces the composed one.
+
+    ``recompute_fraction=0`` leaves ``kv`` untouched (no model work); 1 recomputes every
+    token of the spans, which is a prefill of them over ``kv`` in front (the full
+    prefill's KV when the spans cover ``exact .. T``, to float rounding).
+
+    Returns:
+        The recomputed positions, ascending.
+
+    Raises:
+        ValueError: a fraction outside [0, 1], ``select_layer`` outside the model's layers,
+            spans outside ``exact .. T`` or overlapping, or a ``kv`` of another shape.
+    """
+    fraction = _check_fraction(recompute_fraction)
+    geometry = geometry_from_model(model)
+    n_layers = geometry.num_layers
+    if (
+        isinstance(select_layer, bool)
+        or not isinstance(select_layer, int)
+        or not 0 <= select_layer < n_layers
+    ):
+        raise ValueError(f"select_layer must be an int in 0..{n_layers - 1}, got {select_layer!r}")
+    toks = list(tokens)
+    if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[1] != n_layers or kv.shape[2] > len(toks):
+        raise ValueError(f"kv has shape {list(kv.shape)}; expected [2, {n_layers}, T <= {len(toks)}, D]")
+    total = kv.shape[2]
+    last = exact
+    for a, b in sorted(spans):
+        if not exact <= a <= b <= total or a < last:
+            raise ValueError(f"span [{a}, {b}) is outside {exact}..{total} or overlaps another")
+        last = b
+    counts = [(a, b, min(b - a, int(fraction * (b - a) + 0.5))) for a, b in spans]
+    if not any(c for _, _, c in counts):
+        return []
+    early = _layer_kv(model, toks, kv, exact, total, select_layer).float()
+    composed = kv[:, select_layer, exact:total].float()
+    deviation = (early - composed).pow(2).sum(dim=2).sum(dim=0)  # [T - exact]
+    chosen: list[int] = []
+    for a, b, c in counts:
+        if c:
+            top = torch.topk(deviation[a - exact : b - exact], c).indices
+            chosen.extend(int(i) + a for i in top)
+    chosen.sort()
+    _recompute_at(model, toks, kv, chosen)
+    return chosen
+
+
+def _recompute_at(model: Any, toks: list[int], kv: torch.Tensor, chosen: list[int]) -> None:
+    """Recompute the KV of the tokens at ``chosen`` (ascending) over ``kv`` in one pass."""
+    geometry = geometry_from_model(model)
+    device = _model_device(model)
+    total = kv.shape[2]
+    pos = torch.tensor(chosen, dtype=torch.long)
+    is_chosen = torch.zeros(total, dtype=torch.bool)
+    is_chosen[pos] = True
+    cached = torch.arange(total)
+    allowed = torch.cat(
+        [
+            (cached.unsqueeze(0) < pos.unsqueeze(1)) & ~is_chosen.unsqueeze(0),  # composed, before
+            pos.unsqueeze(0) <= pos.unsqueeze(1),  # recomputed, causal
+        ],
+        dim=1,
+    )
+    dtype = _model_dtype(model)
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    cache = kv_to_cache(kv, geometry, config=model.config, device=device)
+    _forward(
+        model,
+        [toks[i] for i in chosen],
+        cache,
+        total,
+        positions=pos,
+        attention_mask=mask.unsqueeze(0).unsqueeze(0),
+    )
+    new = cache_to_kv(cache, geometry)[:, :, total:]
+    kv[:, :, pos] = new.to(kv.device)
+
+
+async def compose_and_blend(
+    client: AsyncClient,
+    model: Any,
+    target_tokens: Sequence[int],
+    parts: Sequence[KVPart],
+    *,
+    recompute_fraction: float,
+    select_layer: int = 1,
+    rope: RopeSpec | None = None,
+    cache_salt: str = "",
+    timeout: float | DefaultType | None = DEFAULT,
+) -> ComposedPrompt:
+    """Compose cached documents into ``target_tokens``, recompute the share of each
+    part's tokens whose KV matters most, and store the target (the selective repair, as
+    CacheBlend's).
+
+    The parts' KV is taken from the cache and placed as :meth:`AsyncClient.compose
+    <lmcache_async.AsyncClient.compose>` does (shifted keys rotated with ``rope``). A
+    leading part that is its source's own prefix at its own positions is already the
+    full prefill's KV and is kept. The rest of the composed prompt is prefilled through
+    the first ``select_layer + 1`` layers only; in each part, the
+    ``round(recompute_fraction * tokens)`` tokens whose composed KV deviates most from
+    that prefill's at layer ``select_layer`` are recomputed through every layer over the
+    composed KV (:func:`select_and_recompute`); then the target's whole chunks are stored,
+    so the stored KV is what the model reads when it serves the target.
+
+    ``recompute_fraction=0`` is plain composition (bitwise; the model does not run); 1
+    recomputes every part token (the full prefill's KV to float rounding).
+
+    Args:
+        client: an open client with the model's geometry.
+        model: the transformers causal LM whose KV the cache holds (Llama-style: its
+            decoder layers a ``ModuleList``).
+        target_tokens: the prompt to store (the parts fill its beginning).
+        parts: :class:`~lmcache_async.KVPart` ranges, in order.
+        recompute_fraction: the share of each part's tokens recomputed, in [0, 1] (the
+            quality/latency knob; 0.15 keeps the answers in the guide's table).
+        select_layer: the layer whose KV deviation chooses the tokens (default 1: layer 0's
+            KV depends only on the token and its position, so it cannot tell).
+        rope: the model's rotary embedding (default: ``RopeSpec.from_hf_config(model.config)``).
+        cache_salt: the target's namespace and the parts' default.
+        timeout: one deadline for the retrieves and the store (default: the client's);
+            the model's computation has none.
+
+    Returns:
+        A :class:`ComposedPrompt` (``recomputed_positions``: the tokens chosen). On a miss
+        of any part nothing is computed or stored and ``result.missed`` names the parts.
+
+    Raises:
+        ValueError/TypeError: a fraction outside [0, 1] (or not a number), a
+            ``select_layer`` outside the model's layers, the other arguments as
+            :func:`compose_and_repair` (all before anything is sent).
+        LMCacheTimeoutError: no answer within ``timeout``.
+
+    Cancellation/timeout: during the retrieves nothing is stored; the model's work
+    already running in the model thread finishes and is dropped; during the store, as
+    :meth:`AsyncClient.store`.
+    """
+    toks = _prompt(target_tokens, model)
+    fraction = _check_fraction(recompute_fraction)
+    n_layers = geometry_from_model(model).num_layers
+    if (
+        isinstance(select_layer, bool)
+        or not isinstance(select_layer, int)
+        or not 0 <= select_layer < n_layers
+    ):
+        raise ValueError(f"select_layer must be an int in 0..{n_layers - 1}, got {select_layer!r}")
+    if fraction:
+        _decoder_layers(model)  # a model whose layers cannot be found is refused before sending
+
+    def repair(the_plan: _compose.Plan, kv: torch.Tensor, toks: list[int]) -> list[int]:
+        exact = _exact_prefix(the_plan)
+        spans = [
+            (max(p.offset, exact), p.offset + p.placed)
+            for p in the_plan.placements
+            if p.placed and p.offset + p.placed > exact
+        ]
+        return select_and_recompute(model, toks, kv, spans, fraction, select_layer=select_layer, exact=exact)
+
+    return await _compose_repair_store(
+        client, model, toks, parts, rope, cache_salt, timeout, repair if fraction else None
+    )

@@ -1,0 +1,375 @@
+"""Management calls of an LMCache MP server (issue 33): warm a prefix, delete a prefix's
+chunks, clear L1, list capabilities. The ``AsyncClient`` methods
+(:meth:`~lmcache_async.AsyncClient.warm`, :meth:`~lmcache_async.AsyncClient.delete`,
+:meth:`~lmcache_async.AsyncClient.clear`, :meth:`~lmcache_async.AsyncClient.experimental`;
+the blocking ``Client``'s twins) call the functions of the same names here, given the client.
+
+Each is a server-wide action with effects beyond the caller's own data; the danger of
+each is written on its method (docs/guides/routing.md, "Management calls").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import aiohttp
+
+from lmcache_async._defaults import DefaultType
+from lmcache_async._metadata import Metadata
+from lmcache_async._wire import Op, validate_cache_salt, validate_tokens
+from lmcache_async.errors import (
+    AuthenticationError,
+    HTTPStatusError,
+    LMCacheConnectionError,
+    LMCacheTimeoutError,
+    ProtocolError,
+    ServerError,
+)
+from lmcache_async.hashing import DEFAULT_HASH_ALGORITHM, chunk_hashes, hash_algorithm_of
+
+__all__ = [
+    "MAX_DELETE_KEYS",
+    "DeleteResult",
+    "Tier",
+    "WarmResult",
+    "clear",
+    "delete",
+    "experimental",
+    "hash_algorithm",
+    "kv_rank",
+    "object_keys",
+    "warm",
+]
+
+#: Where ``delete`` deletes: the server's L1, its L2, or both.
+Tier = Literal["l1", "l2", "all"]
+#: How often ``warm`` asks whether the prefetch completed.
+WARM_POLL_INTERVAL_S: Final = 0.05
+
+#: The most keys one ``DELETE /cache/objects`` takes (the server's ``MAX_DELETE_BATCH``).
+MAX_DELETE_KEYS: Final = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class WarmResult:
+    """What a warm prefetch reported.
+
+    Attributes:
+        chunks: whole chunks of the prompt the server resolved (0: shorter than a chunk).
+        found: object keys the server found in L2 *or already in L1* (it does not tell
+            the two apart: "found" is not "loaded by this call").
+        total: object keys asked for (chunks x ranks x object groups).
+    """
+
+    chunks: int
+    found: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteResult:
+    """What ``DELETE /cache/objects`` reported: keys deleted, and keys skipped because a
+    reader or writer held them (``force`` not given). Keys that were not resident count
+    in neither."""
+
+    deleted: int
+    skipped: int
+
+
+def kv_rank(world_size: int, worker_id: int) -> int:
+    """The server's ``kv_rank`` of one worker of a single-node world (``ObjectKey.ComputeKVRank``)."""
+    return world_size << 24 | worker_id << 16 | world_size << 8 | worker_id
+
+
+def object_keys(
+    hashes: Sequence[bytes], model_name: str, world_size: int, cache_salt: str
+) -> list[dict[str, Any]]:
+    """The JSON object keys (``EncodedObjectKey``) of ``hashes`` for every rank of
+    ``world_size``, object group 0 (what this client stores)."""
+    return [
+        {
+            "chunk_hash_hex": h.hex(),
+            "model_name": model_name,
+            "kv_rank": kv_rank(world_size, w),
+            "object_group_id": 0,
+            "cache_salt": cache_salt,
+        }
+        for h in hashes
+        for w in range(world_size)
+    ]
+
+
+async def _http_json(
+    meta: Metadata, method: str, path: str, body: Any, timeout: float | None
+) -> tuple[int, Any]:
+    """``method path`` with a JSON body: ``(status, decoded JSON or None)``.
+
+    Raises:
+        AuthenticationError: 401. LMCacheTimeoutError, LMCacheConnectionError.
+    """
+    url = meta.http_url + path
+    start = time.monotonic()
+    try:
+        async with meta._get_session().request(
+            method,
+            url,
+            json=body,
+            headers=meta._headers,
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        ) as resp:
+            raw = await resp.read()
+            status = resp.status
+    except TimeoutError:
+        raise LMCacheTimeoutError(f"{method} {path}", time.monotonic() - start) from None
+    except aiohttp.ClientError as exc:
+        raise LMCacheConnectionError(f"{method} {url} failed: {exc}") from exc
+    text = raw[:500].decode("utf-8", "replace")
+    if status == 401:
+        raise AuthenticationError(status, url, text, key_sent=meta._api_key is not None)
+    try:
+        doc = json.loads(raw) if raw else None
+    except ValueError:
+        doc = None
+    return status, doc
+
+
+def _detail(doc: Any) -> str:
+    if isinstance(doc, dict) and "detail" in doc:
+        return str(doc["detail"])
+    return repr(doc)
+
+
+async def _warm_prefetch(
+    meta: Metadata,
+    model_name: str,
+    world_size: int,
+    tokens: list[int],
+    cache_salt: str,
+    timeout: float | None,
+    poll_interval: float,
+) -> WarmResult:
+    """``POST /cache/prefetches`` then poll ``GET /cache/prefetches/{id}`` until it
+    completes, all within ``timeout`` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+
+    def left() -> float | None:
+        return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+    body = {
+        "model_name": model_name,
+        "world_size": world_size,
+        "token_ids": tokens,
+        "cache_salt": cache_salt,
+        "source_tier": "l2",
+        "target_tier": "l1",
+    }
+    status, doc = await _http_json(meta, "POST", "/cache/prefetches", body, left())
+    url = f"{meta.http_url}/cache/prefetches"
+    if status == 404:
+        raise ServerError(f"{meta.http_url} has no warm prefetch route (POST /cache/prefetches: 404)")
+    if status == 503:
+        raise ServerError(f"warm: {meta.http_url} cannot warm {model_name!r}: {_detail(doc)}")
+    if status not in (200, 202):
+        raise HTTPStatusError(
+            status, url, _detail(doc), f"warm: POST {url} failed with HTTP {status}: {_detail(doc)}"
+        )
+    if not isinstance(doc, dict) or type(doc.get("chunks")) is not int:
+        raise ProtocolError(f"warm: POST /cache/prefetches answered {doc!r}")
+    chunks = doc["chunks"]
+    if doc.get("status") == "noop":
+        return WarmResult(0, 0, 0)
+    request_id = doc.get("request_id")
+    if not isinstance(request_id, str):
+        raise ProtocolError(f"warm: POST /cache/prefetches answered {doc!r}")
+    while True:
+        status, doc = await _http_json(meta, "GET", f"/cache/prefetches/{request_id}", None, left())
+        if status != 200 or not isinstance(doc, dict):
+            raise HTTPStatusError(
+                status,
+                f"{url}/{request_id}",
+                _detail(doc),
+                f"warm: polling prefetch {request_id} got HTTP {status}",
+            )
+        if doc.get("status") == "completed":
+            found, total = doc.get("found_keys"), doc.get("total_keys")
+            if type(found) is not int or type(total) is not int:
+                raise ProtocolError(f"warm: prefetch {request_id} answered {doc!r}")
+            return WarmResult(chunks, found, total)
+        remaining = left()
+        if remaining is not None and remaining <= 0:
+            raise LMCacheTimeoutError("warm", timeout or 0.0)
+        await asyncio.sleep(poll_interval if remaining is None else min(poll_interval, remaining))
+
+
+async def _delete_keys(
+    meta: Metadata,
+    keys: list[dict[str, Any]],
+    tier: Tier,
+    force: bool,
+    timeout: float | None,
+) -> DeleteResult:
+    """``DELETE /cache/objects`` in batches of at most :data:`MAX_DELETE_KEYS` keys."""
+    deleted = skipped = 0
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for i in range(0, len(keys), MAX_DELETE_KEYS):
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        body = {"keys": keys[i : i + MAX_DELETE_KEYS], "tier": tier, "force": force, "adapter": None}
+        status, doc = await _http_json(meta, "DELETE", "/cache/objects", body, left)
+        url = f"{meta.http_url}/cache/objects"
+        if status == 404 and not isinstance(doc, dict):
+            raise ServerError(f"{meta.http_url} has no targeted delete (DELETE /cache/objects: 404)")
+        if status != 200 or not isinstance(doc, dict):
+            raise HTTPStatusError(
+                status, url, _detail(doc), f"delete: DELETE {url} failed with HTTP {status}: {_detail(doc)}"
+            )
+        if doc.get("ok") is False:
+            raise ServerError(f"delete: the server failed part of the delete: {doc.get('error')}")
+        d, s = doc.get("deleted"), doc.get("skipped")
+        if type(d) is not int or type(s) is not int:
+            raise ProtocolError(f"delete: DELETE /cache/objects answered {doc!r}")
+        deleted += d
+        skipped += s
+    return DeleteResult(deleted, skipped)
+
+
+# --------------------------------------------------------------------------- the client's calls
+# ``client`` is an open AsyncClient (typed Any: this module sits below lmcache_async.client).
+
+
+def hash_algorithm(meta: Metadata) -> str:
+    """The server's hash algorithm from its ``/status`` or ``/config`` read at connect
+    (``"blake3"``, the default, when neither says: an older build)."""
+    config, status = meta._cache["config"].value, meta._cache["status"].value
+    return hash_algorithm_of(config, status) or DEFAULT_HASH_ALGORITHM
+
+
+async def experimental(client: Any, timeout: float | DefaultType | None) -> frozenset[str]:
+    """The experimental features the server advertises (``get_experimental``): 0.5.6 says
+    ``"kv_event_stream"`` when its event channel is on; 0.5.7 lists only features its
+    modules add (``"transfer_query"``), and an empty set is usual.
+
+    Raises:
+        LMCacheTimeoutError: no answer within ``timeout``. ProtocolError: not a list of str.
+
+    Cancellation: the reply is dropped when it comes.
+    """
+    wait = client._timeout(timeout)
+    client._require_open()
+    client._check_loop()
+    reply = await client._session.conn.call(Op.GET_EXPERIMENTAL, (), timeout=wait)
+    value = reply.value()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ProtocolError(f"get_experimental answered {value!r}")
+    return frozenset(value)
+
+
+async def clear(client: Any, force: bool, timeout: float | DefaultType | None) -> None:
+    """DANGER: empty the server's L1 cache for EVERY model and EVERY cache salt, not only
+    the client's (the ``clear`` RPC; L2 is untouched).
+
+    ``force`` must be given: ``False`` frees what no reader or writer holds (locked
+    objects and live reservations stay); ``True`` frees everything, including objects
+    other clients are reading and reservations they are filling (their operations may
+    then fail or read freed memory: only on a server nobody else uses). The removals are
+    published as ``removed`` KV events.
+
+    Raises:
+        TypeError: ``force`` is not a bool (nothing sent).
+        LMCacheTimeoutError: no answer within ``timeout`` (the clear may still run).
+
+    Cancellation: the clear may still run on the server.
+    """
+    if not isinstance(force, bool):
+        raise TypeError(f"force must be a bool, got {type(force).__name__}")
+    wait = client._timeout(timeout)
+    client._require_open()
+    client._check_loop()
+    await client._session.conn.call(Op.CLEAR, (force,), timeout=wait)
+
+
+async def warm(
+    client: Any, tokens: Sequence[int], cache_salt: str, timeout: float | DefaultType | None
+) -> WarmResult:
+    """Load the chunks of ``tokens`` (the client's model, ``cache_salt``, every rank) from
+    the server's L2 into its L1 and leave them there (``POST /cache/prefetches``, polled
+    every 50 ms until it completes, all within ``timeout``).
+
+    Best effort: the chunks are resident but unlocked, so the next eviction may take them;
+    chunks missing from L2 are skipped (gaps allowed); ``found`` counts chunks already in
+    L1 too. Needs a server with an L2 adapter (without one, only the chunks already in L1
+    are found) and a layout registered for the model.
+
+    Raises:
+        ServerError: the server cannot warm (no layout for the model, no such route).
+        LMCacheTimeoutError: not completed within ``timeout`` (the prefetch may go on).
+        ValueError/TypeError: bad tokens or salt (nothing sent).
+
+    Cancellation: the polling stops; the server's prefetch goes on.
+    """
+    toks = validate_tokens(tokens)
+    validate_cache_salt(cache_salt)
+    wait = client._timeout(timeout)
+    client._require_open()
+    client._check_loop()
+    return await _warm_prefetch(
+        client._session.meta,
+        client.model_name,
+        client.geometry.world_size,
+        toks,
+        cache_salt,
+        wait,
+        WARM_POLL_INTERVAL_S,
+    )
+
+
+async def delete(
+    client: Any,
+    tokens: Sequence[int],
+    cache_salt: str,
+    start: int,
+    tier: Tier,
+    force: bool,
+    timeout: float | DefaultType | None,
+) -> DeleteResult:
+    """Delete the chunks of ``tokens`` from ``start`` (a multiple of the chunk size) to
+    the last whole chunk, for the client's model and ``cache_salt``, on every rank
+    (``DELETE /cache/objects`` with keys computed here, at most :data:`MAX_DELETE_KEYS` a
+    request).
+
+    DANGER: the chunks go for every client of this model and salt, and a prompt sharing
+    the prefix loses it too (chunks are named by the whole prefix up to them). With
+    ``force`` locked chunks are deleted as well (a reader holding them may read freed
+    memory). ``tier="l2"`` or ``"all"`` also deletes from L2. Published as ``removed`` KV
+    events (L1).
+
+    Returns:
+        Keys deleted, and keys skipped because a reader or writer held them (keys that
+        were not resident count in neither).
+
+    Raises:
+        UnsupportedHashAlgorithmError: the server does not hash with blake3.
+        ServerError/HTTPStatusError: the server refused the delete.
+        LMCacheTimeoutError: no answer within ``timeout``.
+        ValueError/TypeError: bad tokens, salt, ``start``, ``tier`` or ``force`` (nothing sent).
+
+    Cancellation: a request already sent may still delete its keys.
+    """
+    toks = validate_tokens(tokens)
+    validate_cache_salt(cache_salt)
+    if tier not in ("l1", "l2", "all"):
+        raise ValueError(f"tier must be 'l1', 'l2' or 'all', got {tier!r}")
+    if not isinstance(force, bool):
+        raise TypeError(f"force must be a bool, got {type(force).__name__}")
+    wait = client._timeout(timeout)
+    client._require_open()
+    client._check_loop()
+    hashes = chunk_hashes(toks, client, start=start)
+    keys = object_keys(hashes, client.model_name, client.geometry.world_size, cache_salt)
+    if not keys:
+        return DeleteResult(0, 0)
+    return await _delete_keys(client._session.meta, keys, tier, force, wait)

@@ -1,0 +1,104 @@
+"""The fleet on two REAL LMCache servers (per generation): the engine path's ``stored``
+events route a prompt to the server that holds it, a client's store (which publishes
+nothing) is found by lookup fan-out, ties go to the less loaded server, retrieve and
+remap_many go to the chosen server (bitwise), ``removed`` events withdraw a server, and
+a server killed and restarted mid-stream is excluded while down and resynced (its
+entries forgotten) when it comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import lmcache_async as lmc
+from lmcache_async.fleet import Fleet
+from lmcache_async.hashing import chunk_hashes
+from tests.helpers import fresh_tokens, random_kv, unique_model
+
+pytestmark = pytest.mark.anyio
+
+CS = 16
+GEOMETRY = lmc.KVGeometry(2, 2, 8, torch.bfloat16, 4)
+
+
+async def _until(pred: Any, deadline: float = 30.0) -> None:
+    end = time.monotonic() + deadline
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("generation", ["0.5.6", "0.5.7"])
+async def test_fleet_routes_by_cached_prefix(fresh_real_server: Any, generation: str) -> None:
+    from harness.workers import EngineWorker
+
+    a, b = fresh_real_server.together(
+        {"mode": "shm", "generation": generation}, {"mode": "shm", "generation": generation}
+    )
+    model = unique_model("fleet")
+    p, q, r = fresh_tokens(3 * CS), fresh_tokens(3 * CS), fresh_tokens(2 * CS)
+    kv_p, kv_q, kv_r = (random_kv(GEOMETRY, len(t)) for t in (p, q, r))
+    with EngineWorker(a) as eng:
+        eng.register(model, num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=64)
+        async with Fleet(
+            [(a.url, a.http_url), (b.url, b.http_url)], model, geometry=GEOMETRY, timeout=30
+        ) as fleet:
+            await _until(
+                lambda: a.status()["kv_events"]["subscribers"] == 1 == b.status()["kv_events"]["subscribers"]
+            )
+            # the engine path on A publishes `stored`: the index learns A holds p
+            assert await asyncio.to_thread(eng.store, p, kv_p) is True
+            await fleet.wait_applied(0, 3, 20)
+            route = await fleet.best(p, fanout="never")
+            assert (route.server, route.cached_tokens, route.source) == (0, 3 * CS, "index")
+            assert (await fleet.best(p[: 2 * CS] + [7] * CS, fanout="never")).cached_tokens == 2 * CS
+            # a client's store on B publishes nothing: found by the lookup fan-out
+            async with lmc.AsyncClient(b.url, b.http_url, model, geometry=GEOMETRY, timeout=30) as cb:
+                assert await cb.store(kv_q, q) is True
+                assert (await fleet.best(q, fanout="never")).cached_tokens == 0
+                route = await fleet.best(q)
+                assert (route.server, route.cached_tokens, route.source) == (1, 3 * CS, "lookup")
+                assert (await fleet.best(q, fanout="never")).server == 1  # recorded
+                # routed retrieves, bitwise
+                got = await fleet.retrieve(p)
+                assert got.route.server == 0 and got.value is not None and torch.equal(got.value, kv_p)
+                got = await fleet.retrieve(q)
+                assert got.route.server == 1 and got.value is not None and torch.equal(got.value, kv_q)
+                # both hold r: the tie goes to the less loaded
+                assert (await fleet.store(kv_r, r, server=0)).value is True
+                assert (await fleet.store(kv_r, r, server=1)).value is True
+                assert fleet.index.prefix_chunks(chunk_hashes(r, CS), 0b11) == {0: 2, 1: 2}
+                await fleet.clients[1].drain()
+                assert (await fleet.best(r, fanout="never")).server == 0
+                fleet._routed[0] += 1
+                assert (await fleet.best(r, fanout="never")).server == 1
+                fleet._routed[0] -= 1
+                # remap_many goes to the server holding each source
+                target = [5, 6] + p[2:]
+                done = await fleet.remap_many([(p, target), (q, [9] + q[1:])])
+                assert [d.route.server for d in done] == [0, 1]
+                assert [len(d.value) for d in done] == [1, 1]
+                assert all(d.value[0].error is None for d in done)
+                got = await fleet.retrieve(target)
+                assert got.route.server == 0 and got.value is not None and torch.equal(got.value, kv_p)
+                # `removed` events withdraw B (a clear of B, every model)
+                before = fleet.events_applied[1]
+                await cb.clear(force=False)
+                await fleet.wait_applied(1, before + 1, 20)
+                assert (await fleet.best(q, fanout="never")).cached_tokens == 0
+                assert fleet.index.prefix_chunks(chunk_hashes(r, CS), 0b10) == {}
+            # A killed mid-stream: never chosen while down; resynced when it comes back
+            await asyncio.to_thread(a.stop)
+            await _until(lambda: not fleet.clients[0]._session.conn.connected)
+            route = await fleet.best(p, fanout="never")
+            assert route.server == 1 and route.cached_tokens == 0
+            resyncs = fleet.resyncs[0]
+            await asyncio.to_thread(a.start)
+            await _until(lambda: fleet.resyncs[0] > resyncs)
+            assert fleet.index.prefix_chunks(chunk_hashes(p, CS), 0b11) == {}
+            await _until(lambda: a.status()["kv_events"]["subscribers"] == 1)
