@@ -2,7 +2,7 @@
 deadline (``drop_path_script.py``): the process never hangs, and ends within a second of
 the same process with the client properly closed (each timed from its client's first
 answered call to the process's end), measured in the same test; with
-``-X dev`` too.
+``-X dev`` too (on the real 0.5.6 server).
 
 The defect this guards against: a ZMQ context per client, terminated by pyzmq's
 ``Context.__del__`` from the garbage collector once its sockets' weak references were
@@ -257,11 +257,10 @@ def test_every_drop_path_ends_as_fast_as_a_closed_client_on_the_real_057_server(
 
 
 @CHECK_TIMEOUT
-@DEV
-def test_every_drop_path_ends_as_fast_as_a_closed_client_on_the_embedded_server(
-    embedded: Any, dev: bool
-) -> None:
-    _check_paths(embedded, dev, PATHS)
+def test_every_drop_path_ends_as_fast_as_a_closed_client_on_the_embedded_server(embedded: Any) -> None:
+    # Plain only: -X dev's checks (the warnings and resource debugging) are of the client's
+    # code, which the real server's X-dev run covers; the server here changes no path.
+    _check_paths(embedded, False, PATHS)
 
 
 @DEV
