@@ -49,7 +49,9 @@ async def run(sets: int, variants: list[str], protocols: list[str]) -> dict[str,
     rows: dict[str, list[tuple[bool, bool, float, float]]] = {"full": []}
     seconds: dict[str, float] = {}
     async with EmbeddedServer(chunk_size=bq.CS, mode="shm", size_bytes=g.bytes_per_token * 80_000) as srv:
-        async with AsyncClient(srv.url, srv.http_url, f"proto-{time.time_ns()}", geometry=g, timeout=600) as c:
+        async with AsyncClient(
+            srv.url, srv.http_url, f"proto-{time.time_ns()}", geometry=g, timeout=600
+        ) as c:
             rope = RopeSpec.from_hf_config(model.config)
             for i, s in enumerate(corpus(50)[:sets]):
                 docs = [bq._tokens(d) for d in s.documents]
@@ -67,7 +69,9 @@ async def run(sets: int, variants: list[str], protocols: list[str]) -> dict[str,
                             src = bq._padded(prefix + d)
                             if await c.lookup(src) < len(src):
                                 await hf.prefill_and_store(c, model, src)
-                            parts.append(KVPart(src, 0 if j == 0 else len(prefix), len(prefix) + len(d), cache_salt=""))
+                            parts.append(
+                                KVPart(src, 0 if j == 0 else len(prefix), len(prefix) + len(d), cache_salt="")
+                            )
                         exact = len(prefix) + len(docs[0])
                     salt = f"{proto}{i}"
                     res = await c.compose(target, parts, rope=rope, cache_salt=salt)
@@ -85,10 +89,11 @@ async def run(sets: int, variants: list[str], protocols: list[str]) -> dict[str,
                         kv = plain.clone()
                         t0 = time.perf_counter()
                         if name == "first_k":
-                            sp = spans if proto == "prefix" else [(a, b) for a, b in spans]
-                            chosen = await hf.run_model(first_k, model, target, kv, sp, int(f or 16))
+                            chosen = await hf.run_model(first_k, model, target, kv, spans, int(f or 16))
                         else:
-                            chosen = await hf.run_model(qs.repair, name, model, target, kv, spans, exact, float(f or 0))
+                            chosen = await hf.run_model(
+                                qs.repair, name, model, target, kv, spans, exact, float(f or 0)
+                            )
                         key = f"{proto}:{v}"
                         seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t0
                         out = await hf.run_model(
@@ -117,7 +122,9 @@ async def run(sets: int, variants: list[str], protocols: list[str]) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sets", type=int, default=16)
     parser.add_argument("--variants", default="plain,first_k@16,base@0.05,base@0.15,base@0.30")
     parser.add_argument("--protocols", default="alone,prefix")
