@@ -281,9 +281,10 @@ async def compose_and_blend(
         target_tokens: the prompt to store (the parts fill its beginning).
         parts: :class:`~lmcache_async.KVPart` ranges, in order.
         recompute_fraction: the share of each part's tokens recomputed, in [0, 1] (the
-            quality/latency knob; 0.15 keeps the answers in the guide's table).
-        select_layer: the layer whose KV deviation chooses the tokens (default 1: layer 0's
-            KV depends only on the token and its position, so it cannot tell).
+            quality/latency knob, CacheBlend's default 0.15; the KV-editing guide's table
+            measures what each fraction keeps on a trained model).
+        select_layer: the layer whose value deviation chooses the tokens (default 1: layer
+            0's values depend only on the token, so they cannot tell).
         rope: the model's rotary embedding (default: ``RopeSpec.from_hf_config(model.config)``).
         cache_salt: the target's namespace and the parts' default.
         timeout: one deadline for the retrieves and the store (default: the client's);

@@ -30,7 +30,7 @@ from lmcache_async.testing import EmbeddedServer, trained
 
 def first_k(model: Any, toks: list[int], kv: torch.Tensor, spans: list[tuple[int, int]], k: int) -> list[int]:
     g = hf.geometry_from_model(model)
-    out = []
+    out: list[int] = []
     for a, b in spans:
         b = min(b, a + k)
         cache = hf.kv_to_cache(kv[:, :, :a], g, config=model.config)
