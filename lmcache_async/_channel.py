@@ -40,8 +40,8 @@ class ConnectionChannel:
         return reply.value()
 
     async def call_urgent(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> Any:
-        """:meth:`call` for a cleanup: it takes the next free place on the connection
-        before any new request (see :meth:`~lmcache_async._connection.Connection.call`)."""
+        """:meth:`call` for a cleanup: sent at once, even with ``max_in_flight`` requests
+        in flight (see :meth:`~lmcache_async._connection.Connection.call`)."""
         if self.retired:
             raise ServerReplacedError(replaced_message(opcode, self._conn.url))
         reply = await self._conn.call(opcode, args, timeout=timeout, urgent=True)

@@ -283,8 +283,6 @@ class Connection:
         self.max_in_flight = max_in_flight
         self._busy = 0  # calls holding a place (registered, or about to be)
         self._place_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        #: Cleanup calls waiting for a place: served before any new request (see :meth:`call`).
-        self._urgent_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         #: The server generation's wire: which trailing argument frames requests get.
         self.wire = wire
         self.generation = 0  # increases each time the peer (re)connects after a loss
@@ -582,11 +580,13 @@ class Connection:
             op: the operation.
             args: its arguments (Python values or :class:`~lmcache_async._wire.PreEncoded`).
             timeout: seconds until the call fails; ``None`` waits forever.
-            urgent: a cleanup (``free_lookup_locks``, ``end_session``, ...): it takes the
-                next free place before every non-urgent call waiting for one, so a
-                backlog of new requests (thousands of concurrent operations on one
-                client) never holds back the requests that end the server sessions and
-                release the locks of the operations already answered.
+            urgent: a cleanup (``free_lookup_locks``, ``end_session``, ...): it is sent at
+                once, even with ``max_in_flight`` requests in flight (it still holds a
+                place, so new calls wait for it). A backlog of new requests (thousands of
+                concurrent operations on one client, a server slowed by load) never
+                holds back, past their deadline, the requests that end the server
+                sessions and release the locks of the operations already admitted:
+                cleanups are never dropped for want of a place.
 
         Raises:
             LMCacheTimeoutError: no reply in time (also a ``TimeoutError``); the request
@@ -596,15 +596,14 @@ class Connection:
 
         Backpressure: at most ``max_in_flight`` requests are in flight; a call beyond that
         waits for a free place, under its deadline (a timeout then names no request id:
-        nothing was sent). Places go to the urgent waiters first, then to the others, each
-        in arrival order.
+        nothing was sent), in arrival order; urgent calls never wait.
 
         Cancellation: the entry is removed; a later reply is dropped.
         """
         self._check_sendable(op)
         start = time.monotonic()
         if self._must_wait(urgent):
-            await self._wait_for_place(op, start, timeout, urgent)
+            await self._wait_for_place(op, start, timeout)
             try:
                 self._check_sendable(op)  # the connection may have changed meanwhile
             except BaseException:
@@ -680,17 +679,15 @@ class Connection:
             fut.exception()  # retrieved: nobody may be waiting for it
 
     def _must_wait(self, urgent: bool) -> bool:
-        """Whether a new call must wait for a place (none is free, or others wait first)."""
-        if self._busy >= self.max_in_flight or self._urgent_waiters:
-            return True
-        return not urgent and bool(self._place_waiters)
+        """Whether a new call must wait for a place (none is free, or others wait first);
+        an urgent one never does."""
+        if urgent:
+            return False
+        return self._busy >= self.max_in_flight or bool(self._place_waiters)
 
-    async def _wait_for_place(
-        self, op: Op, start: float, timeout: float | None, urgent: bool = False
-    ) -> None:
+    async def _wait_for_place(self, op: Op, start: float, timeout: float | None) -> None:
         """Wait (under the call's deadline) until fewer than ``max_in_flight`` calls hold
-        a place, then take one. Urgent calls first, then the others; first come, first
-        served within each.
+        a place, then take one; first come, first served.
 
         Raises:
             LMCacheTimeoutError: the deadline passed first (nothing was sent).
@@ -699,7 +696,7 @@ class Connection:
         """
         assert self._loop is not None
         waiter: asyncio.Future[None] = self._loop.create_future()
-        waiters = self._urgent_waiters if urgent else self._place_waiters
+        waiters = self._place_waiters
         waiters.append(waiter)
         try:
             remaining = None if timeout is None else timeout - (time.monotonic() - start)
@@ -716,9 +713,10 @@ class Connection:
                 waiters.remove(waiter)
 
     def _release_place(self) -> None:
-        """Give a place back: to the first urgent waiter still waiting, else to the first
-        other waiter, else to the pool."""
-        for waiters in (self._urgent_waiters, self._place_waiters):
+        """Give a place back: to the first waiter still waiting, else to the pool (always
+        to the pool while urgent calls hold more than ``max_in_flight`` places)."""
+        if self._busy <= self.max_in_flight:
+            waiters = self._place_waiters
             while waiters:
                 waiter = waiters.popleft()
                 if not waiter.done():

@@ -151,6 +151,40 @@ class Metadata:
             self._session = aiohttp.ClientSession()
         return self._session
 
+    async def request(
+        self, method: str, path: str, timeout: float | None, *, json_body: Any = None
+    ) -> tuple[int, bytes]:
+        """``method path`` on the HTTP API (``json_body``, if given, sent as JSON), with the
+        client's headers: ``(status, body)``. The one place an HTTP request is made, for
+        this object's GETs and for :mod:`lmcache_async.management`'s calls.
+
+        Raises:
+            AuthenticationError: HTTP 401 (an API key is needed, or was wrong).
+            LMCacheTimeoutError: no whole answer within ``timeout`` seconds.
+            LMCacheConnectionError: the request could not be made or read.
+
+        Cancellation: the request is abandoned (aiohttp closes its connection).
+        """
+        url = self.http_url + path
+        start = time.monotonic()
+        try:
+            async with self._get_session().request(
+                method,
+                url,
+                json=json_body,
+                headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as resp:
+                body = await resp.read()
+                status = resp.status
+        except TimeoutError:
+            raise LMCacheTimeoutError(f"{method} {path}", time.monotonic() - start) from None
+        except aiohttp.ClientError as exc:
+            raise LMCacheConnectionError(_failure_message(method, url, exc)) from exc
+        if status == 401:
+            raise AuthenticationError(status, url, _excerpt(body), key_sent=self._api_key is not None)
+        return status, body
+
     async def _get_json(self, path: str, timeout: float | None) -> tuple[int, Any, str]:
         """GET ``path``: ``(200, document, "")``, or ``(status, None, excerpt)`` for another
         status (the start of the body, for the error that reports it).
@@ -159,22 +193,10 @@ class Metadata:
             AuthenticationError: HTTP 401 (an API key is needed, or was wrong).
             LMCacheTimeoutError, LMCacheConnectionError, ProtocolError (not JSON).
         """
-        url = self.http_url + path
-        start = time.monotonic()
-        try:
-            async with self._get_session().get(
-                url, headers=self._headers, timeout=aiohttp.ClientTimeout(total=timeout)
-            ) as resp:
-                body = await resp.read()
-                status = resp.status
-        except TimeoutError:
-            raise LMCacheTimeoutError(f"GET {path}", time.monotonic() - start) from None
-        except aiohttp.ClientError as exc:
-            raise LMCacheConnectionError(_failure_message(url, exc)) from exc
-        if status == 401:
-            raise AuthenticationError(status, url, _excerpt(body), key_sent=self._api_key is not None)
+        status, body = await self.request("GET", path, timeout)
         if status != 200:
             return status, None, _excerpt(body)
+        url = self.http_url + path
         try:
             return status, json.loads(body), ""
         except ValueError as exc:
@@ -273,17 +295,17 @@ class Metadata:
 _ZMTP_SIGNATURE = "\\xff\\x00\\x00\\x00\\x00\\x00\\x00\\x00"
 
 
-def _failure_message(url: str, exc: aiohttp.ClientError) -> str:
-    """What a failed GET says: aiohttp's own words, except for a peer that does not
+def _failure_message(method: str, url: str, exc: aiohttp.ClientError) -> str:
+    """What a failed request says: aiohttp's own words, except for a peer that does not
     speak HTTP, where they ("Bad status line", the bytes read) would mislead."""
     if isinstance(exc, aiohttp.ClientResponseError) and exc.message.startswith("Bad status line"):
         if _ZMTP_SIGNATURE in exc.message:
             return (
-                f"GET {url} failed: the peer answered with a ZMQ greeting, not HTTP: http_url names "
+                f"{method} {url} failed: the peer answered with a ZMQ greeting, not HTTP: http_url names "
                 "the server's ZMQ port; give its HTTP port (lmcache server --http-port, often 8080)"
             )
-        return f"GET {url} failed: the peer does not speak HTTP; is http_url the server's HTTP port?"
-    return f"GET {url} failed: {exc}"
+        return f"{method} {url} failed: the peer does not speak HTTP; is http_url the server's HTTP port?"
+    return f"{method} {url} failed: {exc}"
 
 
 def _excerpt(body: bytes) -> str:

@@ -17,15 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-import aiohttp
-
 from lmcache_async._defaults import DefaultType
 from lmcache_async._metadata import Metadata
 from lmcache_async._wire import Op, validate_cache_salt, validate_tokens
 from lmcache_async.errors import (
-    AuthenticationError,
     HTTPStatusError,
-    LMCacheConnectionError,
     LMCacheTimeoutError,
     ProtocolError,
     ServerError,
@@ -110,27 +106,10 @@ async def _http_json(
     """``method path`` with a JSON body: ``(status, decoded JSON or None)``.
 
     Raises:
-        AuthenticationError: 401. LMCacheTimeoutError, LMCacheConnectionError.
+        AuthenticationError: 401. LMCacheTimeoutError, LMCacheConnectionError
+        (:meth:`Metadata.request`).
     """
-    url = meta.http_url + path
-    start = time.monotonic()
-    try:
-        async with meta._get_session().request(
-            method,
-            url,
-            json=body,
-            headers=meta._headers,
-            timeout=aiohttp.ClientTimeout(total=timeout),
-        ) as resp:
-            raw = await resp.read()
-            status = resp.status
-    except TimeoutError:
-        raise LMCacheTimeoutError(f"{method} {path}", time.monotonic() - start) from None
-    except aiohttp.ClientError as exc:
-        raise LMCacheConnectionError(f"{method} {url} failed: {exc}") from exc
-    text = raw[:500].decode("utf-8", "replace")
-    if status == 401:
-        raise AuthenticationError(status, url, text, key_sent=meta._api_key is not None)
+    status, raw = await meta.request(method, path, timeout, json_body=body)
     try:
         doc = json.loads(raw) if raw else None
     except ValueError:

@@ -276,7 +276,7 @@ class OperationsBase:
         self._post: Callable[[Op, Sequence[Any], float | None], asyncio.Future[Any] | None] | None = (
             channel.post if isinstance(channel, PostingChannel) else None
         )
-        #: The channel's ``call_urgent`` (a cleanup goes before new requests), if it has one.
+        #: The channel's ``call_urgent`` (a cleanup is sent at once), if it has one.
         self._call_urgent: Callable[[Op, Sequence[Any], float | None], Awaitable[Any]] = getattr(
             channel, "call_urgent", channel.call
         )
@@ -368,10 +368,10 @@ class OperationsBase:
     async def cleanup_call(self, opcode: Op, *args: Any) -> Any:
         """A cleanup RPC: its own short deadline; errors are logged, not raised.
 
-        Over a channel with ``call_urgent`` (the client's connection) it takes the next
-        free place before any new request: a backlog of operations queued on the client
-        (more than ``max_in_flight`` requests) delays it only by the requests already in
-        flight, never by those queued after it, so it is not lost to its deadline.
+        Over a channel with ``call_urgent`` (the client's connection) it is sent at once,
+        whatever the number of requests in flight or queued on the client: a backlog
+        never delays it past its deadline, so it is never dropped unsent (a reply late
+        past the deadline is logged; the server still runs the request).
         """
         if not self.channel.usable:
             return None

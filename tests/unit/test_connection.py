@@ -14,7 +14,7 @@ from lmcache_async._connection import Connection, PendingTable
 from lmcache_async._wire import Op, Reply
 from lmcache_async.errors import ClientClosedError, LMCacheConnectionError, LMCacheTimeoutError
 from tests.fakes import server_wire
-from tests.fakes.fake_router import FakeRouter
+from tests.fakes.fake_router import Action, FakeRouter
 from tests.plugins.hypothesis_budget import examples
 
 pytestmark = pytest.mark.anyio
@@ -285,10 +285,11 @@ async def test_a_waiter_handed_a_place_and_cancelled_passes_it_on() -> None:
             await conn.close()
 
 
-async def test_an_urgent_call_takes_the_next_place_before_queued_calls() -> None:
-    """A cleanup (``urgent``) waiting for a place is sent before every ordinary call that
-    was already waiting (QA-4 N1: cleanups waited behind thousands of new lookups, past
-    their deadline, and were dropped); the ordinary ones then follow in arrival order."""
+async def test_an_urgent_call_is_sent_at_once_past_the_bound() -> None:
+    """A cleanup (``urgent``) never waits for a place: with every place taken and ordinary
+    calls queued, it is on the wire at once (QA-4 N1: cleanups that waited behind a backlog
+    ran past their deadline unsent, and were dropped). It holds a place past the bound: the
+    queued calls go out, in arrival order, only once the in-flight count is back under it."""
     async with FakeRouter(lambda req: [("sleep", 0.05), ("reply", msgpack.unpackb(req.args[0]))]) as router:
         conn = Connection(router.url, max_in_flight=1)
         await conn.open()
@@ -299,8 +300,8 @@ async def test_an_urgent_call_takes_the_next_place_before_queued_calls() -> None
             await asyncio.sleep(0.01)
             cleanup = asyncio.create_task(conn.call(Op.END_SESSION, ("cleanup",), timeout=5, urgent=True))
             await asyncio.sleep(0.01)
-            assert (len(conn._place_waiters), len(conn._urgent_waiters)) == (3, 1)
-            # While an urgent call waits, nothing ordinary jumps in through send_nowait.
+            # Sent without waiting: two in flight with a bound of one, three still queued.
+            assert (conn.in_flight, conn._busy, len(conn._place_waiters)) == (2, 2, 3)
             assert conn.send_nowait(Op.END_SESSION, ("posted",), timeout=5) is None
             got = [(await t).value() for t in (first, cleanup, *queued)]
             assert got == ["first", "cleanup", "q0", "q1", "q2"]
@@ -311,31 +312,41 @@ async def test_an_urgent_call_takes_the_next_place_before_queued_calls() -> None
                 "q1",
                 "q2",
             ]
-            assert (conn.in_flight, conn._busy, len(conn._place_waiters), len(conn._urgent_waiters)) == (
-                0,
-                0,
-                0,
-                0,
-            )
+            assert (conn.in_flight, conn._busy, len(conn._place_waiters)) == (0, 0, 0)
         finally:
             await conn.close()
 
 
-async def test_an_urgent_waiter_that_times_out_leaves_the_queue_and_its_place() -> None:
-    """An urgent call whose deadline passes while it waits for a place sends nothing,
-    says so (no request id) and leaves no waiter or place behind."""
-    async with FakeRouter(lambda req: [("sleep", 0.3), ("reply", "OK")]) as router:
+async def test_urgent_calls_past_the_bound_give_their_places_back_to_the_pool() -> None:
+    """Places released while urgent calls hold more than ``max_in_flight`` go back to the
+    pool, not to a waiter: an ordinary call is sent only once fewer than the bound are in
+    flight, and a cleanup sent while every place is taken is answered, not timed out."""
+
+    def answer(req: server_wire.Request) -> list[Action]:
+        return [("sleep", 0.5 if req.op == Op.END_SESSION else 0.1), ("reply", "OK")]
+
+    async with FakeRouter(answer) as router:
         conn = Connection(router.url, max_in_flight=1)
         await conn.open()
         try:
             first = asyncio.create_task(conn.call(Op.NOOP, (), timeout=5))
             await asyncio.sleep(0.01)
-            with pytest.raises(LMCacheTimeoutError, match=r"^end_session: no reply") as info:
-                await conn.call(Op.END_SESSION, ("x",), timeout=0.05, urgent=True)
-            assert info.value.request_id is None
-            assert len(conn._urgent_waiters) == 0
-            assert (await first).value() == "OK"
-            assert (conn.in_flight, conn._busy) == (0, 0)
-            assert [r.op for r in router.requests] == [Op.NOOP]
+            cleanups = [
+                asyncio.create_task(conn.call(Op.END_SESSION, (f"c{i}",), timeout=5, urgent=True))
+                for i in range(2)
+            ]
+            await asyncio.sleep(0.01)
+            late = asyncio.create_task(conn.call(Op.NOOP, (), timeout=5))
+            await asyncio.sleep(0.01)
+            assert (conn.in_flight, conn._busy, len(conn._place_waiters)) == (3, 3, 1)
+            await first
+            await asyncio.sleep(0.05)
+            # One place back: still two urgent calls in flight, over the bound of one.
+            assert (conn.in_flight, len(conn._place_waiters)) == (2, 1)
+            for c in cleanups:
+                assert (await c).value() == "OK"
+            assert (await late).value() == "OK"
+            assert [r.op for r in router.requests] == [Op.NOOP, Op.END_SESSION, Op.END_SESSION, Op.NOOP]
+            assert (conn.in_flight, conn._busy, len(conn._place_waiters)) == (0, 0, 0)
         finally:
             await conn.close()
