@@ -1023,7 +1023,7 @@ def quality_tables(doc: dict[str, Any]) -> str:
         "its own (never with another), either alone at position 0 (the system prompt too) or "
         "behind the system prompt it is served with (the first document's part then holds the "
         "system prompt and is the full prefill's KV), composed in an order never cached, the "
-        "question as the uncached tail; greedy answers of up to {q['new_tokens']} tokens. Accuracy: the fact in "
+        f"question as the uncached tail; greedy answers of up to {q['new_tokens']} tokens. Accuracy: the fact in "
         "the answer; greedy agreement: the whole answer equal to the full prefill's; KL: the "
         f"next-token KL(full || method). Measured {s['date_utc']}, commit `{s['commit']}`, "
         f"{s.get('seconds', '?')} s, load {s.get('loadavg_1m')} → {s.get('loadavg_1m_end', '?')}. "
