@@ -297,10 +297,12 @@ def kv_to_cache(kv: torch.Tensor, geometry: KVGeometry, *, config: Any = None, d
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
     target = torch.device(device) if device is not None else kv.device
     for i in range(geometry.num_layers):
-        # [T, H*Hd] -> [T, H, Hd] -> [1, H, T, Hd]
-        key = kv[0, i].reshape(tokens, h, hd).transpose(0, 1).unsqueeze(0).to(target, copy=True)
-        value = kv[1, i].reshape(tokens, h, hd).transpose(0, 1).unsqueeze(0).to(target, copy=True)
-        cache.update(key.contiguous(), value.contiguous(), i)
+        # [T, H*Hd] -> [T, H, Hd] -> [1, H, T, Hd], one copy each
+        key = torch.empty((1, h, tokens, hd), dtype=kv.dtype, device=target)
+        value = torch.empty((1, h, tokens, hd), dtype=kv.dtype, device=target)
+        key[0].copy_(kv[0, i].reshape(tokens, h, hd).transpose(0, 1))
+        value[0].copy_(kv[1, i].reshape(tokens, h, hd).transpose(0, 1))
+        cache.update(key, value, i)
     return cache
 
 

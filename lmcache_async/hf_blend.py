@@ -2,8 +2,8 @@
 
 :func:`compose_and_blend` composes cached documents into a prompt (as
 :meth:`~lmcache_async.AsyncClient.compose`), then recomputes, in each document after the
-first, the share ``recompute_fraction`` of its tokens whose KV deviates most from a prefill
-of the composed prompt at an early layer, attending over the composed KV in front of
+first, the share ``recompute_fraction`` of its tokens whose values deviate most from a
+prefill of the composed prompt at an early layer, attending over the composed KV in front of
 them, and stores the result; :func:`select_and_recompute` is that repair alone, on a KV
 the caller composed (no I/O). The first-k repair is :func:`lmcache_async.hf.compose_and_repair`;
 which of these edits are exact and which approximate, with the measured quality:
@@ -26,6 +26,7 @@ from transformers import DynamicCache
 from lmcache_async import _compose
 from lmcache_async._compose import KVPart
 from lmcache_async._defaults import DEFAULT, DefaultType
+from lmcache_async._wire import validate_cache_salt
 from lmcache_async.hf import (
     ComposedPrompt,
     _cache_layers,
@@ -35,16 +36,17 @@ from lmcache_async.hf import (
     _model_dtype,
     _prompt,
     _text_config,
-    cache_to_kv,
+    check_geometry,
     geometry_from_model,
     kv_to_cache,
+    prefill_and_store,
 )
 from lmcache_async.rope import RopeSpec
 
 if TYPE_CHECKING:
     from lmcache_async.client import AsyncClient
 
-__all__ = ["compose_and_blend", "select_and_recompute"]
+__all__ = ["cache_document", "compose_and_blend", "select_and_recompute"]
 
 
 def _check_fraction(recompute_fraction: float) -> float:
@@ -104,6 +106,39 @@ def _layer_kv(
     return out
 
 
+def _layer_values(
+    model: Any, toks: list[int], kv: torch.Tensor, start: int, end: int, layer: int
+) -> torch.Tensor:
+    """The values at ``layer`` of ``toks[start:end]`` prefilled over ``kv[:, :, :start]``,
+    ``[end - start, D]``: the pass stops at that layer's value projection (its attention,
+    MLP and the layers after it are not run; a layer without a ``self_attn.v_proj``
+    module runs whole)."""
+    v_proj = getattr(getattr(_decoder_layers(model)[layer], "self_attn", None), "v_proj", None)
+    if not isinstance(v_proj, torch.nn.Module):
+        return _layer_kv(model, toks, kv, start, end, layer)[1]
+    device = _model_device(model)
+    if start:
+        cache = kv_to_cache(kv[:, :, :start], geometry_from_model(model), config=model.config, device=device)
+    else:
+        cache = DynamicCache(config=model.config)
+    captured: list[torch.Tensor] = []
+
+    def stop(_module: Any, _args: Any, out: torch.Tensor) -> None:
+        captured.append(out)
+        raise _StopForward
+
+    handle = v_proj.register_forward_hook(stop)
+    try:
+        _forward(model, toks[start:end], cache, start)
+    except _StopForward:
+        pass
+    finally:
+        handle.remove()
+    if not captured:  # pragma: no cover - a model that never calls v_proj
+        return _layer_kv(model, toks, kv, start, end, layer)[1]
+    return captured[0].reshape(end - start, -1)
+
+
 def _exact_prefix(the_plan: _compose.Plan) -> int:
     """Target tokens at the start whose composed KV is the full prefill's: a first part
     that is its source's own prefix, at its own positions, with the target's tokens."""
@@ -124,10 +159,10 @@ def select_and_recompute(
 
     ``kv`` (``[2, L, T, D]``) holds the KV of ``tokens[:T]`` as composed from cached
     parts; ``kv[:, :, :exact]`` is already the full prefill's. The tokens after ``exact``
-    are prefilled through layers ``0 .. select_layer`` only, and in each span ``[a, b)``
-    (a part's tokens) the ``round(recompute_fraction * (b - a))`` tokens whose composed KV
-    at ``select_layer`` differs most from that prefill's (squared distance of key and
-    value) are chosen. The chosen tokens are then recomputed through every layer in one
+    are prefilled up to the value projection of layer ``select_layer`` only, and in each
+    span ``[a, b)`` (a part's tokens) the ``round(recompute_fraction * (b - a))`` tokens
+    whose composed values at ``select_layer`` differ most from that prefill's (squared
+    distance) are chosen. The chosen tokens are then recomputed through every layer in one
     pass, each attending to the composed KV of the tokens before it that were not chosen
     and to the recomputed KV of those that were, and their KV replaces the composed one.
 
@@ -163,9 +198,9 @@ def select_and_recompute(
     counts = [(a, b, min(b - a, int(fraction * (b - a) + 0.5))) for a, b in spans]
     if not any(c for _, _, c in counts):
         return []
-    early = _layer_kv(model, toks, kv, exact, total, select_layer).float()
-    composed = kv[:, select_layer, exact:total].float()
-    deviation = (early - composed).pow(2).sum(dim=2).sum(dim=0)  # [T - exact]
+    early = _layer_values(model, toks, kv, exact, total, select_layer).float()
+    composed = kv[1, select_layer, exact:total].float()
+    deviation = (early - composed).pow(2).sum(dim=1)  # [T - exact]
     chosen: list[int] = []
     for a, b, c in counts:
         if c:
@@ -204,8 +239,10 @@ def _recompute_at(model: Any, toks: list[int], kv: torch.Tensor, chosen: list[in
         positions=pos,
         attention_mask=mask.unsqueeze(0).unsqueeze(0),
     )
-    new = cache_to_kv(cache, geometry)[:, :, total:]
-    kv[:, :, pos] = new.to(kv.device)
+    n = len(chosen)
+    for i, (key, value) in enumerate(_cache_layers(cache)):  # only the recomputed tokens
+        kv[0, i, pos] = key[0, :, total:].transpose(0, 1).reshape(n, -1).to(kv.device)
+        kv[1, i, pos] = value[0, :, total:].transpose(0, 1).reshape(n, -1).to(kv.device)
 
 
 async def compose_and_blend(
@@ -227,9 +264,9 @@ async def compose_and_blend(
     The parts' KV is taken from the cache and placed as :meth:`AsyncClient.compose
     <lmcache_async.AsyncClient.compose>` does (shifted keys rotated with ``rope``). A
     leading part that is its source's own prefix at its own positions is already the
-    full prefill's KV and is kept. The rest of the composed prompt is prefilled through
-    the first ``select_layer + 1`` layers only; in each part, the
-    ``round(recompute_fraction * tokens)`` tokens whose composed KV deviates most from
+    full prefill's KV and is kept. The rest of the composed prompt is prefilled up to
+    the value projection of layer ``select_layer`` only; in each part, the
+    ``round(recompute_fraction * tokens)`` tokens whose composed values deviate most from
     that prefill's at layer ``select_layer`` are recomputed through every layer over the
     composed KV (:func:`select_and_recompute`); then the target's whole chunks are stored,
     so the stored KV is what the model reads when it serves the target.
@@ -244,9 +281,10 @@ async def compose_and_blend(
         target_tokens: the prompt to store (the parts fill its beginning).
         parts: :class:`~lmcache_async.KVPart` ranges, in order.
         recompute_fraction: the share of each part's tokens recomputed, in [0, 1] (the
-            quality/latency knob; 0.15 keeps the answers in the guide's table).
-        select_layer: the layer whose KV deviation chooses the tokens (default 1: layer 0's
-            KV depends only on the token and its position, so it cannot tell).
+            quality/latency knob, CacheBlend's default 0.15; the KV-editing guide's table
+            measures what each fraction keeps on a trained model).
+        select_layer: the layer whose value deviation chooses the tokens (default 1: layer
+            0's values depend only on the token, so they cannot tell).
         rope: the model's rotary embedding (default: ``RopeSpec.from_hf_config(model.config)``).
         cache_salt: the target's namespace and the parts' default.
         timeout: one deadline for the retrieves and the store (default: the client's);
@@ -290,3 +328,65 @@ async def compose_and_blend(
     return await _compose_repair_store(
         client, model, toks, parts, rope, cache_salt, timeout, repair if fraction else None
     )
+
+
+async def cache_document(
+    client: AsyncClient,
+    model: Any,
+    document: Sequence[int],
+    *,
+    prefix: Sequence[int] = (),
+    pad_token_id: int | None = None,
+    cache_salt: str = "",
+    timeout: float | DefaultType | None = DEFAULT,
+) -> KVPart:
+    """Cache a document for composition, alone or behind a fixed ``prefix``, and return
+    the :class:`~lmcache_async.KVPart` of its tokens.
+
+    The source ``prefix + document``, padded with ``pad_token_id`` to whole chunks (LMCache
+    stores whole chunks only, so the document's last tokens would otherwise not be
+    cached), is prefilled and stored unless the cache already holds all of it. The part
+    is ``KVPart(source, len(prefix), len(prefix) + len(document), cache_salt)``; when the
+    target starts with ``prefix + document``, ``KVPart(part.source_tokens, 0, part.end)``
+    covers both and is the full prefill's KV (:func:`compose_and_blend` keeps it as is).
+    Which protocol composes better on a trained model (a document cached alone at
+    position 0, or behind the system prompt it will be served with) is measured in the
+    KV-editing guide's table.
+
+    Args:
+        client: an open client with the model's geometry.
+        model: the transformers causal LM.
+        document: the document's token ids (not empty).
+        prefix: tokens in front of the document when it is computed (e.g. the system
+            prompt); default none (the document at positions 0..).
+        pad_token_id: the token that pads the source to whole chunks; needed unless
+            ``len(prefix) + len(document)`` is a multiple of the chunk size.
+        cache_salt: the source's namespace (also the returned part's).
+        timeout: for each request (the lookup, then the store); the model has none.
+
+    Raises:
+        ValueError/TypeError: empty or bad tokens, a pad token outside the vocabulary or
+            missing where padding is needed, a bad salt, a client of another geometry (all
+            before anything is sent).
+        LMCacheTimeoutError: a request had no answer within ``timeout``.
+
+    Cancellation/timeout: during the lookup nothing is stored; a prefill already running
+    in the model thread finishes and is dropped; during the store, as
+    :meth:`AsyncClient.store <lmcache_async.AsyncClient.store>`.
+    """
+    doc = _prompt(document, model)
+    front = list(prefix)
+    source = _prompt(front + doc, model)  # validates the prefix's ids too
+    validate_cache_salt(cache_salt)
+    check_geometry(client.geometry, geometry_from_model(model))
+    pad = -len(source) % client.chunk_size
+    if pad:
+        if pad_token_id is None:
+            raise ValueError(
+                f"prefix + document is {len(source)} tokens, not whole chunks of {client.chunk_size}: "
+                "pass pad_token_id"
+            )
+        source += _prompt([pad_token_id], model) * pad
+    if await client.lookup(source, cache_salt, timeout=timeout) < len(source):
+        await prefill_and_store(client, model, source, cache_salt, timeout=timeout)
+    return KVPart(source, len(front), len(front) + len(doc), cache_salt=cache_salt)

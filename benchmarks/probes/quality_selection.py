@@ -19,7 +19,9 @@ Variants (each at ``--fraction`` of each document's tokens):
   layer's deviation divided by its mean first; ``konly`` / ``vonly``: keys or values only;
   ``sink<n>``: each document's first ``n`` tokens always chosen (a document cached alone has
   its own attention sink there); ``tail<n>``: the last ``n`` tokens of the last document too;
-  ``rounds2``: recompute the first half of the chosen tokens, then all of them.
+  ``rounds2``: recompute the first half of the chosen tokens, then all of them; ``rel``: each
+  token's deviation divided by its composed KV's squared norm; ``ml29``: the deviation
+  summed over every layer (an oracle: the pass runs the whole model).
 
 Printed: accuracy, greedy agreement and mean next-token KL per variant, and the repair's
 seconds summed over the sets. The conclusion is in the KV-editing guide
@@ -110,6 +112,9 @@ def repair(
     if "vonly" in opts:
         d = d[1:2]
     per_layer = d.sum(dim=3).sum(dim=0)  # [upto + 1, n]
+    if "rel" in opts:  # relative to the composed KV's own size
+        size = kv[:, : upto + 1, exact:total].float().pow(2).sum(dim=3).sum(dim=0)
+        per_layer = per_layer / (size + 1e-9)
     if "norm" in opts:
         per_layer = per_layer / (per_layer.mean(dim=1, keepdim=True) + 1e-9)
     dev = (per_layer[1:] if upto >= 1 else per_layer).sum(dim=0)

@@ -229,13 +229,17 @@ def test_the_quality_section_renders_its_tables_the_targets_and_the_published_fi
     (results / "quality.json").write_text(json.dumps(doc))
     text = render.render(results, tmp_path / "notes", tmp_path / "img")
     assert "\n## Composed prompts on a trained model: quality and time to first token\n" in text
-    m = doc["result"]["quality"]["methods"]["blend_0.15"]
-    row = (
-        f"| selective repair 15 % (`compose_and_blend`) | {m['recomputed_share'] * 100:.1f} % | "
-        f"{m['accuracy']:.2f} | {m['greedy_agreement']:.2f} | {m['first_token_agreement']:.2f} | "
-        f"{m['kl_mean']:.3f} |"
-    )
-    assert row in text
+    q = doc["result"]["quality"]
+    assert f"greedy answers of up to {q['new_tokens']} tokens." in text
+    for protocol, where in (("alone", "alone at position 0"), ("prefix", "behind the system prompt")):
+        m = q["by_protocol"][protocol]["blend_0.15"]
+        row = (
+            f"| selective repair 15 % (`compose_and_blend`) | {where} | {m['recomputed_share'] * 100:.1f} % | "
+            f"{m['accuracy']:.2f} | {m['greedy_agreement']:.2f} | {m['first_token_agreement']:.2f} | "
+            f"{m['kl_mean']:.3f} |"
+        )
+        assert row in text
+    assert text.count("| full prefill | - |") == 1
     assert "selective repair 0 %" not in text  # bitwise the plain composition: one row
     t = doc["result"]["ttft"]["2048"]
     assert f"| {t['prompt_tokens']} ({t['documents']} documents) | {t['ms']['full']:.0f} ms |" in text

@@ -8,6 +8,12 @@
   the unrotated KV (the control).
 * :func:`hf.compose_and_repair`: ``recompute=0`` is :meth:`AsyncClient.compose`;
   recomputing whole parts gives the full prefill; the error falls as ``recompute`` grows.
+* :func:`hf_blend.cache_document`: ``prefix + document`` padded to whole chunks is stored
+  (bitwise the prefill's KV) once; its part; refusals before anything is sent.
+* :func:`hf_blend.select_and_recompute`: the early pass stopped at the layer's value
+  projection gives bitwise the values of a pass through the whole layer, so the tokens
+  chosen are exactly the top deviations of those values, per part; the others keep their
+  composed KV bitwise.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_async import AsyncClient, KVPart, RopeSpec, hf
+from lmcache_async import AsyncClient, KVPart, RopeSpec, hf, hf_blend
 from lmcache_async.testing.tiny_llama import tiny_llama
 from tests.helpers import SESSION_CHUNK_SIZE, fresh_tokens, unique_model
 
@@ -171,3 +177,70 @@ async def test_compose_and_repair_miss_and_refusals(client_f32: AsyncClient) -> 
                 {"head_dim": 16, "rope_scaling": {"type": "dynamic", "factor": 2.0}}
             ),
         )
+
+
+async def test_cache_document_stores_prefix_and_document_once_and_returns_its_part(
+    client_f32: AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = model_of(torch.float32)
+    prefix, doc, pad = text(10, 5), text(11, 20), 3
+    part = await hf_blend.cache_document(
+        client_f32, model, doc, prefix=prefix, pad_token_id=pad, cache_salt="d"
+    )
+    source = prefix + doc + [pad] * (2 * CS - 25)
+    assert part == KVPart(source, 5, 25, cache_salt="d")
+    stored = await client_f32.retrieve(source, "d")
+    want, _ = prefill_at(model, source, 0)
+    assert stored is not None and torch.equal(stored, want)  # the prefill's KV, bitwise
+    calls: list[object] = []
+    monkeypatch.setattr(hf_blend, "prefill_and_store", lambda *a, **k: calls.append(a))
+    again = await hf_blend.cache_document(
+        client_f32, model, doc, prefix=prefix, pad_token_id=pad, cache_salt="d"
+    )
+    assert again == part and calls == []  # cached already: nothing computed or sent again
+    monkeypatch.undo()
+    whole = text(12, 2 * CS)  # alone, whole chunks: no pad needed
+    assert await hf_blend.cache_document(client_f32, model, whole) == KVPart(whole, 0, 2 * CS, cache_salt="")
+    assert await client_f32.lookup(whole) == 2 * CS
+
+
+async def test_cache_document_refuses_before_sending(client_f32: AsyncClient) -> None:
+    model = model_of(torch.float32)
+    doc = text(13, 20)
+    with pytest.raises(
+        ValueError, match=r"^prefix \+ document is 20 tokens, not whole chunks of 16: pass pad_token_id$"
+    ):
+        await hf_blend.cache_document(client_f32, model, doc)
+    with pytest.raises(ValueError, match="outside the model's vocabulary of 512 ids"):
+        await hf_blend.cache_document(client_f32, model, doc, pad_token_id=VOCAB)
+    with pytest.raises(ValueError, match="outside the model's vocabulary of 512 ids"):
+        await hf_blend.cache_document(client_f32, model, doc, prefix=[VOCAB], pad_token_id=1)
+    with pytest.raises(ValueError, match="must not be empty"):
+        await hf_blend.cache_document(client_f32, model, [], prefix=doc)
+    assert await client_f32.lookup(doc + [0] * 12) == 0 and await client_f32.lookup(doc + [1] * 12) == 0
+
+
+def test_selection_is_the_top_value_deviations_of_each_part() -> None:
+    model = model_of(torch.float32)
+    geometry = hf.geometry_from_model(model)
+    system, doc1, doc2 = text(20, CS), text(21, 2 * CS), text(22, 2 * CS)
+    toks = system + doc1 + doc2
+    kv = torch.cat([prefill_at(model, t, 0)[0] for t in (system, doc1, doc2)], dim=2)  # unrotated: fine here
+    spans = [(CS, 3 * CS), (3 * CS, 5 * CS)]
+    for layer in (1, 2):
+        early = hf_blend._layer_values(model, toks, kv, CS, 5 * CS, layer)
+        whole = hf_blend._layer_kv(model, toks, kv, CS, 5 * CS, layer)[1]
+        assert torch.equal(early, whole)  # stopping at v_proj changes nothing
+        dev = (whole.float() - kv[1, layer, CS:].float()).pow(2).sum(dim=1)
+        want = sorted(
+            int(i) + a
+            for a, b in spans
+            for i in torch.topk(dev[a - CS : b - CS], int(0.25 * (b - a) + 0.5)).indices
+        )
+        out = kv.clone()
+        chosen = hf_blend.select_and_recompute(model, toks, out, spans, 0.25, select_layer=layer, exact=CS)
+        assert chosen == want and len(chosen) == 16
+        kept = [i for i in range(5 * CS) if i not in set(chosen)]
+        assert torch.equal(out[:, :, kept], kv[:, :, kept])
+        assert not torch.equal(out[:, :, chosen], kv[:, :, chosen])
+    assert geometry.num_layers >= 3

@@ -9,7 +9,10 @@ real servers of both generations, SHM and inline:
   bitwise; 1 stores the full prefill's KV (to float32 rounding: 1e-4 of the largest
   value, the same bound as a moved part in tests/system/test_compose_hf.py); a fraction
   in between recomputes exactly ``round(f * tokens)`` of each part; bad fractions are
-  refused before anything is sent.
+  refused before anything is sent;
+* documents cached behind the system prompt (:func:`hf_blend.cache_document` with
+  ``prefix``): the first document's part (system prompt included) is kept bitwise as the
+  full prefill's, the others repaired; 1 gives the full prefill's KV.
 
 These tests are never skipped in CI (``CI=true`` / ``LMCACHE_ASYNC_REQUIRE_REAL_SERVER=1``:
 a missing model fails them). They are few and short (one load per worker, prompts under
@@ -213,3 +216,46 @@ async def test_blend_refuses_bad_fractions_before_sending(
     with pytest.raises(ValueError, match=r"^select_layer must be an int in 0\.\.29, got 30$"):
         await hf_blend.compose_and_blend(c, smollm, target, parts, recompute_fraction=0.1, select_layer=30)
     assert await c.lookup(target[:32]) == 0 and await c.lookup(target, "bad") == 0  # nothing sent or stored
+
+
+@BOTH
+async def test_documents_cached_behind_the_system_prompt_compose_and_blend(
+    smollm: Any, blend_client: AsyncClient
+) -> None:
+    c = blend_client
+    nl = _tokens("\n")[-1]
+    system, first, second = _tokens(SYSTEM), _tokens(DOCS[1]), _tokens(DOCS[0])
+    parts = [
+        await hf_blend.cache_document(c, smollm, d, prefix=system, pad_token_id=nl, cache_salt="")
+        for d in (first, second)
+    ]
+    assert [(p.start, p.end) for p in parts] == [(len(system), len(system) + len(d)) for d in (first, second)]
+    head = KVPart(parts[0].source_tokens, 0, parts[0].end, cache_salt="")
+    target = system + first + second + _tokens(QUESTION)
+    exact = len(system) + len(first)
+    stored = (exact + len(second)) // c.chunk_size * c.chunk_size
+    full = hf.prefill(smollm, target[:stored]).kv
+
+    plain = await hf_blend.compose_and_blend(
+        c, smollm, target, [head, parts[1]], recompute_fraction=0, cache_salt="p0"
+    )
+    assert plain.kv is not None and plain.result.stored_tokens == stored
+    source_kv = hf.prefill(smollm, list(parts[0].source_tokens)).kv
+    assert torch.equal(plain.kv[:, :, :exact], source_kv[:, :, :exact])  # system + first document: as cached
+
+    part = await hf_blend.compose_and_blend(
+        c, smollm, target, [head, parts[1]], recompute_fraction=0.15, cache_salt="p15"
+    )
+    want = int(0.15 * (stored - exact) + 0.5)
+    assert part.recomputed_tokens == want and all(exact <= p < stored for p in part.recomputed_positions)
+    assert part.kv is not None and torch.equal(part.kv[:, :, :exact], plain.kv[:, :, :exact])
+    got = await c.retrieve(target, "p15")
+    assert got is not None and torch.equal(got, part.kv)  # the stored KV is what the model reads
+
+    one = await hf_blend.compose_and_blend(
+        c, smollm, target, [head, parts[1]], recompute_fraction=1.0, cache_salt="p1"
+    )
+    assert one.recomputed_positions == tuple(range(exact, stored))
+    assert one.kv is not None
+    err = float((one.kv - full).abs().max())
+    assert err <= 1e-4 * float(full.abs().max()), err
