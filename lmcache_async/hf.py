@@ -753,6 +753,43 @@ async def _compose_repair_store(
     )
 
 
+def _recompute_at(model: Any, toks: list[int], kv: torch.Tensor, chosen: list[int]) -> None:
+    """Recompute the KV of the tokens at ``chosen`` (ascending) over ``kv`` in one pass,
+    in place: each attends to the KV in ``kv`` of the tokens before it that are not
+    chosen and to the recomputed KV of the chosen ones up to itself (the repairs' one
+    scattered forward pass)."""
+    geometry = geometry_from_model(model)
+    device = _model_device(model)
+    total = kv.shape[2]
+    pos = torch.tensor(chosen, dtype=torch.long)
+    is_chosen = torch.zeros(total, dtype=torch.bool)
+    is_chosen[pos] = True
+    cached = torch.arange(total)
+    allowed = torch.cat(
+        [
+            (cached.unsqueeze(0) < pos.unsqueeze(1)) & ~is_chosen.unsqueeze(0),  # composed, before
+            pos.unsqueeze(0) <= pos.unsqueeze(1),  # recomputed, causal
+        ],
+        dim=1,
+    )
+    dtype = _model_dtype(model)
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    cache = kv_to_cache(kv, geometry, config=model.config, device=device)
+    _forward(
+        model,
+        [toks[i] for i in chosen],
+        cache,
+        total,
+        positions=pos,
+        attention_mask=mask.unsqueeze(0).unsqueeze(0),
+    )
+    n = len(chosen)
+    for i, (key, value) in enumerate(_cache_layers(cache)):  # only the recomputed tokens
+        kv[0, i, pos] = key[0, :, total:].transpose(0, 1).reshape(n, -1).to(kv.device)
+        kv[1, i, pos] = value[0, :, total:].transpose(0, 1).reshape(n, -1).to(kv.device)
+
+
 async def compose_and_repair(
     client: AsyncClient,
     model: Any,
@@ -771,9 +808,9 @@ async def compose_and_repair(
     the target; its first tokens differ most from a full prefill's. This takes the
     parts' KV from the cache and places it as :meth:`AsyncClient.compose
     <lmcache_async.AsyncClient.compose>` does (shifted keys rotated with ``rope``), then,
-    part after part, recomputes the first ``recompute`` tokens of each part after the
-    first with the model over the composed (and already repaired) KV in front of them,
-    replaces their KV, and stores the target's whole chunks. ``recompute=0`` is plain
+    recomputes the first ``recompute`` tokens of each part after the first with the model
+    in one pass, each over the composed KV in front of it (the earlier parts' first tokens
+    already repaired), replaces their KV, and stores the target's whole chunks. ``recompute=0`` is plain
     composition. On a trained model this is not enough to keep the answers (see
     :func:`compose_and_blend` and the KV-editing guide's table).
 
@@ -804,16 +841,14 @@ async def compose_and_repair(
     toks = _prompt(target_tokens, model)
     if isinstance(recompute, bool) or not isinstance(recompute, int) or recompute < 0:
         raise ValueError(f"recompute must be an int >= 0, got {recompute!r}")
-    geometry = geometry_from_model(model)
+    geometry_from_model(model)  # a model without a KV geometry is refused before sending
 
     def repair(the_plan: _compose.Plan, kv: torch.Tensor, toks: list[int]) -> list[int]:
-        device = _model_device(model)
         spans = [(p.offset, p.offset + min(recompute, p.placed)) for p in the_plan.placements[1:] if p.placed]
-        for a, b in spans:
-            cache = kv_to_cache(kv[:, :, :a], geometry, config=model.config, device=device)
-            _forward(model, toks[a:b], cache, a)
-            kv[:, :, a:b].copy_(cache_to_kv(cache, geometry)[:, :, a:b])
-        return [t for a, b in spans for t in range(a, b)]
+        chosen = [t for a, b in spans for t in range(a, b)]
+        if chosen:
+            _recompute_at(model, toks, kv, chosen)
+        return chosen
 
     return await _compose_repair_store(
         client, model, toks, parts, rope, cache_salt, timeout, repair if recompute else None

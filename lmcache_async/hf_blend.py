@@ -33,8 +33,8 @@ from lmcache_async.hf import (
     _compose_repair_store,
     _forward,
     _model_device,
-    _model_dtype,
     _prompt,
+    _recompute_at,
     _text_config,
     check_geometry,
     geometry_from_model,
@@ -209,40 +209,6 @@ def select_and_recompute(
     chosen.sort()
     _recompute_at(model, toks, kv, chosen)
     return chosen
-
-
-def _recompute_at(model: Any, toks: list[int], kv: torch.Tensor, chosen: list[int]) -> None:
-    """Recompute the KV of the tokens at ``chosen`` (ascending) over ``kv`` in one pass."""
-    geometry = geometry_from_model(model)
-    device = _model_device(model)
-    total = kv.shape[2]
-    pos = torch.tensor(chosen, dtype=torch.long)
-    is_chosen = torch.zeros(total, dtype=torch.bool)
-    is_chosen[pos] = True
-    cached = torch.arange(total)
-    allowed = torch.cat(
-        [
-            (cached.unsqueeze(0) < pos.unsqueeze(1)) & ~is_chosen.unsqueeze(0),  # composed, before
-            pos.unsqueeze(0) <= pos.unsqueeze(1),  # recomputed, causal
-        ],
-        dim=1,
-    )
-    dtype = _model_dtype(model)
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    cache = kv_to_cache(kv, geometry, config=model.config, device=device)
-    _forward(
-        model,
-        [toks[i] for i in chosen],
-        cache,
-        total,
-        positions=pos,
-        attention_mask=mask.unsqueeze(0).unsqueeze(0),
-    )
-    n = len(chosen)
-    for i, (key, value) in enumerate(_cache_layers(cache)):  # only the recomputed tokens
-        kv[0, i, pos] = key[0, :, total:].transpose(0, 1).reshape(n, -1).to(kv.device)
-        kv[1, i, pos] = value[0, :, total:].transpose(0, 1).reshape(n, -1).to(kv.device)
 
 
 async def compose_and_blend(
