@@ -82,22 +82,7 @@ def _layer_kv(
     """The KV at ``layer`` of ``toks[start:end]`` prefilled over ``kv[:, :, :start]``,
     ``[2, end - start, D]``; the layers after ``layer`` are not run."""
     geometry = geometry_from_model(model)
-    device = _model_device(model)
-    if start:
-        cache = kv_to_cache(kv[:, :, :start], geometry, config=model.config, device=device)
-    else:
-        cache = DynamicCache(config=model.config)
-
-    def stop(*_: Any) -> None:
-        raise _StopForward
-
-    handle = _decoder_layers(model)[layer].register_forward_hook(stop)
-    try:
-        _forward(model, toks[start:end], cache, start)
-    except _StopForward:
-        pass
-    finally:
-        handle.remove()
+    cache = _run_until(model, toks, kv, start, end, _decoder_layers(model)[layer])
     key, value = _cache_layers(cache)[layer]
     h, hd = geometry.num_kv_heads, geometry.head_dim
     out = torch.empty((2, end - start, h * hd), dtype=geometry.dtype, device=key.device)
@@ -116,27 +101,44 @@ def _layer_values(
     v_proj = getattr(getattr(_decoder_layers(model)[layer], "self_attn", None), "v_proj", None)
     if not isinstance(v_proj, torch.nn.Module):
         return _layer_kv(model, toks, kv, start, end, layer)[1]
-    device = _model_device(model)
+    captured: list[torch.Tensor] = []
+    _run_until(model, toks, kv, start, end, v_proj, captured)
+    if not captured:  # pragma: no cover - a model that never calls v_proj
+        return _layer_kv(model, toks, kv, start, end, layer)[1]
+    return captured[0].reshape(end - start, -1)
+
+
+def _run_until(
+    model: Any,
+    toks: list[int],
+    kv: torch.Tensor,
+    start: int,
+    end: int,
+    module: torch.nn.Module,
+    captured: list[torch.Tensor] | None = None,
+) -> Any:
+    """Prefill ``toks[start:end]`` over ``kv[:, :, :start]`` until ``module`` has run (its
+    output appended to ``captured``), nothing after it; returns the cache."""
     if start:
-        cache = kv_to_cache(kv[:, :, :start], geometry_from_model(model), config=model.config, device=device)
+        cache = kv_to_cache(
+            kv[:, :, :start], geometry_from_model(model), config=model.config, device=_model_device(model)
+        )
     else:
         cache = DynamicCache(config=model.config)
-    captured: list[torch.Tensor] = []
 
-    def stop(_module: Any, _args: Any, out: torch.Tensor) -> None:
-        captured.append(out)
+    def stop(_module: Any, _args: Any, out: Any) -> None:
+        if captured is not None:
+            captured.append(out)
         raise _StopForward
 
-    handle = v_proj.register_forward_hook(stop)
+    handle = module.register_forward_hook(stop)
     try:
         _forward(model, toks[start:end], cache, start)
     except _StopForward:
         pass
     finally:
         handle.remove()
-    if not captured:  # pragma: no cover - a model that never calls v_proj
-        return _layer_kv(model, toks, kv, start, end, layer)[1]
-    return captured[0].reshape(end - start, -1)
+    return cache
 
 
 def _exact_prefix(the_plan: _compose.Plan) -> int:
