@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import time
 from typing import Any
@@ -109,16 +108,7 @@ async def run(sets: int, variants: list[str], protocols: list[str]) -> dict[str,
                             )
                         )
                 print(f"  set {i + 1}/{sets}", file=sys.stderr, flush=True)
-    return {
-        v: {
-            "accuracy": sum(x[0] for x in r) / len(r),
-            "greedy_agreement": sum(x[1] for x in r) / len(r),
-            "kl_mean": statistics.fmean(x[2] for x in r),
-            "share": statistics.fmean(x[3] for x in r),
-            "repair_s": seconds.get(v, 0.0),
-        }
-        for v, r in rows.items()
-    }
+    return qs.summarise(rows, seconds)
 
 
 def main(argv: list[str] | None = None) -> int:

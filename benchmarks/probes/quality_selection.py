@@ -35,6 +35,7 @@ import asyncio
 import statistics
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -134,8 +135,8 @@ def repair(
     chosen.sort()
     if chosen:
         if "rounds2" in opts:
-            hf_blend._recompute_at(model, toks, kv, chosen[: len(chosen) // 2])
-        hf_blend._recompute_at(model, toks, kv, chosen)
+            hf._recompute_at(model, toks, kv, chosen[: len(chosen) // 2])
+        hf._recompute_at(model, toks, kv, chosen)
     return chosen
 
 
@@ -189,15 +190,24 @@ async def run(sets: int, variants: list[str], fraction: float) -> dict[str, dict
                         )
                     )
                 print(f"  set {i + 1}/{sets}", file=sys.stderr, flush=True)
-    return {
-        v: {
+    return summarise(rows, seconds)
+
+
+def summarise(rows: Mapping[str, Sequence[tuple[Any, ...]]], seconds: Mapping[str, float]) -> dict[str, Any]:
+    """Per variant: accuracy, greedy agreement, mean KL (the rows' first three fields:
+    correct, agrees, KL), the mean recomputed share where rows carry a fourth, and the
+    repair's seconds."""
+    out: dict[str, Any] = {}
+    for v, r in rows.items():
+        out[v] = {
             "accuracy": sum(x[0] for x in r) / len(r),
             "greedy_agreement": sum(x[1] for x in r) / len(r),
             "kl_mean": statistics.fmean(x[2] for x in r),
-            "repair_s": seconds.get(v, 0.0),
         }
-        for v, r in rows.items()
-    }
+        if all(len(x) > 3 for x in r):
+            out[v]["share"] = statistics.fmean(x[3] for x in r)
+        out[v]["repair_s"] = seconds.get(v, 0.0)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
