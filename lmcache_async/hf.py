@@ -719,15 +719,19 @@ async def _compose_repair_store(
     cache_salt: str,
     timeout: float | DefaultType | None,
     repair: _Repair | None,
+    check: Callable[[_compose.Plan], None] | None = None,
 ) -> ComposedPrompt:
-    """The composition around a repair: check (nothing sent), retrieve and place the
-    parts, run ``repair`` on the model thread, store the result whole."""
+    """The composition around a repair: check (nothing sent; ``check`` on the plan, the
+    repair's own), retrieve and place the parts, run ``repair`` on the model thread,
+    store the result whole."""
     geometry = geometry_from_model(model)
     check_geometry(client.geometry, geometry)
     if rope is None:
         rope = RopeSpec.from_hf_config(model.config)
     deadline = resolve_timeout(timeout, client.timeout)
     the_plan = _compose.plan(toks, parts, rope, cache_salt, client.geometry, client.chunk_size)
+    if check is not None:
+        check(the_plan)
     t0 = time.perf_counter()
     kv = torch.empty(client.geometry.kv_shape(the_plan.stored), dtype=client.geometry.dtype)
     gathered = await _compose.gather(client, the_plan, deadline, kv)

@@ -2,10 +2,13 @@
 
 :func:`compose_and_blend` composes cached documents into a prompt (as
 :meth:`~lmcache_async.AsyncClient.compose`), then recomputes, in each document after the
-first, the share ``recompute_fraction`` of its tokens whose values deviate most from a
-prefill of the composed prompt at an early layer, attending over the composed KV in front of
-them, and stores the result; :func:`select_and_recompute` is that repair alone, on a KV
-the caller composed (no I/O). The first-k repair is :func:`lmcache_async.hf.compose_and_repair`;
+first, the share ``recompute_fraction`` of its tokens that matter most, attending over the
+composed KV in front of them, and stores the result; :func:`select_and_recompute` is that
+repair alone, on a KV the caller composed (no I/O). What "matter most" means is the
+``selection``: ``"deviation"`` (CacheBlend's: the tokens whose values deviate most from a
+prefill of the composed prompt at an early layer) or ``"query"`` (the tokens the prompt's
+uncached tail, typically the question, attends to most at a middle layer). The first-k
+repair is :func:`lmcache_async.hf.compose_and_repair`;
 which of these edits are exact and which approximate, with the measured quality:
 ``docs/guides/kv-editing.md``.
 
@@ -46,7 +49,42 @@ from lmcache_async.rope import RopeSpec
 if TYPE_CHECKING:
     from lmcache_async.client import AsyncClient
 
-__all__ = ["cache_document", "compose_and_blend", "select_and_recompute"]
+__all__ = [
+    "SELECTIONS",
+    "cache_document",
+    "compose_and_blend",
+    "default_select_layer",
+    "select_and_recompute",
+]
+
+#: The selection rules of the selective repair: ``"deviation"`` (CacheBlend's) and
+#: ``"query"`` (the tail's attention).
+SELECTIONS = ("deviation", "query")
+
+
+def _check_selection(selection: object) -> str:
+    if not isinstance(selection, str) or selection not in SELECTIONS:
+        raise ValueError(f"selection must be one of {', '.join(map(repr, SELECTIONS))}, got {selection!r}")
+    return selection
+
+
+def default_select_layer(selection: str, num_layers: int) -> int:
+    """The layer a ``selection`` reads by default: 1 for ``"deviation"`` (layer 0's
+    values depend only on the token, so they cannot tell), about a quarter of the depth
+    for ``"query"`` (layer 7 of SmolLM2's 30; measured in the KV-editing guide)."""
+    if _check_selection(selection) == "deviation":
+        return min(1, num_layers - 1)
+    return min(max(1, num_layers // 4), num_layers - 1)
+
+
+def _check_layer(select_layer: object, n_layers: int) -> int:
+    if (
+        isinstance(select_layer, bool)
+        or not isinstance(select_layer, int)
+        or not 0 <= select_layer < n_layers
+    ):
+        raise ValueError(f"select_layer must be an int in 0..{n_layers - 1}, got {select_layer!r}")
+    return select_layer
 
 
 def _check_fraction(recompute_fraction: float) -> float:
@@ -141,6 +179,62 @@ def _run_until(
     return cache
 
 
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _query_attention(model: Any, toks: list[int], kv: torch.Tensor, exact: int, layer: int) -> torch.Tensor:
+    """The attention the tail ``toks[T:]`` (``T = kv.shape[2]``) pays at ``layer`` to each
+    of the tokens ``exact .. T - 1``, summed over its tokens and the query heads, ``[T -
+    exact]`` (float32): the tail is prefilled over ``kv`` through ``layer``'s attention
+    only (the layers after it do not run); its queries are the layer's own (projection,
+    the ``q_norm`` a model has, rotary embedding as transformers' Llama applies it) and its
+    weights are a softmax over every key it sees (the composed KV and its own, causal),
+    as the model's attention computes them."""
+    attn = getattr(_decoder_layers(model)[layer], "self_attn", None)
+    q_proj = getattr(attn, "q_proj", None)
+    if attn is None or not isinstance(q_proj, torch.nn.Module):
+        raise ValueError("selection='query' needs Llama-style attention (a self_attn with a q_proj)")
+    total = kv.shape[2]
+    seen: list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = []
+
+    def before(_module: Any, args: Any, kwargs: Any) -> None:
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        seen.append((hidden, kwargs["position_embeddings"]))
+
+    def after(*_: Any) -> None:
+        raise _StopForward
+
+    cache = kv_to_cache(kv, geometry_from_model(model), config=model.config, device=_model_device(model))
+    handles = [attn.register_forward_pre_hook(before, with_kwargs=True), attn.register_forward_hook(after)]
+    try:
+        _forward(model, toks[total:], cache, total)
+    except _StopForward:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    hidden, (cos, sin) = seen[0]
+    head_dim = int(getattr(attn, "head_dim", kv.shape[3] // geometry_from_model(model).num_kv_heads))
+    n = hidden.shape[1]
+    with torch.no_grad():
+        q = q_proj(hidden).view(1, n, -1, head_dim)
+        q_norm = getattr(attn, "q_norm", None)
+        if isinstance(q_norm, torch.nn.Module):
+            q = q_norm(q)
+    q = q.transpose(1, 2)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q = (q * cos + _rotate_half(q) * sin)[0].float()  # [H, n, hd]
+    keys = _cache_layers(cache)[layer][0][0].float()  # [KVH, T + n, hd]: composed and the tail's
+    keys = keys.repeat_interleave(q.shape[0] // keys.shape[0], dim=0)
+    scores = (q @ keys.transpose(1, 2)) * float(getattr(attn, "scaling", head_dim**-0.5))
+    future = torch.ones(n, n, dtype=torch.bool, device=scores.device).triu(1)
+    scores[:, :, total:].masked_fill_(future, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    return weights[:, :, exact:total].sum(dim=(0, 1)).cpu()
+
+
 def _exact_prefix(the_plan: _compose.Plan) -> int:
     """Target tokens at the start whose composed KV is the full prefill's: a first part
     that is its source's own prefix, at its own positions, with the target's tokens."""
@@ -155,16 +249,27 @@ def _exact_prefix(the_plan: _compose.Plan) -> int:
 
 def select_and_recompute(
     model: Any, tokens: Sequence[int], kv: torch.Tensor, spans: Sequence[tuple[int, int]],
-    recompute_fraction: float, *, select_layer: int = 1, exact: int = 0,
+    recompute_fraction: float, *, select_layer: int | None = None, exact: int = 0,
+    selection: str = "deviation",
 ) -> list[int]:  # fmt: skip
-    """The selective repair on a composed KV, in place (no I/O; CacheBlend's selection).
+    """The selective repair on a composed KV, in place (no I/O).
 
     ``kv`` (``[2, L, T, D]``) holds the KV of ``tokens[:T]`` as composed from cached
-    parts; ``kv[:, :, :exact]`` is already the full prefill's. The tokens after ``exact``
-    are prefilled up to the value projection of layer ``select_layer`` only, and in each
-    span ``[a, b)`` (a part's tokens) the ``round(recompute_fraction * (b - a))`` tokens
-    whose composed values at ``select_layer`` differ most from that prefill's (squared
-    distance) are chosen. The chosen tokens are then recomputed through every layer in one
+    parts; ``kv[:, :, :exact]`` is already the full prefill's. In each span ``[a, b)`` (a
+    part's tokens) the ``round(recompute_fraction * (b - a))`` tokens that score highest
+    are chosen, the score being the ``selection``'s at layer ``select_layer`` (default:
+    :func:`default_select_layer`):
+
+    * ``"deviation"`` (CacheBlend's): the tokens after ``exact`` are prefilled up to the
+      value projection of ``select_layer`` only; a token's score is the squared distance
+      between its composed values there and that prefill's.
+    * ``"query"``: the tail ``tokens[T:]`` (the question; it must not be empty) is
+      prefilled over the composed KV through ``select_layer``'s attention only; a token's
+      score is the attention weight the tail pays it there (summed over the tail's tokens
+      and the heads). A document cached alone keeps the attention sink of its first token,
+      which this score sees; so does it see the sentence the question asks about.
+
+    The chosen tokens are then recomputed through every layer in one
     pass, each attending to the composed KV of the tokens before it that were not chosen
     and to the recomputed KV of those that were, and their KV replaces the composed one.
 
@@ -176,18 +281,17 @@ def select_and_recompute(
         The recomputed positions, ascending.
 
     Raises:
-        ValueError: a fraction outside [0, 1], ``select_layer`` outside the model's layers,
-            spans outside ``exact .. T`` or overlapping, or a ``kv`` of another shape.
+        ValueError: a fraction outside [0, 1], an unknown ``selection``, ``select_layer``
+            outside the model's layers, spans outside ``exact .. T`` or overlapping, a
+            ``kv`` of another shape, or ``"query"`` with no tokens after ``T``.
     """
     fraction = _check_fraction(recompute_fraction)
+    selection = _check_selection(selection)
     geometry = geometry_from_model(model)
     n_layers = geometry.num_layers
-    if (
-        isinstance(select_layer, bool)
-        or not isinstance(select_layer, int)
-        or not 0 <= select_layer < n_layers
-    ):
-        raise ValueError(f"select_layer must be an int in 0..{n_layers - 1}, got {select_layer!r}")
+    layer = _check_layer(
+        default_select_layer(selection, n_layers) if select_layer is None else select_layer, n_layers
+    )
     toks = list(tokens)
     if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[1] != n_layers or kv.shape[2] > len(toks):
         raise ValueError(f"kv has shape {list(kv.shape)}; expected [2, {n_layers}, T <= {len(toks)}, D]")
@@ -197,16 +301,23 @@ def select_and_recompute(
         if not exact <= a <= b <= total or a < last:
             raise ValueError(f"span [{a}, {b}) is outside {exact}..{total} or overlaps another")
         last = b
+    if selection == "query" and len(toks) <= total:
+        raise ValueError(
+            f"selection='query' needs tokens after the composed KV's {total} (the question); "
+            f"there are {len(toks) - total}"
+        )
     counts = [(a, b, min(b - a, int(fraction * (b - a) + 0.5))) for a, b in spans]
     if not any(c for _, _, c in counts):
         return []
-    early = _layer_values(model, toks, kv, exact, total, select_layer).float()
-    composed = kv[1, select_layer, exact:total].float()
-    deviation = (early - composed).pow(2).sum(dim=1)  # [T - exact]
+    if selection == "query":
+        score = _query_attention(model, toks, kv, exact, layer)
+    else:
+        early = _layer_values(model, toks, kv, exact, total, layer).float()
+        score = (early - kv[1, layer, exact:total].float()).pow(2).sum(dim=1)  # [T - exact]
     chosen: list[int] = []
     for a, b, c in counts:
         if c:
-            top = torch.topk(deviation[a - exact : b - exact], c).indices
+            top = torch.topk(score[a - exact : b - exact], c).indices
             chosen.extend(int(i) + a for i in top)
     chosen.sort()
     _recompute_at(model, toks, kv, chosen)
@@ -220,7 +331,8 @@ async def compose_and_blend(
     parts: Sequence[KVPart],
     *,
     recompute_fraction: float,
-    select_layer: int = 1,
+    selection: str = "deviation",
+    select_layer: int | None = None,
     rope: RopeSpec | None = None,
     cache_salt: str = "",
     timeout: float | DefaultType | None = DEFAULT,
@@ -232,12 +344,14 @@ async def compose_and_blend(
     The parts' KV is taken from the cache and placed as :meth:`AsyncClient.compose
     <lmcache_async.AsyncClient.compose>` does (shifted keys rotated with ``rope``). A
     leading part that is its source's own prefix at its own positions is already the
-    full prefill's KV and is kept. The rest of the composed prompt is prefilled up to
-    the value projection of layer ``select_layer`` only; in each part, the
-    ``round(recompute_fraction * tokens)`` tokens whose composed values deviate most from
-    that prefill's at layer ``select_layer`` are recomputed through every layer over the
-    composed KV (:func:`select_and_recompute`); then the target's whole chunks are stored,
-    so the stored KV is what the model reads when it serves the target.
+    full prefill's KV and is kept. In each of the other parts, the
+    ``round(recompute_fraction * tokens)`` tokens that score highest by ``selection`` at
+    layer ``select_layer`` are recomputed through every layer over the composed KV
+    (:func:`select_and_recompute`): ``"deviation"``, CacheBlend's, the tokens whose
+    composed values deviate most from a prefill of the composed prompt stopped at that
+    layer; ``"query"``, the tokens the target's tail after the stored chunks (the
+    question) attends to most there. Then the target's whole chunks are stored, so the
+    stored KV is what the model reads when it serves the target.
 
     ``recompute_fraction=0`` is plain composition (bitwise; the model does not run); 1
     recomputes every part token (the full prefill's KV to float rounding).
@@ -246,13 +360,18 @@ async def compose_and_blend(
         client: an open client with the model's geometry.
         model: the transformers causal LM whose KV the cache holds (Llama-style: its
             decoder layers a ``ModuleList``).
-        target_tokens: the prompt to store (the parts fill its beginning).
+        target_tokens: the prompt to store (the parts fill its beginning; with
+            ``"query"``, the question follows them).
         parts: :class:`~lmcache_async.KVPart` ranges, in order.
         recompute_fraction: the share of each part's tokens recomputed, in [0, 1] (the
             quality/latency knob, CacheBlend's default 0.15; the KV-editing guide's table
             measures what each fraction keeps on a trained model).
-        select_layer: the layer whose value deviation chooses the tokens (default 1: layer
-            0's values depend only on the token, so they cannot tell).
+        selection: ``"deviation"`` (default) or ``"query"`` (see above; the guide's table
+            compares them: on a trained model ``"query"`` keeps more answers at the same
+            fraction, and the stored KV then suits that question best).
+        select_layer: the layer the selection reads (default
+            :func:`default_select_layer`: 1 for ``"deviation"``, a quarter of the depth
+            for ``"query"``).
         rope: the model's rotary embedding (default: ``RopeSpec.from_hf_config(model.config)``).
         cache_salt: the target's namespace and the parts' default.
         timeout: one deadline for the retrieves and the store (default: the client's);
@@ -263,8 +382,9 @@ async def compose_and_blend(
         of any part nothing is computed or stored and ``result.missed`` names the parts.
 
     Raises:
-        ValueError/TypeError: a fraction outside [0, 1] (or not a number), a
-            ``select_layer`` outside the model's layers, the other arguments as
+        ValueError/TypeError: a fraction outside [0, 1] (or not a number), an unknown
+            ``selection``, a ``select_layer`` outside the model's layers, ``"query"`` on a
+            target with no tokens after the parts' whole chunks, the other arguments as
             :func:`compose_and_repair` (all before anything is sent).
         LMCacheTimeoutError: no answer within ``timeout``.
 
@@ -274,15 +394,20 @@ async def compose_and_blend(
     """
     toks = _prompt(target_tokens, model)
     fraction = _check_fraction(recompute_fraction)
+    selection = _check_selection(selection)
     n_layers = geometry_from_model(model).num_layers
-    if (
-        isinstance(select_layer, bool)
-        or not isinstance(select_layer, int)
-        or not 0 <= select_layer < n_layers
-    ):
-        raise ValueError(f"select_layer must be an int in 0..{n_layers - 1}, got {select_layer!r}")
+    layer = _check_layer(
+        default_select_layer(selection, n_layers) if select_layer is None else select_layer, n_layers
+    )
     if fraction:
         _decoder_layers(model)  # a model whose layers cannot be found is refused before sending
+
+    def check(the_plan: _compose.Plan) -> None:
+        if fraction and selection == "query" and the_plan.stored >= len(toks):
+            raise ValueError(
+                "selection='query' needs target tokens after the parts' whole chunks (the question); "
+                f"the target's {len(toks)} tokens are all stored"
+            )
 
     def repair(the_plan: _compose.Plan, kv: torch.Tensor, toks: list[int]) -> list[int]:
         exact = _exact_prefix(the_plan)
@@ -291,10 +416,12 @@ async def compose_and_blend(
             for p in the_plan.placements
             if p.placed and p.offset + p.placed > exact
         ]
-        return select_and_recompute(model, toks, kv, spans, fraction, select_layer=select_layer, exact=exact)
+        return select_and_recompute(
+            model, toks, kv, spans, fraction, select_layer=layer, exact=exact, selection=selection
+        )
 
     return await _compose_repair_store(
-        client, model, toks, parts, rope, cache_salt, timeout, repair if fraction else None
+        client, model, toks, parts, rope, cache_salt, timeout, repair if fraction else None, check
     )
 
 

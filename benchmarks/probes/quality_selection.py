@@ -77,6 +77,50 @@ def _early_kv(
     return torch.stack(out, dim=1)
 
 
+def _question_attention(
+    model: Any, toks: list[int], kv: torch.Tensor, total: int, layers: list[int]
+) -> torch.Tensor:
+    """Attention mass the question (``toks[total:]``) puts on each of the composed tokens
+    ``0..total-1`` at ``layers`` (summed over heads, question tokens and layers)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = hf.geometry_from_model(model)
+    cache = hf.kv_to_cache(kv, g, config=model.config)
+    mods = hf_blend._decoder_layers(model)
+    seen: dict[int, torch.Tensor] = {}
+    last = max(layers)
+
+    def capture(idx: int) -> Any:
+        def hook(module: Any, args: Any, kwargs: Any) -> None:
+            h = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs["position_embeddings"]
+            q = module.q_proj(h).view(*h.shape[:-1], -1, module.head_dim).transpose(1, 2)
+            q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+            seen[idx] = q[0]  # [H, n, hd]
+            if idx == last:
+                raise hf_blend._StopForward
+
+        return hook
+
+    handles = [mods[i].self_attn.register_forward_pre_hook(capture(i), with_kwargs=True) for i in layers]
+    try:
+        hf._forward(model, toks[total:], cache, total)
+    except hf_blend._StopForward:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    score = torch.zeros(total)
+    for i in layers:
+        q = seen[i].float()
+        heads = q.shape[0]
+        k = kv[0, i, :total].float().view(total, -1, q.shape[-1]).transpose(0, 1)  # [KVH, total, hd]
+        k = k.repeat_interleave(heads // k.shape[0], dim=0)
+        att = torch.softmax(q @ k.transpose(1, 2) / q.shape[-1] ** 0.5, dim=-1)  # [H, n, total]
+        score += att.sum(dim=(0, 1))
+    return score
+
+
 def repair(
     name: str,
     model: Any,
@@ -89,6 +133,35 @@ def repair(
     """Variant ``name`` on ``kv`` in place; the recomputed positions."""
     if name == "plain":
         return []
+    total = kv.shape[2]
+    if name in ("exact", "bf16", "fp16") or name.startswith("noise"):
+        # The noise floor: the full prefill's own KV, exact or rounded / perturbed.
+        kv.copy_(hf.prefill(model, toks[:total]).kv)
+        if name in ("bf16", "fp16"):
+            kv.copy_(kv.to(torch.bfloat16 if name == "bf16" else torch.float16).float())
+        elif name.startswith("noise"):
+            gen = torch.Generator().manual_seed(0)
+            kv.add_(torch.randn(kv.shape, generator=gen) * float(name[5:]) * kv.std())
+        return []
+    if name.startswith(("qattn", "qglob")):
+        # The question's attention at the given layers ("qattn1-4-8") picks the tokens: in
+        # each part its share (qattn), or the same budget over all parts at once (qglob).
+        layers = [int(x) for x in name[5:].split("-")] if name[5:] else [1]
+        dev = _question_attention(model, toks, kv, total, layers)[exact:]
+        chosen = []
+        if name.startswith("qglob"):
+            budget = sum(min(b - a, int(f * (b - a) + 0.5)) for a, b in spans)
+            inside = torch.cat([torch.arange(a, b) for a, b in spans])
+            top = torch.topk(dev[inside - exact], budget).indices
+            chosen = [int(inside[i]) for i in top]
+        for a, b in spans if name.startswith("qattn") else []:
+            c = min(b - a, int(f * (b - a) + 0.5))
+            if c:
+                chosen += [int(i) + a for i in torch.topk(dev[a - exact : b - exact], c).indices]
+        chosen.sort()
+        if chosen:
+            hf._recompute_at(model, toks, kv, chosen)
+        return chosen
     if name == "base":
         return hf_blend.select_and_recompute(model, toks, kv, spans, f, select_layer=1, exact=exact)
     if name.startswith("L") and name[1:].isdigit():
@@ -104,7 +177,6 @@ def repair(
         )
 
     upto, sink, tail = num("ml", 1), num("sink", 0), num("tail", 0)
-    total = kv.shape[2]
     d = (_early_kv(model, toks, kv, exact, total, upto).float() - kv[:, : upto + 1, exact:total].float()).pow(
         2
     )
@@ -145,7 +217,9 @@ def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
     return float((lp.exp() * (lp - lq)).sum())
 
 
-async def run(sets: int, variants: list[str], fraction: float) -> dict[str, dict[str, float]]:
+async def run(
+    sets: int, variants: list[str], fraction: float, new_tokens: int = 16
+) -> dict[str, dict[str, float]]:
     model = trained.smollm2()
     tok = trained.smollm2_tokenizer()
     eos = tok.eos_token_id
@@ -158,11 +232,13 @@ async def run(sets: int, variants: list[str], fraction: float) -> dict[str, dict
             srv.url, srv.http_url, f"selection-{time.time_ns()}", geometry=g, timeout=600
         ) as c:
             rope = RopeSpec.from_hf_config(model.config)
-            for i, s in enumerate(corpus(50)[:sets]):
+            for i, s in enumerate(corpus(max(50, sets))[:sets]):
                 docs = [bq._tokens(d) for d in s.documents]
                 parts = await bq._cache_alone(c, model, [prefix, *docs])
                 target = [t for p in (prefix, *docs) for t in p] + bq._question(s.question)
-                full = await hf.run_model(hf.generate, model, target, max_new_tokens=16, eos_token_id=eos)
+                full = await hf.run_model(
+                    hf.generate, model, target, max_new_tokens=new_tokens, eos_token_id=eos
+                )
                 rows["full"].append((s.answer.lower() in tok.decode(full.tokens).lower(), True, 0.0))
                 await c.compose(target, parts, rope=rope, cache_salt=f"p{i}")
                 plain = await c.retrieve(target, f"p{i}")
@@ -179,7 +255,7 @@ async def run(sets: int, variants: list[str], fraction: float) -> dict[str, dict
                     await hf.run_model(repair, v, model, target, kv, spans, exact, fraction)
                     seconds[v] += time.perf_counter() - t0
                     out = await hf.run_model(
-                        hf.generate, model, target, max_new_tokens=16, prefix_kv=kv, eos_token_id=eos
+                        hf.generate, model, target, max_new_tokens=new_tokens, prefix_kv=kv, eos_token_id=eos
                     )
                     text = tok.decode(out.tokens)
                     rows[v].append(
@@ -216,11 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--sets", type=int, default=20)
     parser.add_argument("--fraction", type=float, default=0.15)
+    parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--variants", default="plain,base,L4,ml4+norm,sink1,sink2+ml2")
     args = parser.parse_args(argv)
-    if not 1 <= args.sets <= 50 or not 0.0 <= args.fraction <= 1.0:
+    if not 1 <= args.sets <= 200 or not 0.0 <= args.fraction <= 1.0:
         parser.error("--sets must be in 1..50, --fraction in [0, 1]")
-    table = asyncio.run(run(args.sets, args.variants.split(","), args.fraction))
+    table = asyncio.run(run(args.sets, args.variants.split(","), args.fraction, args.new_tokens))
     for v, m in table.items():
         print(
             f"{v:<24} accuracy {m['accuracy']:.2f}  greedy agreement {m['greedy_agreement']:.2f}  "

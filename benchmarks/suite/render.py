@@ -1004,8 +1004,14 @@ def _method_name(name: str, first_k: int) -> str:
         return "plain composition (`compose`)"
     if name == "first_k":
         return f"first-k repair, k = {first_k} (`compose_and_repair`)"
-    f = float(name.removeprefix("blend_"))
-    return f"selective repair {f * 100:g} % (`compose_and_blend`)"
+    if name == "floor_bf16":
+        return "noise floor: the full prefill's KV rounded to bfloat16"
+    if name.startswith("floor_noise"):
+        share = float(name.removeprefix("floor_noise"))
+        return f"noise floor: the full prefill's KV + Gaussian noise of {share * 100:g} % of its std"
+    selection, _, f = name.partition("_")
+    how = "the question's attention" if selection == "query" else "KV deviation"
+    return f"selective repair {float(f) * 100:g} %, by {how} (`compose_and_blend`)"
 
 
 def quality_tables(doc: dict[str, Any]) -> str:
@@ -1032,13 +1038,15 @@ def quality_tables(doc: dict[str, Any]) -> str:
     rows = []
     tables = q.get("by_protocol") or {"alone": q["methods"]}
     for protocol, name in ((p, n) for n in q["methods"] for p in tables):
-        m = tables[protocol][name]
-        if name == "blend_0.00" or (name == "full" and protocol != "alone"):
+        m = tables[protocol].get(name)
+        if m is None or name == "blend_0.00" or (name == "full" and protocol != "alone"):
             continue  # bitwise the plain composition (tested); one full prefill
         rows.append(
             [
                 _method_name(name, q["first_k"]),
-                "-" if name == "full" else PROTOCOL_NAMES.get(protocol, protocol),
+                "-"
+                if name == "full" or name.startswith("floor_")
+                else PROTOCOL_NAMES.get(protocol, protocol),
                 f"{m['recomputed_share'] * 100:.1f} %",
                 f"{m['accuracy']:.2f}",
                 f"{m['greedy_agreement']:.2f}",

@@ -13,7 +13,10 @@
 * :func:`hf_blend.select_and_recompute`: the early pass stopped at the layer's value
   projection gives bitwise the values of a pass through the whole layer, so the tokens
   chosen are exactly the top deviations of those values, per part; the others keep their
-  composed KV bitwise.
+  composed KV bitwise. With ``selection="query"`` the scores are the attention weights
+  the tail pays each token (within float32 rounding of transformers' eager attention), the
+  tokens chosen exactly its top ones per part; no tail, or an unknown selection, is
+  refused.
 """
 
 from __future__ import annotations
@@ -244,3 +247,54 @@ def test_selection_is_the_top_value_deviations_of_each_part() -> None:
         assert torch.equal(out[:, :, kept], kv[:, :, kept])
         assert not torch.equal(out[:, :, chosen], kv[:, :, chosen])
     assert geometry.num_layers >= 3
+
+
+def test_query_selection_is_the_tails_top_attention_of_each_part() -> None:
+    model = model_of(torch.float32)
+    eager = tiny_llama(torch.float32, attn_implementation="eager")  # the same weights
+    system, doc1, doc2, question = text(30, CS), text(31, 2 * CS), text(32, 2 * CS), text(33, 9)
+    toks = system + doc1 + doc2 + question
+    total = 5 * CS
+    kv = torch.cat([prefill_at(model, t, 0)[0] for t in (system, doc1, doc2)], dim=2)
+    spans = [(CS, 3 * CS), (3 * CS, 5 * CS)]
+    cache = hf.kv_to_cache(kv, hf.geometry_from_model(model), config=model.config)
+    kwarg = "cache" if "cache" in hf._forward_params(type(eager)) else "past_key_values"
+    with torch.no_grad():
+        out = eager(
+            input_ids=torch.tensor([question]),
+            position_ids=torch.arange(total, len(toks)).unsqueeze(0),
+            use_cache=True,
+            output_attentions=True,
+            **{kwarg: cache},
+        )
+    for layer in (1, 2):
+        want_scores = out.attentions[layer][0, :, :, CS:total].float().sum(dim=(0, 1))
+        scores = hf_blend._query_attention(model, toks, kv, CS, layer)
+        assert scores.shape == (4 * CS,)
+        assert float((scores - want_scores).abs().max()) <= 1e-5 * float(want_scores.max())
+        want = sorted(
+            int(i) + a
+            for a, b in spans
+            for i in torch.topk(want_scores[a - CS : b - CS], int(0.25 * (b - a) + 0.5)).indices
+        )
+        got = kv.clone()
+        chosen = hf_blend.select_and_recompute(
+            model, toks, got, spans, 0.25, select_layer=layer, exact=CS, selection="query"
+        )
+        assert chosen == want and len(chosen) == 16
+        kept = [i for i in range(total) if i not in set(chosen)]
+        assert torch.equal(got[:, :, kept], kv[:, :, kept])
+        assert not torch.equal(got[:, :, chosen], kv[:, :, chosen])
+    # The default layer: a quarter of the depth (at least 1).
+    n = hf.geometry_from_model(model).num_layers
+    assert hf_blend.default_select_layer("query", n) == min(max(1, n // 4), n - 1)
+    assert hf_blend.default_select_layer("deviation", n) == 1
+    with pytest.raises(
+        ValueError,
+        match=r"^selection='query' needs tokens after the composed KV's 80 \(the question\); there are 0$",
+    ):
+        hf_blend.select_and_recompute(
+            model, toks[:total], kv.clone(), spans, 0.25, exact=CS, selection="query"
+        )
+    with pytest.raises(ValueError, match=r"^selection must be one of 'deviation', 'query', got 'attention'$"):
+        hf_blend.select_and_recompute(model, toks, kv.clone(), spans, 0.25, exact=CS, selection="attention")

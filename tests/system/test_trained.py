@@ -10,6 +10,9 @@ real servers of both generations, SHM and inline:
   value, the same bound as a moved part in tests/system/test_compose_hf.py); a fraction
   in between recomputes exactly ``round(f * tokens)`` of each part; bad fractions are
   refused before anything is sent;
+* ``selection="query"``: exactly the question's top-attention tokens of each part are
+  recomputed, the rest kept bitwise, the stored KV the returned one; a target with no
+  question after the parts, or an unknown selection, is refused before anything is sent;
 * documents cached behind the system prompt (:func:`hf_blend.cache_document` with
   ``prefix``): the first document's part (system prompt included) is kept bitwise as the
   full prefill's, the others repaired; 1 gives the full prefill's KV.
@@ -202,6 +205,51 @@ async def test_blend_fraction_0_is_plain_composition_and_1_the_full_prefill(
     assert part.kv is not None
     kept = [i for i in range(stored) if i not in set(part.recomputed_positions)]
     assert torch.equal(part.kv[:, :, kept], plain_kv[:, :, kept])  # the rest is the composition's
+
+
+@BOTH
+async def test_blend_by_the_questions_attention(smollm: Any, blend_client: AsyncClient) -> None:
+    c = blend_client
+    target, parts = await _cached_parts(c, smollm)
+    plain = await hf_blend.compose_and_blend(c, smollm, target, parts, recompute_fraction=0, cache_salt="q0")
+    assert plain.kv is not None
+    stored, system = plain.result.stored_tokens, parts[0].length
+    layer = hf_blend.default_select_layer("query", hf.geometry_from_model(smollm).num_layers)
+    assert layer == 7  # a quarter of SmolLM2's 30 layers
+    scores = hf_blend._query_attention(smollm, target, plain.kv, system, layer)
+    spans = [(system, system + parts[1].length), (system + parts[1].length, stored)]
+    want = sorted(
+        int(i) + a
+        for a, b in spans
+        for i in torch.topk(scores[a - system : b - system], int(0.15 * (b - a) + 0.5)).indices
+    )
+    q = await hf_blend.compose_and_blend(
+        c, smollm, target, parts, recompute_fraction=0.15, selection="query", cache_salt="q15"
+    )
+    assert list(q.recomputed_positions) == want and q.recomputed_tokens == len(want) > 0
+    assert q.kv is not None
+    kept = [i for i in range(stored) if i not in set(want)]
+    assert torch.equal(q.kv[:, :, kept], plain.kv[:, :, kept])  # the rest is the composition's
+    assert not torch.equal(q.kv[:, :, want], plain.kv[:, :, want])
+    got = await c.retrieve(target, "q15")
+    assert got is not None and torch.equal(got, q.kv)  # the stored KV is what the model reads
+
+    whole = parts[1].source_tokens  # a target its parts fill to the last whole chunk: no question
+    assert len(whole) % c.chunk_size == 0
+    with pytest.raises(
+        ValueError,
+        match=rf"^selection='query' needs target tokens after the parts' whole chunks \(the question\); "
+        rf"the target's {len(whole)} tokens are all stored$",
+    ):
+        await hf_blend.compose_and_blend(
+            c, smollm, whole, [KVPart(whole, cache_salt="")], recompute_fraction=0.1, selection="query",
+            cache_salt="qbad",
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"^selection must be one of 'deviation', 'query', got 'Query'$"):
+        await hf_blend.compose_and_blend(
+            c, smollm, target, parts, recompute_fraction=0.1, selection="Query", cache_salt="qbad"
+        )
+    assert await c.lookup(whole, "qbad") == 0 and await c.lookup(target, "qbad") == 0  # nothing stored
 
 
 @pytest.mark.parametrize("bad", [-0.01, 1.01, float("nan"), True, "0.1", None])
