@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from lmcache_async._connection import Connection
+from lmcache_async._connection import Connection, OnLate
 from lmcache_async._wire import Op, op_name
 from lmcache_async.errors import ServerReplacedError
 
@@ -46,6 +46,25 @@ class ConnectionChannel:
             raise ServerReplacedError(replaced_message(opcode, self._conn.url))
         reply = await self._conn.call(opcode, args, timeout=timeout, urgent=True)
         return reply.value()
+
+    async def call_noting_late(
+        self, opcode: Op, args: Sequence[Any], timeout: float | None, on_late: OnLate, *, urgent: bool = False
+    ) -> Any:
+        """:meth:`call` (``urgent``: :meth:`call_urgent`) whose late reply, when it stops
+        waiting after sending, is watched for: ``on_late`` gets its future (see
+        :meth:`~lmcache_async._connection.Connection.call`)."""
+        if self.retired:
+            raise ServerReplacedError(replaced_message(opcode, self._conn.url))
+        reply = await self._conn.call(opcode, args, timeout=timeout, urgent=urgent, on_late=on_late)
+        return reply.value()
+
+    def post_noting_late(
+        self, opcode: Op, args: Sequence[Any], timeout: float | None, on_late: OnLate
+    ) -> asyncio.Future[Any] | None:
+        """:meth:`post` whose late reply is watched for, as :meth:`call_noting_late`'s."""
+        if self.retired:
+            return None
+        return self._conn.send_nowait(opcode, args, timeout=timeout, on_late=on_late)
 
     def post(self, opcode: Op, args: Sequence[Any], timeout: float | None) -> asyncio.Future[Any] | None:
         """Send a request now and return the future of its reply (a

@@ -13,6 +13,12 @@ Design (see docs/internals/design.md):
 * every request registers its future **before** sending; a done-callback removes the
   entry on every outcome (reply, timeout, cancellation, connection loss), so nothing
   leaks and a late reply finds no entry and is dropped (and counted);
+* a caller that stops waiting for a request it sent (timeout, cancellation) may ask to
+  hear of its late reply (``on_late``): it is given a future that is done when that reply
+  arrives (its value is still dropped), that fails when the connection is lost or closed
+  (the reply can no longer come), and that the caller cancels when it stops waiting for it
+  (the operations order a session's ``end_session`` after the late replies of its
+  requests: :mod:`lmcache_async._ops.base`);
 * uids increase monotonically and are never reused on a connection;
 * a reply whose echoed op differs from the request's is dropped and counted;
 * a socket monitor watches for disconnects: in-flight calls fail at once with
@@ -49,7 +55,7 @@ import socket
 import time
 import urllib.parse
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +74,11 @@ from lmcache_async.errors import (
     ProtocolError,
 )
 
-__all__ = ["Connection", "PendingTable", "check_zmq_url"]
+__all__ = ["Connection", "OnLate", "PendingTable", "check_zmq_url"]
+
+#: Given, when a call stops waiting for a request it sent, the future of its late reply
+#: (see :meth:`PendingTable.linger`).
+OnLate = Callable[["asyncio.Future[None]"], None]
 
 log = logging.getLogger(__name__)
 
@@ -207,14 +217,18 @@ class PendingTable:
     Attributes:
         dropped_unknown: replies whose uid had no entry (late, duplicate, foreign).
         dropped_mismatch: replies whose echoed op differed from the request's.
+        late_heard: late replies (counted in ``dropped_unknown`` too) whose arrival was
+            told to a waiter (:meth:`linger`).
     """
 
     def __init__(self) -> None:
         self._entries: dict[int, _Entry] = {}
+        self._late: dict[int, tuple[Op, asyncio.Future[None]]] = {}  # uid: op, arrival
         self.streams: dict[int, Any] = {}  # uid: its _reply_stream.ReplyStream (many replies)
         self._uids = itertools.count()
         self.dropped_unknown = 0
         self.dropped_mismatch = 0
+        self.late_heard = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -232,12 +246,42 @@ class PendingTable:
         """Forget ``uid`` (its caller stopped waiting); a later reply is dropped."""
         self._entries.pop(uid, None)
 
+    def linger(self, uid: int, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None] | None:
+        """Forget ``uid`` as :meth:`discard` does, but watch for its late reply: the
+        returned future is done when it arrives (the reply itself is dropped and counted),
+        fails as the in-flight calls do in :meth:`fail_all`, and is forgotten once its
+        waiter cancels it. ``None`` when the reply already came, or the call already failed
+        (its entry is gone)."""
+        entry = self._entries.pop(uid, None)
+        if entry is None:
+            return None
+        late: asyncio.Future[None] = loop.create_future()
+        self._late[uid] = (entry.op, late)
+        late.add_done_callback(functools.partial(self._late_done, uid))
+        return late
+
+    def _late_done(self, uid: int, late: asyncio.Future[None]) -> None:
+        self._late.pop(uid, None)
+        if not late.cancelled():
+            late.exception()  # retrieved: its waiter may have left
+
+    @property
+    def lingering(self) -> int:
+        """Late replies still watched for (:meth:`linger`)."""
+        return len(self._late)
+
     def resolve(self, reply: Reply) -> bool:
         """Route a reply; returns False (and counts it) if it was dropped."""
         if self.streams and (stream := self.streams.get(reply.uid)) is not None:
             return bool(stream.accept(reply, self))
         entry = self._entries.get(reply.uid)
-        if entry is None or entry.future.done():
+        if entry is None:
+            self.dropped_unknown += 1
+            if self._late:
+                self._late_arrived(reply)
+            return False
+        if entry.future.done():  # its caller stopped waiting a moment ago: not late
+            del self._entries[reply.uid]
             self.dropped_unknown += 1
             return False
         if reply.op != int(entry.op) and reply.op != op_name(entry.op):
@@ -248,12 +292,30 @@ class PendingTable:
         entry.future.set_result(reply)
         return True
 
+    def _late_arrived(self, reply: Reply) -> None:
+        watched = self._late.get(reply.uid)
+        if watched is None:
+            return
+        op, late = watched
+        if reply.op != int(op) and reply.op != op_name(op):
+            return  # not its reply
+        del self._late[reply.uid]
+        if not late.done():
+            self.late_heard += 1
+            late.set_result(None)
+
     def fail_all(self, exc_factory: Any) -> int:
         """Fail every in-flight future (and open stream) with ``exc_factory(op)`` and
-        empty the table; returns how many."""
+        empty the table; returns how many. The late replies watched for (:meth:`linger`)
+        fail too (not counted): none can come any more."""
         entries, streams = list(self._entries.values()), list(self.streams.values())
+        lates = list(self._late.values())
         self._entries.clear()
         self.streams.clear()
+        self._late.clear()
+        for op, late in lates:
+            if not late.done():
+                late.set_exception(exc_factory(op))
         for entry in entries:
             if not entry.future.done():
                 entry.future.set_exception(exc_factory(entry.op))
@@ -569,10 +631,22 @@ class Connection:
         """(replies with an unknown uid, replies with a mismatched op) dropped so far."""
         return self._table.dropped_unknown, self._table.dropped_mismatch
 
+    @property
+    def late(self) -> tuple[int, int]:
+        """(late replies told to a waiter so far, late replies still watched for): see
+        ``on_late`` in :meth:`call`."""
+        return self._table.late_heard, self._table.lingering
+
     # ------------------------------------------------------------------ calls
 
     async def call(
-        self, op: Op, args: Sequence[Any] = (), *, timeout: float | None, urgent: bool = False
+        self,
+        op: Op,
+        args: Sequence[Any] = (),
+        *,
+        timeout: float | None,
+        urgent: bool = False,
+        on_late: OnLate | None = None,
     ) -> Reply:
         """Send one request and wait for its reply.
 
@@ -587,6 +661,10 @@ class Connection:
                 holds back, past their deadline, the requests that end the server
                 sessions and release the locks of the operations already admitted:
                 cleanups are never dropped for want of a place.
+            on_late: when the call stops waiting (timeout, cancellation) after its
+                request was sent, ``on_late`` is given the future of its late reply
+                (:meth:`PendingTable.linger`); its caller must cancel that future once it
+                stops waiting for it.
 
         Raises:
             LMCacheTimeoutError: no reply in time (also a ``TimeoutError``); the request
@@ -615,11 +693,13 @@ class Connection:
         uid: int | None = None
         fut: asyncio.Future[Reply] | None = None
         timer: asyncio.TimerHandle | None = None
+        sent = False
         try:
             uid, fut = self._table.register(op, self._loop)
             frames = encode_request(uid, op, args, self.wire)
             if not self._send(frames, op):
                 await self._send_when_ready(frames, op, start, timeout)
+            sent = True
             if timeout is not None:
                 timer = self._loop.call_later(timeout - (time.monotonic() - start), expire, fut)
             return await fut
@@ -628,14 +708,21 @@ class Connection:
         finally:
             if timer is not None:
                 timer.cancel()
+            late = None
             if uid is not None:
-                self._table.discard(uid)
+                if on_late is not None and sent:
+                    late = self._table.linger(uid, self._loop)
+                else:
+                    self._table.discard(uid)
             if fut is not None and not fut.done():
                 fut.cancel()
             self._release_place()
+            if late is not None:
+                assert on_late is not None
+                on_late(late)
 
     def send_nowait(
-        self, op: Op, args: Sequence[Any], *, timeout: float | None
+        self, op: Op, args: Sequence[Any], *, timeout: float | None, on_late: OnLate | None = None
     ) -> asyncio.Future[Reply] | None:
         """Send one request now and return the future of its reply, without waiting.
 
@@ -644,6 +731,7 @@ class Connection:
         :meth:`call`). The future fails with :class:`LMCacheTimeoutError` after
         ``timeout`` seconds (``None``: never), with :class:`LMCacheConnectionError` on a lost connection
         and with :class:`ClientClosedError` on close; cancelling it discards the reply.
+        ``on_late``: as for :meth:`call`, when the future times out or is cancelled.
         """
         if not self.usable or self._must_wait(False):
             return None
@@ -662,7 +750,7 @@ class Connection:
         timer = None
         if timeout is not None:
             timer = self._loop.call_later(timeout, self._expire_posted, fut, op, uid, start)
-        fut.add_done_callback(functools.partial(self._posted_done, timer, uid))
+        fut.add_done_callback(functools.partial(self._posted_done, timer, uid, on_late))
         return fut
 
     @staticmethod
@@ -670,13 +758,23 @@ class Connection:
         if not fut.done():
             fut.set_exception(LMCacheTimeoutError(op_name(op), time.monotonic() - start, uid))
 
-    def _posted_done(self, timer: asyncio.TimerHandle | None, uid: int, fut: asyncio.Future[Reply]) -> None:
+    def _posted_done(
+        self, timer: asyncio.TimerHandle | None, uid: int, on_late: OnLate | None, fut: asyncio.Future[Reply]
+    ) -> None:
         if timer is not None:
             timer.cancel()
-        self._table.discard(uid)
+        late = None
+        if on_late is not None:
+            assert self._loop is not None
+            late = self._table.linger(uid, self._loop)
+        else:
+            self._table.discard(uid)
         self._release_place()
         if not fut.cancelled():
             fut.exception()  # retrieved: nobody may be waiting for it
+        if late is not None:
+            assert on_late is not None
+            on_late(late)
 
     def _must_wait(self, urgent: bool) -> bool:
         """Whether a new call must wait for a place (none is free, or others wait first);

@@ -27,7 +27,7 @@ from typing import Any, Final, Literal, TypeVar
 from lmcache_async._channel import ConnectionChannel, replaced_message
 from lmcache_async._connection import Connection
 from lmcache_async._metadata import Metadata
-from lmcache_async._ops import Operations, Registration
+from lmcache_async._ops import LateEnds, Operations, Registration
 from lmcache_async._replacement import ServerWatch
 from lmcache_async._runner import OpState, cancel_and_wait
 from lmcache_async._server_config import ServerConfig, server_instance
@@ -173,6 +173,8 @@ class Session:
         self.stale = False
         self._reg_lock: asyncio.Lock | None = None
         self._gates: dict[tuple[Any, ...], list[Any]] = {}
+        #: The end_session requests held back for late replies, over every registration.
+        self.late_ends = LateEnds()
         self._operations_cache: tuple[tuple[Any, ...], Operations] | None = None
         self.keepalive: asyncio.Task[None] | None = None
         # Weakly: the watch task runs on the loop, and must not keep a dropped client alive
@@ -525,6 +527,7 @@ class Session:
             reg,
             cleanup_grace=self.cleanup_grace,
             gates=self._gates,
+            late_ends=self.late_ends,
             on_unfilled=self.retire_registration,
             track=self._track,
             server_status=self.fresh_status,

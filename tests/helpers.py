@@ -111,6 +111,12 @@ class ClientView:
         return self.conn._tasks[0]
 
     @property
+    def late_ends(self) -> Any:
+        """The counts of ``end_session`` requests held back for late replies
+        (``deferred``, ``unordered``, ``unsent``: :class:`lmcache_async._ops.base.LateEnds`)."""
+        return self._session.late_ends
+
+    @property
     def registered_id(self) -> int | None:
         """The instance id the server knows the client by."""
         return self._session.registered_id

@@ -39,6 +39,7 @@ import torch
 from lmcache_async._ops.base import (
     Channel,
     Configs,
+    LateEnds,
     PostingChannel,
     Registration,
     RemapResult,
@@ -54,7 +55,7 @@ from lmcache_async.errors import TransferError
 if TYPE_CHECKING:
     from lmcache_async._cuda.copies import Mark
 
-__all__ = ["Channel", "Operations", "PostingChannel", "Registration", "RemapResult", "request_id"]
+__all__ = ["Channel", "LateEnds", "Operations", "PostingChannel", "Registration", "RemapResult", "request_id"]
 
 
 class Operations(ShmSequences, InlineSequences):

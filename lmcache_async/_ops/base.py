@@ -1,7 +1,23 @@
 """The shared part of every operation's RPC sequence: the deadline-bound call, the
 pipeline, the cleanup calls, keys, lookups with read locks, the gates that keep two
 operations of one client off one key, and the checks after a store (see
-:mod:`lmcache_async._ops`)."""
+:mod:`lmcache_async._ops`).
+
+**A session ends after its late requests.** The server runs ``prepare_store``,
+``commit_store``, ``prepare_retrieve`` and ``commit_retrieve`` on the connection's FIFO
+"affinity" worker and ``end_session`` on its "normal" pool, and the two pools are not
+ordered relative to each other. A request of the first kind that timed out (or whose
+caller was cancelled) may still be queued on the server: an ``end_session`` sent at once
+would run first, and the late request would then create the session again, left until
+the server's session TTL (600 s). So, over a channel that reports late replies
+(:class:`LateReplyChannel`), each such request's late reply is watched for under its
+request id, and the ``end_session`` of that id goes out only once every one of them has
+arrived (the affinity worker ran the request): in the background, tracked like a posted
+cleanup (``drain()``, ``aclose()``), at most ``cleanup_grace`` seconds. A reply that does
+not come by then (the server dropped the request, or is slower still) or that cannot come
+(the connection was lost) is logged, and the ``end_session`` goes out anyway; one that
+cannot be sent at all (the client closed) is logged too. :class:`LateEnds` counts them.
+"""
 
 from __future__ import annotations
 
@@ -38,8 +54,11 @@ if TYPE_CHECKING:
     from lmcache_async._cuda.copies import Mark
 
 __all__ = [
+    "AFFINITY_OPS",
     "Channel",
     "Configs",
+    "LateEnds",
+    "LateReplyChannel",
     "OperationsBase",
     "PostingChannel",
     "Registration",
@@ -55,6 +74,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Configs = dict[str, Any] | None
+#: Given the future of a request's late reply (see :class:`LateReplyChannel`).
+OnLate = Callable[[asyncio.Future[None]], None]
 
 #: Longest single wait_prefetch_status: it blocks one of the server's CPU workers.
 PREFETCH_WAIT_SLICE: Final = 0.05
@@ -66,6 +87,9 @@ WRITER_MARGIN: Final = 0.1
 #: store's error may take; with a deadline, the wait for the other writer stops this much
 #: earlier still, so the error (never a timeout) arrives within it.
 STATUS_WAIT: Final = 0.5
+#: The requests the server runs on the connection's FIFO affinity worker that carry a
+#: session's key: each may create that session, unordered with its ``end_session``.
+AFFINITY_OPS: Final = frozenset({Op.PREPARE_STORE, Op.COMMIT_STORE, Op.PREPARE_RETRIEVE, Op.COMMIT_RETRIEVE})
 
 
 class Channel(Protocol):
@@ -96,6 +120,47 @@ class PostingChannel(Channel, Protocol):
         """Send one request now and return the future of its reply (a
         :class:`~lmcache_async._wire.Reply`); ``None`` when it cannot be sent at once."""
         ...
+
+
+@runtime_checkable
+class LateReplyChannel(PostingChannel, Protocol):
+    """A :class:`PostingChannel` that can also watch for the late reply of a request its
+    caller stopped waiting for (timeout, cancellation), so that a session's
+    ``end_session`` is sent after it (:class:`~lmcache_async._channel.ConnectionChannel`
+    is one; see the module)."""
+
+    async def call_noting_late(
+        self, opcode: Op, args: Sequence[Any], timeout: float | None, on_late: OnLate, *, urgent: bool = False
+    ) -> Any:
+        """``call`` (``urgent``: sent at once, as a cleanup); when it stops waiting after
+        sending, ``on_late`` is given a future that is done when the late reply arrives,
+        fails when it cannot come any more, and must be cancelled by its waiter."""
+        ...
+
+    def post_noting_late(
+        self, opcode: Op, args: Sequence[Any], timeout: float | None, on_late: OnLate
+    ) -> asyncio.Future[Any] | None:
+        """``post``, with ``on_late`` as in :meth:`call_noting_late`."""
+        ...
+
+
+class LateEnds:
+    """Counts of the ``end_session`` requests held back for late replies (see the
+    module), shared by the operations of one client.
+
+    Attributes:
+        deferred: held back until the late replies of the session's requests arrived.
+        unordered: sent without some of them (not in by ``cleanup_grace``, or the
+            connection was lost): the late request may still create the session again.
+        unsent: never sent (the client closed, or the wait was cancelled at close).
+    """
+
+    __slots__ = ("deferred", "unordered", "unsent")
+
+    def __init__(self) -> None:
+        self.deferred = 0
+        self.unordered = 0
+        self.unsent = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +323,8 @@ class OperationsBase:
             from it to its :class:`TransferError` (bounded by :data:`STATUS_WAIT`; a
             fetch that fails or is late is said in the message, never raised).
             ``None``: the message has no memory usage.
+        late_ends: where the ``end_session`` requests held back for late replies are
+            counted (see the module); a new one by default.
     """
 
     def __init__(
@@ -270,6 +337,7 @@ class OperationsBase:
         on_unfilled: Callable[[int], None] | None = None,
         track: Callable[[asyncio.Future[Any]], None] | None = None,
         server_status: Callable[[float], Awaitable[Mapping[str, Any]]] | None = None,
+        late_ends: LateEnds | None = None,
     ) -> None:
         self.channel = channel
         #: The channel's ``post(opcode, args, timeout) -> Future[Reply] | None``, if it has one.
@@ -281,6 +349,15 @@ class OperationsBase:
             channel, "call_urgent", channel.call
         )
         self._track = track
+        #: The channel, where it reports late replies (see the module).
+        self._late_channel: LateReplyChannel | None = (
+            channel if isinstance(channel, LateReplyChannel) else None
+        )
+        #: Per request id, the late replies of its affinity requests still to come.
+        self._late: dict[str, list[asyncio.Future[None]]] = {}
+        #: The ``end_session`` requests waiting for late replies (held here until done).
+        self._ending: set[asyncio.Future[None]] = set()
+        self.late_ends = LateEnds() if late_ends is None else late_ends
         self.reg = reg
         self.cleanup_grace = cleanup_grace
         self._gates: dict[tuple[Any, ...], list[Any]] = {} if gates is None else gates
@@ -294,12 +371,56 @@ class OperationsBase:
         phase where the operation's record asks for phases)."""
         record = op.record
         if record is None or record.phases is None:
-            return await self.channel.call(opcode, args, op.remaining())
+            return await self._send(opcode, args, op.remaining())
         start = time.time_ns()
         try:
-            return await self.channel.call(opcode, args, op.remaining())
+            return await self._send(opcode, args, op.remaining())
         finally:
             record.phases.append((opcode.phase, start, time.time_ns()))
+
+    def _noter(self, opcode: Op, args: Sequence[Any]) -> OnLate | None:
+        """Where the late reply of request ``opcode(*args)`` is noted, if it is an affinity
+        request with a session (and the channel reports late replies)."""
+        if self._late_channel is None or opcode not in AFFINITY_OPS:
+            return None
+        rid = _request_of(args)
+        return None if rid is None else functools.partial(self._note_late, rid)
+
+    def _note_late(self, rid: str, late: asyncio.Future[None]) -> None:
+        self._late.setdefault(rid, []).append(late)
+        late.add_done_callback(functools.partial(self._late_settled, rid))
+
+    def _late_settled(self, rid: str, late: asyncio.Future[None]) -> None:
+        waiting = self._late.get(rid)
+        if waiting is not None and late in waiting:
+            waiting.remove(late)
+            if not waiting:
+                del self._late[rid]
+
+    async def _send(
+        self, opcode: Op, args: Sequence[Any], timeout: float | None, urgent: bool = False
+    ) -> Any:
+        """One request over the channel (``urgent``: a cleanup, sent at once), its late
+        reply watched for where it is an affinity request with a session."""
+        noter = self._noter(opcode, args)
+        if noter is not None:
+            assert self._late_channel is not None
+            return await self._late_channel.call_noting_late(opcode, args, timeout, noter, urgent=urgent)
+        if urgent:
+            return await self._call_urgent(opcode, args, timeout)
+        return await self.channel.call(opcode, args, timeout)
+
+    def _post_request(
+        self, opcode: Op, args: Sequence[Any], timeout: float | None
+    ) -> asyncio.Future[Any] | None:
+        """Post one request (the channel can post), its late reply watched for as in
+        :meth:`_send`."""
+        noter = self._noter(opcode, args)
+        if noter is not None:
+            assert self._late_channel is not None
+            return self._late_channel.post_noting_late(opcode, args, timeout, noter)
+        assert self._post is not None
+        return self._post(opcode, args, timeout)
 
     async def pipeline(self, op: OpState, *calls: tuple[Any, ...]) -> list[Any]:
         """Send several requests back to back (in order) and wait for all replies.
@@ -319,24 +440,23 @@ class OperationsBase:
             op.phase(calls[0][0].phase, start)
 
     async def _pipeline(self, op: OpState, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
-        post = self._post
         futs: list[asyncio.Future[Any]] = []
-        if post is not None and self.channel.usable:
+        if self._post is not None and self.channel.usable:
             remaining = op.remaining()
             for c in calls:
-                fut = post(c[0], c[1:], remaining)
+                fut = self._post_request(c[0], c[1:], remaining)
                 if fut is None:
                     break
                 futs.append(fut)
         if not futs:
-            tasks = [asyncio.ensure_future(self.channel.call(c[0], c[1:], op.remaining())) for c in calls]
+            tasks = [asyncio.ensure_future(self._send(c[0], c[1:], op.remaining())) for c in calls]
             results = await asyncio.gather(*tasks, return_exceptions=True)
         else:
             replies = await asyncio.gather(*futs, return_exceptions=True)
             results = [r if isinstance(r, BaseException) else _value(r) for r in replies]
             for c in calls[len(futs) :]:
                 try:
-                    results.append(await self.channel.call(c[0], c[1:], op.remaining()))
+                    results.append(await self._send(c[0], c[1:], op.remaining()))
                 except LMCacheError as exc:
                     results.append(exc)
         for r in results:
@@ -352,9 +472,14 @@ class OperationsBase:
         wait for it. Where the channel cannot post it at once (no ``post``, not
         connected, ``max_in_flight`` reached) it is awaited as :meth:`cleanup_call`.
 
+        An ``end_session`` whose session has affinity requests with late replies to come
+        waits for them first, in the background (see the module).
+
         Cancellation: a posted request is already sent; its reply is still awaited by the
         client in the background.
         """
+        if opcode is Op.END_SESSION and self._end_after_late(args[0]):
+            return
         post = self._post
         if post is not None and self.channel.usable:
             fut = post(opcode, args, self.cleanup_grace)
@@ -371,15 +496,83 @@ class OperationsBase:
         Over a channel with ``call_urgent`` (the client's connection) it is sent at once,
         whatever the number of requests in flight or queued on the client: a backlog
         never delays it past its deadline, so it is never dropped unsent (a reply late
-        past the deadline is logged; the server still runs the request).
+        past the deadline is logged; the server still runs the request). An
+        ``end_session`` waits for late replies as in :meth:`cleanup_later`, in the
+        background (``None`` at once).
         """
+        if opcode is Op.END_SESSION and self._end_after_late(args[0]):
+            return None
         if not self.channel.usable:
             return None
         try:
-            return await self._call_urgent(opcode, args, self.cleanup_grace)
+            return await self._send(opcode, args, self.cleanup_grace, urgent=True)
         except LMCacheError as exc:
             _cleanup_failed(opcode, _request_of(args), exc)
             return None
+
+    def _end_after_late(self, rid: str) -> bool:
+        """When affinity requests of session ``rid`` have late replies still to come,
+        send its ``end_session`` once they are in, in the background (see the module),
+        and return True; False when the ``end_session`` can go now."""
+        waiting = self._late.pop(rid, None)
+        late = [f for f in waiting or () if not f.done()]
+        if not late:
+            return False
+        self.late_ends.deferred += 1
+        task = asyncio.ensure_future(self._end_session_after(rid, late))
+        self._ending.add(task)
+        task.add_done_callback(functools.partial(self._end_settled, rid, late))
+        if self._track is not None:
+            self._track(task)
+        return True
+
+    async def _end_session_after(self, rid: str, late: list[asyncio.Future[None]]) -> None:
+        """``end_session(rid)`` once every reply of ``late`` has arrived, or after
+        ``cleanup_grace`` seconds (logged). Never raises, but for cancellation (at close:
+        then it is not sent, see :meth:`_end_settled`)."""
+        try:
+            _, pending = await asyncio.wait(late, timeout=self.cleanup_grace)
+        finally:
+            for f in late:
+                f.cancel()
+        lost = [f for f in late if not f.cancelled() and f.exception() is not None]
+        if not self.channel.usable:
+            self.late_ends.unsent += 1
+            log.warning(
+                "end_session of request %s not sent: the connection was closed, or its server "
+                "replaced, before the late reply of its request came",
+                rid,
+                extra={"request_id": rid},
+            )
+            return
+        if pending or lost:
+            self.late_ends.unordered += 1
+            why = "did not come" if pending else "cannot come (connection lost)"
+            log.warning(
+                "end_session of request %s sent without waiting for %d late replies, which %s "
+                "within %gs: the server may create the session again",
+                rid,
+                len(pending) + len(lost),
+                why,
+                self.cleanup_grace,
+                extra={"request_id": rid},
+            )
+        await self.cleanup_call(Op.END_SESSION, rid)
+
+    def _end_settled(self, rid: str, late: list[asyncio.Future[None]], task: asyncio.Future[None]) -> None:
+        """A held ``end_session`` is done; one cancelled (``aclose()`` stopped waiting for
+        it, perhaps before it began) was not sent: said and counted here."""
+        self._ending.discard(task)
+        if not task.cancelled():
+            return
+        for f in late:
+            f.cancel()
+        self.late_ends.unsent += 1
+        log.warning(
+            "end_session of request %s not sent: the client closed before the late reply of its request came",
+            rid,
+            extra={"request_id": rid},
+        )
 
     # ------------------------------------------------------------------ operations
 

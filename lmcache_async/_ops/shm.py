@@ -97,7 +97,7 @@ class ShmSequences(OperationsBase):
         post = self._post
         if post is None or not self.channel.usable or state.gate is None:
             return False
-        fut = post(Op.COMMIT_RETRIEVE, (rkey, self.reg.instance_id), self.cleanup_grace)
+        fut = self._post_request(Op.COMMIT_RETRIEVE, (rkey, self.reg.instance_id), self.cleanup_grace)
         if fut is None:
             return False
         release = state.gate.defer()
@@ -106,6 +106,8 @@ class ShmSequences(OperationsBase):
         def answered(f: asyncio.Future[Any]) -> None:
             release()
             cleanup_done(Op.COMMIT_RETRIEVE, rid, f)
+            if self._end_after_late(rid):  # the commit timed out: after its late reply
+                return
             end = post(Op.END_SESSION, (rid,), self.cleanup_grace) if self.channel.usable else None
             if end is not None:
                 end.add_done_callback(functools.partial(cleanup_done, Op.END_SESSION, rid))

@@ -350,3 +350,73 @@ async def test_urgent_calls_past_the_bound_give_their_places_back_to_the_pool() 
             assert (conn.in_flight, conn._busy, len(conn._place_waiters)) == (0, 0, 0)
         finally:
             await conn.close()
+
+
+async def test_a_late_reply_is_told_to_on_late_after_a_timeout_or_cancellation() -> None:
+    # "slow" replies after 0.3 s, "never" never does. The caller stops waiting first
+    # (a timeout of call() or of a posted request, or a cancellation); the future given
+    # to on_late is done when the late reply arrives (which is still dropped and counted).
+    def handler(req: server_wire.Request) -> list[Action]:
+        tag = wire.unpackb(req.args[0])
+        if tag == "never":
+            return []
+        return [("sleep", 0.3), ("reply", tag)] if tag.startswith("slow") else [("reply", tag)]
+
+    async with FakeRouter(handler) as router:
+        conn = Connection(router.url)
+        await conn.open()
+        late: list[asyncio.Future[None]] = []
+        try:
+            assert (
+                await conn.call(Op.END_SESSION, ("ready",), timeout=5, on_late=late.append)
+            ).value() == "ready"
+            assert late == []  # answered in time: nothing is late
+            with pytest.raises(LMCacheTimeoutError):
+                await conn.call(Op.END_SESSION, ("slow-1",), timeout=0.05, on_late=late.append)
+            task = asyncio.create_task(conn.call(Op.END_SESSION, ("slow-2",), timeout=5, on_late=late.append))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            posted = conn.send_nowait(Op.END_SESSION, ("slow-3",), timeout=0.05, on_late=late.append)
+            assert posted is not None
+            with pytest.raises(LMCacheTimeoutError):
+                await posted
+            await asyncio.sleep(0)  # the posted request's done-callbacks
+            assert len(late) == 3 and not any(f.done() for f in late)
+            assert (conn.in_flight, conn.late) == (0, (0, 3))
+            assert (await asyncio.wait_for(asyncio.gather(*late), 5)) == [None, None, None]
+            assert conn.late == (3, 0)
+            assert conn.dropped == (3, 0)  # the late replies themselves are dropped
+
+            # One never answered: its waiter gives up by cancelling it (forgotten at once).
+            with pytest.raises(LMCacheTimeoutError):
+                await conn.call(Op.END_SESSION, ("never",), timeout=0.05, on_late=late.append)
+            assert conn.late == (3, 1)
+            late[-1].cancel()
+            await asyncio.sleep(0)
+            assert conn.late == (3, 0)
+
+            # One still to come when the connection closes fails as the calls do.
+            with pytest.raises(LMCacheTimeoutError):
+                await conn.call(Op.END_SESSION, ("never",), timeout=0.05, on_late=late.append)
+        finally:
+            await conn.close()
+        with pytest.raises(ClientClosedError, match="end_session: the connection was closed"):
+            await late[-1]
+        assert conn.late == (3, 0)
+
+
+async def test_a_call_failed_by_a_lost_connection_has_no_late_reply() -> None:
+    # The server drops the connection: the call fails at once, and no reply can come.
+    async with FakeRouter(lambda req: [("drop",)]) as router:
+        conn = Connection(router.url)
+        await conn.open()
+        late: list[asyncio.Future[None]] = []
+        try:
+            with pytest.raises(LMCacheConnectionError):
+                await conn.call(Op.END_SESSION, ("x",), timeout=5, on_late=late.append)
+            assert late == []
+            assert conn.late == (0, 0)
+        finally:
+            await conn.close()
