@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import pytest
 import torch
+import zmq
 
 from lmcache_async import (
     AsyncClient,
@@ -42,6 +43,7 @@ from lmcache_async._wire import (
     parse_prepare_store,
     parse_register_response,
 )
+from lmcache_async._zmq_context import process_context
 from lmcache_async.errors import LayoutMismatchError
 from lmcache_async.testing import EmbeddedServer, NoReply
 from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
@@ -67,7 +69,11 @@ def free_port() -> int:
 
 def threads() -> tuple[set[str], set[str]]:
     """Python threads by name, and every thread of the process (native ones too, e.g.
-    ZMQ's I/O threads) by id."""
+    ZMQ's I/O threads) by id. The process-wide ZMQ context (``_zmq_context``), which every
+    client and embedded server shares and which lives as long as the process, is made
+    first, so that its threads are in every baseline (a test run alone would else count
+    them as left by the server under test): libzmq starts them with its first socket."""
+    process_context().socket(zmq.PAIR).close(linger=0)
     return {t.name for t in threading.enumerate()}, set(os.listdir("/proc/self/task"))
 
 
@@ -86,11 +92,19 @@ def assert_no_new_thread(before: tuple[set[str], set[str]]) -> None:
 
 def assert_nothing_left(shm_segment: str | None, before: tuple[set[str], set[str]], port: int) -> None:
     """No new thread, no SHM segment, and ``port`` (the other one, bound before the
-    failure or never) free."""
+    failure or never) free: libzmq closes a socket's file descriptor in its reaper thread,
+    a moment after ``close()`` returns, so that is waited for (10 s at most)."""
     assert_no_new_thread(before)
     assert shm_segment is None or not os.path.exists(shm_segment)
-    with socket.create_server(("127.0.0.1", port)):
-        pass
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            with socket.create_server(("127.0.0.1", port)):
+                return
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+        time.sleep(0.01)
 
 
 def in_use(what: str) -> str:
