@@ -1,14 +1,16 @@
 """Which tokens should the selective repair recompute? Variants of its selection on the quality corpus.
 
     .venv/bin/python -m benchmarks.probes.quality_selection [--sets 20] [--fraction 0.15]
-        [--variants plain,base,L4,ml4+norm,sink1,sink2+ml2]
+        [--new-tokens 16] [--variants plain,base,L4,ml4+norm,sink1,sink2+ml2]
 
 The trained model (SmolLM2-135M-Instruct, CPU) on the first ``--sets`` sets of the quality
 section's corpus (``benchmarks/suite/quality_corpus.py``), composed as there (the system
 prompt and each document cached alone, an embedded server, chunk 16). The plain composition
 is retrieved once per set; each variant repairs a copy of it in this process and the prompt
-is served from that KV (16 greedy tokens), against the full prefill. Reached internals of
-``lmcache_async.hf``: ``select_and_recompute``, ``_recompute_at``, ``_layer_kv``'s early
+is served from that KV (``--new-tokens`` greedy tokens), against the full prefill. The first
+50 sets are the quality section's; more (up to 200) extend its corpus from the same seed;
+``--seed`` draws other (held-out) sets.
+Reached internals of ``lmcache_async.hf``: ``select_and_recompute``, ``_recompute_at``, ``_layer_kv``'s early
 stop (``_StopForward``, ``_decoder_layers``), ``_forward``, ``_cache_layers``.
 
 Variants (each at ``--fraction`` of each document's tokens):
@@ -21,7 +23,14 @@ Variants (each at ``--fraction`` of each document's tokens):
   its own attention sink there); ``tail<n>``: the last ``n`` tokens of the last document too;
   ``rounds2``: recompute the first half of the chosen tokens, then all of them; ``rel``: each
   token's deviation divided by its composed KV's squared norm; ``ml29``: the deviation
-  summed over every layer (an oracle: the pass runs the whole model).
+  summed over every layer (an oracle: the pass runs the whole model);
+* ``qattn<l>[-<l>...]``: the tokens the question (the prompt's uncached tail) attends to
+  most at layers ``l`` (summed), ``--fraction`` of each part (``selection="query"`` ships
+  this at one layer); ``qglob<l>...``: the same scores, the same total budget spent over
+  all parts at once;
+* the noise floor (no repair): ``exact`` (the full prefill's own KV of the stored tokens),
+  ``bf16`` / ``fp16`` (it rounded), ``noise<s>`` (Gaussian noise of ``s`` times its standard
+  deviation added, a fixed seed).
 
 Printed: accuracy, greedy agreement and mean next-token KL per variant, and the repair's
 seconds summed over the sets. The conclusion is in the KV-editing guide
@@ -218,7 +227,7 @@ def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
 
 
 async def run(
-    sets: int, variants: list[str], fraction: float, new_tokens: int = 16
+    sets: int, variants: list[str], fraction: float, new_tokens: int = 16, seed: int = 0
 ) -> dict[str, dict[str, float]]:
     model = trained.smollm2()
     tok = trained.smollm2_tokenizer()
@@ -232,7 +241,7 @@ async def run(
             srv.url, srv.http_url, f"selection-{time.time_ns()}", geometry=g, timeout=600
         ) as c:
             rope = RopeSpec.from_hf_config(model.config)
-            for i, s in enumerate(corpus(max(50, sets))[:sets]):
+            for i, s in enumerate(corpus(max(50, sets), seed=seed)[:sets]):
                 docs = [bq._tokens(d) for d in s.documents]
                 parts = await bq._cache_alone(c, model, [prefix, *docs])
                 target = [t for p in (prefix, *docs) for t in p] + bq._question(s.question)
@@ -293,11 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sets", type=int, default=20)
     parser.add_argument("--fraction", type=float, default=0.15)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0, help="the corpus's seed (0: the quality section's)")
     parser.add_argument("--variants", default="plain,base,L4,ml4+norm,sink1,sink2+ml2")
     args = parser.parse_args(argv)
     if not 1 <= args.sets <= 200 or not 0.0 <= args.fraction <= 1.0:
         parser.error("--sets must be in 1..50, --fraction in [0, 1]")
-    table = asyncio.run(run(args.sets, args.variants.split(","), args.fraction, args.new_tokens))
+    table = asyncio.run(run(args.sets, args.variants.split(","), args.fraction, args.new_tokens, args.seed))
     for v, m in table.items():
         print(
             f"{v:<24} accuracy {m['accuracy']:.2f}  greedy agreement {m['greedy_agreement']:.2f}  "

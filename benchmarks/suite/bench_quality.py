@@ -44,7 +44,12 @@ Time to first token (TTFT) at ``--contexts`` tokens: documents of the corpus are
 alone and composed into a prompt of about that many tokens; the full prefill's TTFT is its
 forward pass; a composed method's is the composition call (retrieves, model work, store)
 plus the serve's retrieve and the question's prefill. Median of ``--reps``, alternating.
-The verdict is computed on each protocol and reported for the better one.
+
+The verdict (issue 32's targets): the repair at <= 15 % recomputed, of either selection and
+protocol, closest to the targets on the quality corpus is measured again, with the full
+prefill, on as many held-out sets (``corpus(seed=HELDOUT_SEED)``, never looked at to choose
+anything); its accuracy and greedy agreement there are the verdict's, and its time to first
+token is timed with the others.
 """
 
 from __future__ import annotations
@@ -101,6 +106,8 @@ TTFT_METHODS = [
 ]
 #: The targets of issue 32, at <= 15 % recomputed.
 TARGETS = {"accuracy_points_below_full": 2.0, "greedy_agreement": 0.90, "ttft_ratio_2k": 0.4}
+#: The corpus seed of the held-out sets the verdict's repair is measured on again.
+HELDOUT_SEED = 1
 
 #: Published figures beside ours (what differs: model, data, hardware; see the guide).
 PUBLISHED = [
@@ -204,10 +211,18 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum())
 
 
-async def quality(client: AsyncClient, model: Any, sets: list[QASet], new_tokens: int) -> dict[str, Any]:
+async def quality(
+    client: AsyncClient,
+    model: Any,
+    sets: list[QASet],
+    new_tokens: int,
+    methods: dict[str, tuple[str, ...]] = METHODS,
+    tag: str = "q",
+) -> dict[str, Any]:
+    """Each of ``methods`` (per protocol; ``full`` among those of the first) on ``sets``."""
     tok = trained.smollm2_tokenizer()
     prefix = _tokens(PREFIX)
-    rows: dict[str, dict[str, list[dict[str, Any]]]] = {p: {m: [] for m in METHODS[p]} for p in PROTOCOLS}
+    rows: dict[str, dict[str, list[dict[str, Any]]]] = {p: {m: [] for m in ms} for p, ms in methods.items()}
     examples = []
     for i, s in enumerate(sets):
         docs = [_tokens(d) for d in s.documents]
@@ -216,7 +231,7 @@ async def quality(client: AsyncClient, model: Any, sets: list[QASet], new_tokens
         eos = tok.eos_token_id
         full = await hf.run_model(hf.generate, model, target, max_new_tokens=new_tokens, eos_token_id=eos)
         stored = (len(prefix) + doc_tokens) // CS * CS  # what a composition stores
-        for protocol, name in ((p, m) for p in PROTOCOLS for m in METHODS[p]):
+        for protocol, name in ((p, m) for p, ms in methods.items() for m in ms):
             if name == "full":
                 g, recomputed = full, doc_tokens
             elif name.startswith("floor_"):
@@ -224,7 +239,7 @@ async def quality(client: AsyncClient, model: Any, sets: list[QASet], new_tokens
                 recomputed = 0
             else:
                 parts = await _cache_parts(client, model, protocol, prefix, docs)
-                salt = f"q{i}-{protocol}-{name}"
+                salt = f"{tag}{i}-{protocol}-{name}"
                 recomputed = await _method(client, model, name)(target, parts, salt)
                 g = await hf.generate_with_cache(
                     client, model, target, salt, max_new_tokens=new_tokens, eos_token_id=eos
@@ -246,9 +261,9 @@ async def quality(client: AsyncClient, model: Any, sets: list[QASet], new_tokens
                 )
         print(f"  set {i + 1}/{len(sets)}: {len(target)} tokens", file=sys.stderr, flush=True)
     tables = {p: _table(r) for p, r in rows.items()}
-    lengths = [x["prompt_tokens"] for x in rows["alone"]["full"]]
+    lengths = [x["prompt_tokens"] for x in next(r["full"] for r in rows.values() if "full" in r)]
     by_depth: dict[str, dict[str, dict[str, float]]] = {}
-    for protocol, name in ((p, m) for p in PROTOCOLS for m in METHODS[p]):
+    for protocol, name in ((p, m) for p, ms in methods.items() for m in ms):
         for depth in sorted({s.depth for s in sets}):
             r = rows[protocol][name]
             hits = [x["correct"] for x, s in zip(r, sets, strict=True) if s.depth == depth]
@@ -261,8 +276,8 @@ async def quality(client: AsyncClient, model: Any, sets: list[QASet], new_tokens
         "prompt_tokens": {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths)},
         "new_tokens": new_tokens,
         "first_k": FIRST_K,
-        "protocols": list(PROTOCOLS),
-        "methods": tables["alone"],
+        "protocols": list(methods),
+        "methods": tables[next(iter(methods))],
         "by_protocol": tables,
         "accuracy_by_depth": by_depth,
         "examples": examples,
@@ -337,7 +352,7 @@ async def _section(*, sets: int, new_tokens: int, contexts: list[int], reps: int
     model = trained.smollm2()
     load_s = time.perf_counter() - t0
     geometry = hf.geometry_from_model(model)
-    tokens_needed = 40_000 + 2 * sum(contexts) * (3 + 7 * reps)
+    tokens_needed = 80_000 + 2 * sum(contexts) * (3 + 8 * reps)
     size = geometry.bytes_per_token * tokens_needed
     async with EmbeddedServer(chunk_size=CS, mode="shm", size_bytes=size) as srv:
         async with AsyncClient(
@@ -345,13 +360,32 @@ async def _section(*, sets: int, new_tokens: int, contexts: list[int], reps: int
         ) as c:
             await hf.run_model(hf.prefill, model, _tokens(PREFIX) * 4)  # warm-up, not counted
             q = await quality(c, model, corpus(sets), new_tokens)
-            t = await ttft(c, model, contexts, reps, TTFT_METHODS)
+            protocol, method = pick(q)
+            h = await quality(
+                c,
+                model,
+                corpus(sets, seed=HELDOUT_SEED),
+                new_tokens,
+                {protocol: ("full", method)},
+                tag="h",
+            )
+            timed = f"{'' if protocol == 'alone' else protocol + ':'}{method}"
+            t = await ttft(
+                c, model, contexts, reps, [*TTFT_METHODS, *([timed] if timed not in TTFT_METHODS else [])]
+            )
     result = {
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to float32)",
         "gguf": trained.GGUF_NAME,
         "model_load_s": round(load_s, 1),
         "chunk_size": CS,
         "quality": q,
+        "heldout": {
+            "seed": HELDOUT_SEED,
+            "sets": sets,
+            "protocol": protocol,
+            "method": method,
+            "methods": h["by_protocol"][protocol],
+        },
         "ttft": t,
         "published": PUBLISHED,
         "targets": TARGETS,
@@ -360,49 +394,60 @@ async def _section(*, sets: int, new_tokens: int, contexts: list[int], reps: int
     return result
 
 
+def _candidates(m: dict[str, Any]) -> list[str]:
+    """The repairs at <= 15 % recomputed (either selection; not the plain composition)."""
+    return [
+        k
+        for k in m
+        if k.startswith(("blend_", "query_"))
+        and float(k.partition("_")[2]) > 0
+        and m[k]["recomputed_share"] <= 0.15 + 1e-9
+    ]
+
+
+def pick(q: dict[str, Any]) -> tuple[str, str]:
+    """The protocol and repair at <= 15 % the verdict is about: the one that meets the most
+    quality targets on the quality corpus, then the closest to the full prefill's accuracy,
+    then the highest greedy agreement (measured again on held-out sets: a pick among
+    several noisy cells flatters the corpus it was picked on)."""
+    tables = q.get("by_protocol") or {"alone": q["methods"]}
+
+    def rank(pm: tuple[str, str]) -> tuple[int, float, float]:
+        m = tables[pm[0]]
+        pts = (m["full"]["accuracy"] - m[pm[1]]["accuracy"]) * 100
+        agree = m[pm[1]]["greedy_agreement"]
+        met = (pts <= TARGETS["accuracy_points_below_full"]) + (agree >= TARGETS["greedy_agreement"])
+        return met, -pts, agree
+
+    return max(((p, k) for p, m in tables.items() for k in _candidates(m)), key=rank)
+
+
 def verdict(result: dict[str, Any]) -> dict[str, Any]:
-    """Each target of issue 32, met or not, on each protocol, for the selective repair (either
-    selection) at <= 15 % recomputed that meets the most targets (then the higher accuracy,
-    then the higher greedy agreement); the better protocol's is the verdict, the other
-    beside it."""
+    """Each target of issue 32, met or not, for the repair :func:`pick` chose: accuracy and
+    greedy agreement on the held-out sets (``result["heldout"]``; on the quality corpus
+    where there are none), time to first token at 2k tokens."""
     q = result["quality"]
     tables = q.get("by_protocol") or {"alone": q["methods"]}
-    per = {p: _verdict_of(result, p, m) for p, m in tables.items()}
-    best = max(per, key=lambda p: _rank(per[p]))
-    return {**per[best], "protocol": best, "by_protocol": per}
-
-
-def _rank(v: dict[str, Any]) -> tuple[int, float, float]:
-    met = sum(bool(v[k]) for k in ("accuracy_met", "greedy_agreement_met", "ttft_met"))
-    return met, -v["accuracy_points_below_full"], v["greedy_agreement"]
-
-
-def _verdict_of(result: dict[str, Any], protocol: str, m: dict[str, Any]) -> dict[str, Any]:
-    full = m["full"]["accuracy"]
-    ratios = result["ttft"].get("2048", {}).get("ratio_to_full", {})
+    h = result.get("heldout")
+    protocol, method = (h["protocol"], h["method"]) if h else pick(q)
+    dev = tables[protocol]
+    m = h["methods"] if h else dev
+    acc_pts = round((m["full"]["accuracy"] - m[method]["accuracy"]) * 100, 1)
     key = "" if protocol == "alone" else f"{protocol}:"
-    out = []
-    for k in m:
-        if not k.startswith(("blend_", "query_")) or m[k]["recomputed_share"] > 0.15 + 1e-9:
-            continue
-        if not float(k.partition("_")[2]):
-            continue  # plain composition, not a repair
-        ttft2k = ratios.get(key + k)
-        acc_pts = round((full - m[k]["accuracy"]) * 100, 1)
-        out.append(
-            {
-                "method": k,
-                "accuracy_points_below_full": acc_pts,
-                "accuracy_met": acc_pts <= TARGETS["accuracy_points_below_full"],
-                "greedy_agreement": m[k]["greedy_agreement"],
-                "greedy_agreement_met": m[k]["greedy_agreement"] >= TARGETS["greedy_agreement"],
-                "ttft_ratio_2k": ttft2k,
-                "ttft_met": None
-                if ttft2k is None or math.isnan(ttft2k)
-                else ttft2k <= TARGETS["ttft_ratio_2k"],
-            }
-        )
-    return max(out, key=_rank)
+    ttft2k = result["ttft"].get("2048", {}).get("ratio_to_full", {}).get(key + method)
+    return {
+        "protocol": protocol,
+        "method": method,
+        "heldout_sets": h["sets"] if h else 0,
+        "dev_accuracy_points_below_full": round((dev["full"]["accuracy"] - dev[method]["accuracy"]) * 100, 1),
+        "dev_greedy_agreement": dev[method]["greedy_agreement"],
+        "accuracy_points_below_full": acc_pts,
+        "accuracy_met": acc_pts <= TARGETS["accuracy_points_below_full"],
+        "greedy_agreement": m[method]["greedy_agreement"],
+        "greedy_agreement_met": m[method]["greedy_agreement"] >= TARGETS["greedy_agreement"],
+        "ttft_ratio_2k": ttft2k,
+        "ttft_met": None if ttft2k is None or math.isnan(ttft2k) else ttft2k <= TARGETS["ttft_ratio_2k"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

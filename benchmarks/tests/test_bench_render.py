@@ -232,13 +232,20 @@ def test_the_quality_section_renders_its_tables_the_targets_and_the_published_fi
     q = doc["result"]["quality"]
     assert f"greedy answers of up to {q['new_tokens']} tokens." in text
     for protocol, where in (("alone", "alone at position 0"), ("prefix", "behind the system prompt")):
-        m = q["by_protocol"][protocol]["blend_0.15"]
-        row = (
-            f"| selective repair 15 % (`compose_and_blend`) | {where} | {m['recomputed_share'] * 100:.1f} % | "
-            f"{m['accuracy']:.2f} | {m['greedy_agreement']:.2f} | {m['first_token_agreement']:.2f} | "
-            f"{m['kl_mean']:.3f} |"
-        )
-        assert row in text
+        for name, how in (("blend_0.15", "KV deviation"), ("query_0.15", "the question's attention")):
+            m = q["by_protocol"][protocol][name]
+            row = (
+                f"| selective repair 15 %, by {how} (`compose_and_blend`) | {where} | "
+                f"{m['recomputed_share'] * 100:.1f} % | {m['accuracy']:.2f} | {m['greedy_agreement']:.2f} | "
+                f"{m['first_token_agreement']:.2f} | {m['kl_mean']:.3f} |"
+            )
+            assert row in text
+    m = q["by_protocol"]["alone"]["floor_noise0.01"]
+    assert (
+        f"| noise floor: the full prefill's KV + Gaussian noise of 1 % of its std | - | 0.0 % | "
+        f"{m['accuracy']:.2f} | {m['greedy_agreement']:.2f} |"
+    ) in text
+    assert "| noise floor: the full prefill's KV rounded to bfloat16 | - | 0.0 % |" in text
     assert text.count("| full prefill | - |") == 1
     assert "selective repair 0 %" not in text  # bitwise the plain composition: one row
     t = doc["result"]["ttft"]["2048"]
