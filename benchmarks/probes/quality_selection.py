@@ -16,6 +16,7 @@ stop (``_StopForward``, ``_decoder_layers``), ``_forward``, ``_cache_layers``.
 Variants (each at ``--fraction`` of each document's tokens):
 
 * ``plain``: no repair; ``base``: :func:`hf_blend.select_and_recompute` as shipped (layer 1);
+  ``query``: the same with ``selection="query"`` as shipped (its default layer);
 * ``L<n>``: the same, selecting at layer ``n``;
 * ``+``-joined options: ``ml<n>``: the deviation summed over layers 1..n; ``norm``: each
   layer's deviation divided by its mean first; ``konly`` / ``vonly``: keys or values only;
@@ -25,8 +26,9 @@ Variants (each at ``--fraction`` of each document's tokens):
   token's deviation divided by its composed KV's squared norm; ``ml29``: the deviation
   summed over every layer (an oracle: the pass runs the whole model);
 * ``qattn<l>[-<l>...]``: the tokens the question (the prompt's uncached tail) attends to
-  most at layers ``l`` (summed), ``--fraction`` of each part (``selection="query"`` ships
-  this at one layer); ``qglob<l>...``: the same scores, the same total budget spent over
+  most at layers ``l`` (summed), ``--fraction`` of each part (the probe's first version of
+  ``selection="query"``: its softmax runs over the composed tokens only, the shipped one
+  over the question's own tokens too, as the model's attention does); ``qglob<l>...``: the same scores, the same total budget spent over
   all parts at once;
 * the noise floor (no repair): ``exact`` (the full prefill's own KV of the stored tokens),
   ``bf16`` / ``fp16`` (it rounded), ``noise<s>`` (Gaussian noise of ``s`` times its standard
@@ -173,6 +175,8 @@ def repair(
         return chosen
     if name == "base":
         return hf_blend.select_and_recompute(model, toks, kv, spans, f, select_layer=1, exact=exact)
+    if name == "query":
+        return hf_blend.select_and_recompute(model, toks, kv, spans, f, exact=exact, selection="query")
     if name.startswith("L") and name[1:].isdigit():
         return hf_blend.select_and_recompute(
             model, toks, kv, spans, f, select_layer=int(name[1:]), exact=exact
