@@ -285,10 +285,11 @@ def test_query_selection_is_the_tails_top_attention_of_each_part() -> None:
         kept = [i for i in range(total) if i not in set(chosen)]
         assert torch.equal(got[:, :, kept], kv[:, :, kept])
         assert not torch.equal(got[:, :, chosen], kv[:, :, chosen])
-    # The default layer: a quarter of the depth (at least 1).
-    n = hf.geometry_from_model(model).num_layers
-    assert hf_blend.default_select_layer("query", n) == min(max(1, n // 4), n - 1)
-    assert hf_blend.default_select_layer("deviation", n) == 1
+    # The default layers: a quarter of the depth (at least 1), and 1.
+    assert hf.geometry_from_model(model).num_layers == 4
+    assert hf_blend.default_select_layer("query", 4) == 1
+    assert hf_blend.default_select_layer("deviation", 4) == 1
+    assert [hf_blend.default_select_layer("query", n) for n in (1, 2, 8, 30, 32)] == [0, 1, 2, 7, 8]
     with pytest.raises(
         ValueError,
         match=r"^selection='query' needs tokens after the composed KV's 80 \(the question\); there are 0$",
