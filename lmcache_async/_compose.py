@@ -8,8 +8,9 @@ difference (:meth:`lmcache_async.rope.RopeSpec.rotate_keys`); its values are cop
 
 Order of work: every argument is checked first (:func:`plan`, nothing sent); then each
 distinct source is retrieved once, as far as its parts reach, concurrently; if any part's
-range is not cached, nothing is stored; else the target's KV is assembled in one host
-tensor and stored with one ``store`` (whose commit is all chunks or none).
+range is not cached, nothing is stored; else the target's KV is assembled in one tensor
+(on the host, or on the model's GPU for :mod:`lmcache_async.hf`) and stored with one
+``store`` (whose commit is all chunks or none).
 """
 
 from __future__ import annotations
@@ -270,7 +271,8 @@ async def gather(
     of ``target``), one after another in offset order (a retrieve reads whole chunks, so
     it may write up to a chunk past its part, into the next part's place, which the next
     retrieve or :func:`assemble` overwrites); the other sources go to tensors of their
-    own, concurrently with those. Cancellation, or a failed retrieve, cancels the others
+    own (on ``target``'s device when it is a GPU), concurrently with those. Cancellation,
+    or a failed retrieve, cancels the others
     (each cleans up as :meth:`AsyncClient.retrieve` does)."""
     start = time.monotonic()
     reads = the_plan.reads()
@@ -292,8 +294,11 @@ async def gather(
             hits[(src, salt)] = 0 if kv is None else kv.shape[axis]
         return hits
 
+    device = target.device if target is not None and target.device.type == "cuda" else None
     tasks = [
-        asyncio.ensure_future(client.retrieve(src[: reads[(src, salt)]], salt, timeout=timeout))
+        asyncio.ensure_future(
+            client.retrieve(src[: reads[(src, salt)]], salt, device=device, timeout=timeout)
+        )
         for src, salt in keys
     ]
     sequence = asyncio.ensure_future(in_place())

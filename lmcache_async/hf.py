@@ -45,6 +45,7 @@ import asyncio
 import concurrent.futures
 import functools
 import inspect
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -90,6 +91,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- geometry
@@ -185,6 +188,13 @@ def _model_device(model: Any) -> torch.device:
     if isinstance(device, torch.device):
         return device
     return next(iter(model.parameters())).device  # type: ignore[no-any-return]
+
+
+def _cuda_device(model: Any) -> torch.device | None:
+    """The model's device if it is a GPU (retrieves land there through the client's CUDA
+    path, no host round trip), else ``None`` (the CPU: retrieves as before)."""
+    device = _model_device(model)
+    return device if device.type == "cuda" else None
 
 
 # --------------------------------------------------------------------------- layouts
@@ -296,12 +306,12 @@ def kv_to_cache(kv: torch.Tensor, geometry: KVGeometry, *, config: Any = None, d
     h, hd = geometry.num_kv_heads, geometry.head_dim
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
     target = torch.device(device) if device is not None else kv.device
+    if kv.device != target:
+        kv = kv.to(target)  # one copy of the whole tensor, not one per layer and plane
     for i in range(geometry.num_layers):
-        # [T, H*Hd] -> [T, H, Hd] -> [1, H, T, Hd], one copy each
-        key = torch.empty((1, h, tokens, hd), dtype=kv.dtype, device=target)
-        value = torch.empty((1, h, tokens, hd), dtype=kv.dtype, device=target)
-        key[0].copy_(kv[0, i].reshape(tokens, h, hd).transpose(0, 1))
-        value[0].copy_(kv[1, i].reshape(tokens, h, hd).transpose(0, 1))
+        # [T, H*Hd] -> [1, H, T, Hd] as views; the cache's update copies them once
+        key = kv[0, i].reshape(tokens, h, hd).transpose(0, 1).unsqueeze(0)
+        value = kv[1, i].reshape(tokens, h, hd).transpose(0, 1).unsqueeze(0)
         cache.update(key, value, i)
     return cache
 
@@ -638,7 +648,7 @@ async def generate_with_cache(
     _check_new_tokens(max_new_tokens)
     check_geometry(client.geometry, geometry_from_model(model))
     t0 = time.perf_counter()
-    kv = await client.retrieve(toks, cache_salt, timeout=timeout)
+    kv = await client.retrieve(toks, cache_salt, device=_cuda_device(model), timeout=timeout)
     retrieve_ms = _ms(t0)
 
     def run() -> Generation:
@@ -687,13 +697,22 @@ class ComposedPrompt:
 
     Attributes:
         result: the composition's :class:`~lmcache_async.ComposeResult` (per part its
-            offset, shift and hit; the tokens stored).
+            offset, shift and hit; the tokens stored). With ``stored`` set, its
+            ``stored_new`` is False: the store's answer is ``await stored``.
         recomputed_tokens: tokens whose KV the model recomputed (0 on a miss).
-        kv: the target KV that was stored, ``[2, L, stored, D]`` (``None`` on a miss).
+        kv: the target KV (what is stored), ``[2, L, stored, D]`` on the model's device
+            (``None`` on a miss).
         compute_ms: the model's work (selection and recomputation), in milliseconds.
         recomputed_positions: the target positions whose KV was recomputed, ascending
             (the first-k repair's spans, or the tokens the selective repair chose).
-        retrieve_ms: the parts' retrieves and their placement; ``store_ms``: the store.
+        retrieve_ms: the parts' retrieves and their placement; ``store_ms``: the store
+            (0 while it runs in the background).
+        generation: with ``max_new_tokens > 0``, the target served from the composed KV
+            (:class:`Generation`; its ``retrieve_ms`` is the parts' retrieves); else
+            ``None``.
+        stored: with ``max_new_tokens > 0`` and every part hit, the target's store, still
+            running when the call returned: ``await stored`` gives ``stored_new`` or
+            raises the store's error (an error nobody awaits is logged); else ``None``.
     """
 
     result: ComposeResult
@@ -703,11 +722,26 @@ class ComposedPrompt:
     recomputed_positions: tuple[int, ...] = field(default=(), repr=False)
     retrieve_ms: float = 0.0
     store_ms: float = 0.0
+    generation: Generation | None = field(default=None, repr=False)
+    stored: asyncio.Future[bool] | None = field(default=None, repr=False)
 
 
 #: ``repair(plan, kv, tokens)``: the model's work on the composed KV (in place, on the
 #: model thread); returns the positions it recomputed.
 _Repair = Callable[["_compose.Plan", torch.Tensor, list[int]], list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Serve:
+    """What to generate from the composed KV (``max_new_tokens > 0``)."""
+
+    max_new_tokens: int
+    eos_token_id: int | None
+
+
+def _log_store_error(task: asyncio.Future[bool]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.warning("the composed target's background store failed: %r", exc)
 
 
 async def _compose_repair_store(
@@ -720,10 +754,12 @@ async def _compose_repair_store(
     timeout: float | DefaultType | None,
     repair: _Repair | None,
     check: Callable[[_compose.Plan], None] | None = None,
+    serve: _Serve | None = None,
 ) -> ComposedPrompt:
     """The composition around a repair: check (nothing sent; ``check`` on the plan, the
-    repair's own), retrieve and place the parts, run ``repair`` on the model thread,
-    store the result whole."""
+    repair's own), retrieve and place the parts on the model's device, run ``repair`` on
+    the model thread, store the result whole; with ``serve``, the target's tokens are
+    generated from the composed KV while the store runs (it is returned unfinished)."""
     geometry = geometry_from_model(model)
     check_geometry(client.geometry, geometry)
     if rope is None:
@@ -733,7 +769,8 @@ async def _compose_repair_store(
     if check is not None:
         check(the_plan)
     t0 = time.perf_counter()
-    kv = torch.empty(client.geometry.kv_shape(the_plan.stored), dtype=client.geometry.dtype)
+    device = _cuda_device(model)
+    kv = torch.empty(client.geometry.kv_shape(the_plan.stored), dtype=client.geometry.dtype, device=device)
     gathered = await _compose.gather(client, the_plan, deadline, kv)
     if not all(gathered.hits(the_plan)) or not the_plan.stored:
         return ComposedPrompt(_compose.result(the_plan, gathered, False), 0, None, 0.0)
@@ -743,17 +780,43 @@ async def _compose_repair_store(
     t1 = time.perf_counter()
     positions = await run_model(repair, the_plan, kv, toks) if repair is not None else []
     compute_ms = _ms(t1)
-    left = None if deadline is None else max(deadline - retrieve_s, 0.0)
+    left = None if deadline is None else max(deadline - (time.perf_counter() - t0), 0.0)
     t2 = time.perf_counter()
-    new = await client.store(kv, toks[: the_plan.stored], cache_salt, timeout=left)
+    store = asyncio.ensure_future(client.store(kv, toks[: the_plan.stored], cache_salt, timeout=left))
+    if serve is None:
+        new = await store
+        return ComposedPrompt(
+            _compose.result(the_plan, gathered, new),
+            len(positions),
+            kv,
+            compute_ms,
+            tuple(positions),
+            retrieve_s * 1000.0,
+            _ms(t2),
+        )
+    try:
+        gen = await run_model(
+            generate,
+            model,
+            toks,
+            max_new_tokens=serve.max_new_tokens,
+            prefix_kv=kv,
+            eos_token_id=serve.eos_token_id,
+        )
+    except BaseException:
+        store.cancel()  # a store cancelled cleanly stores all chunks or none
+        raise
+    store.add_done_callback(_log_store_error)
     return ComposedPrompt(
-        _compose.result(the_plan, gathered, new),
+        _compose.result(the_plan, gathered, False),
         len(positions),
         kv,
         compute_ms,
         tuple(positions),
         retrieve_s * 1000.0,
-        _ms(t2),
+        0.0,
+        replace(gen, retrieve_ms=retrieve_s * 1000.0),
+        store,
     )
 
 
@@ -765,10 +828,10 @@ def _recompute_at(model: Any, toks: list[int], kv: torch.Tensor, chosen: list[in
     geometry = geometry_from_model(model)
     device = _model_device(model)
     total = kv.shape[2]
-    pos = torch.tensor(chosen, dtype=torch.long)
-    is_chosen = torch.zeros(total, dtype=torch.bool)
+    pos = torch.tensor(chosen, dtype=torch.long, device=device)
+    is_chosen = torch.zeros(total, dtype=torch.bool, device=device)
     is_chosen[pos] = True
-    cached = torch.arange(total)
+    cached = torch.arange(total, device=device)
     allowed = torch.cat(
         [
             (cached.unsqueeze(0) < pos.unsqueeze(1)) & ~is_chosen.unsqueeze(0),  # composed, before
@@ -777,7 +840,7 @@ def _recompute_at(model: Any, toks: list[int], kv: torch.Tensor, chosen: list[in
         dim=1,
     )
     dtype = _model_dtype(model)
-    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     cache = kv_to_cache(kv, geometry, config=model.config, device=device)
     _forward(
@@ -789,9 +852,10 @@ def _recompute_at(model: Any, toks: list[int], kv: torch.Tensor, chosen: list[in
         attention_mask=mask.unsqueeze(0).unsqueeze(0),
     )
     n = len(chosen)
+    at = pos.to(kv.device)
     for i, (key, value) in enumerate(_cache_layers(cache)):  # only the recomputed tokens
-        kv[0, i, pos] = key[0, :, total:].transpose(0, 1).reshape(n, -1).to(kv.device)
-        kv[1, i, pos] = value[0, :, total:].transpose(0, 1).reshape(n, -1).to(kv.device)
+        kv[0, i, at] = key[0, :, total:].transpose(0, 1).reshape(n, -1).to(kv.device)
+        kv[1, i, at] = value[0, :, total:].transpose(0, 1).reshape(n, -1).to(kv.device)
 
 
 async def compose_and_repair(
@@ -803,6 +867,8 @@ async def compose_and_repair(
     recompute: int = 0,
     rope: RopeSpec | None = None,
     cache_salt: str = "",
+    max_new_tokens: int = 0,
+    eos_token_id: int | None = None,
     timeout: float | DefaultType | None = DEFAULT,
 ) -> ComposedPrompt:
     """Compose cached documents into ``target_tokens`` and repair their boundaries with
@@ -826,12 +892,23 @@ async def compose_and_repair(
         recompute: tokens recomputed at the start of each part after the first (>= 0).
         rope: the model's rotary embedding (default: ``RopeSpec.from_hf_config(model.config)``).
         cache_salt: the target's namespace and the parts' default.
+        max_new_tokens: with ``> 0``, also serve the target: its tokens after the stored
+            chunks run over the composed KV and ``max_new_tokens`` tokens are generated
+            greedily (:attr:`ComposedPrompt.generation`), while the target's store runs
+            beside them; the call returns without waiting for the store
+            (:attr:`ComposedPrompt.stored`). 0 (default): nothing is generated and the
+            call returns once the target is stored.
+        eos_token_id: stop generating after this token.
         timeout: one deadline for the retrieves and the store (default: the client's);
             the model's computation has none.
 
     Returns:
         A :class:`ComposedPrompt`. On a miss of any part nothing is computed or stored
         and ``result.missed`` names the parts.
+
+    Where it runs: on the model's device. With a model on a GPU the parts are retrieved
+    straight into GPU memory (the client's CUDA path), rotated and repaired there, and
+    the target is stored from there; the CPU is not a staging area.
 
     Raises:
         ValueError/TypeError: bad arguments, a client of another geometry than the
@@ -840,11 +917,16 @@ async def compose_and_repair(
 
     Cancellation/timeout: during the retrieves nothing is stored; a recomputation
     already running in the model thread finishes and is dropped; during the store, as
-    :meth:`AsyncClient.store`.
+    :meth:`AsyncClient.store`. With ``max_new_tokens``, a cancellation while the tokens
+    are generated cancels the store too (all chunks or none are stored); once returned,
+    the store is an operation of the client: ``aclose()`` waits for it (at most
+    ``cleanup_grace``) or cancels it, all chunks or none. Do not write to
+    :attr:`ComposedPrompt.kv` before ``stored`` is done.
     """
     toks = _prompt(target_tokens, model)
     if isinstance(recompute, bool) or not isinstance(recompute, int) or recompute < 0:
         raise ValueError(f"recompute must be an int >= 0, got {recompute!r}")
+    _check_new_tokens(max_new_tokens)
     geometry_from_model(model)  # a model without a KV geometry is refused before sending
 
     def repair(the_plan: _compose.Plan, kv: torch.Tensor, toks: list[int]) -> list[int]:
@@ -855,5 +937,13 @@ async def compose_and_repair(
         return chosen
 
     return await _compose_repair_store(
-        client, model, toks, parts, rope, cache_salt, timeout, repair if recompute else None
+        client,
+        model,
+        toks,
+        parts,
+        rope,
+        cache_salt,
+        timeout,
+        repair if recompute else None,
+        serve=_Serve(max_new_tokens, eos_token_id) if max_new_tokens else None,
     )

@@ -33,11 +33,13 @@ from lmcache_async._wire import validate_cache_salt
 from lmcache_async.hf import (
     ComposedPrompt,
     _cache_layers,
+    _check_new_tokens,
     _compose_repair_store,
     _forward,
     _model_device,
     _prompt,
     _recompute_at,
+    _Serve,
     _text_config,
     check_geometry,
     geometry_from_model,
@@ -320,12 +322,13 @@ def select_and_recompute(
         score = _query_attention(model, toks, kv, exact, layer)
     else:
         early = _layer_values(model, toks, kv, exact, total, layer).float()
-        score = (early - kv[1, layer, exact:total].float()).pow(2).sum(dim=1)  # [T - exact]
+        composed = kv[1, layer, exact:total].to(early.device).float()
+        score = (early - composed).pow(2).sum(dim=1)  # [T - exact]
     chosen: list[int] = []
     for a, b, c in counts:
         if c:
             top = torch.topk(score[a - exact : b - exact], c).indices
-            chosen.extend(int(i) + a for i in top)
+            chosen.extend(i + a for i in top.tolist())
     chosen.sort()
     _recompute_at(model, toks, kv, chosen)
     return chosen
@@ -342,6 +345,8 @@ async def compose_and_blend(
     select_layer: int | None = None,
     rope: RopeSpec | None = None,
     cache_salt: str = "",
+    max_new_tokens: int = 0,
+    eos_token_id: int | None = None,
     timeout: float | DefaultType | None = DEFAULT,
 ) -> ComposedPrompt:
     """Compose cached documents into ``target_tokens``, recompute the share of each
@@ -383,6 +388,10 @@ async def compose_and_blend(
             for ``"query"``).
         rope: the model's rotary embedding (default: ``RopeSpec.from_hf_config(model.config)``).
         cache_salt: the target's namespace and the parts' default.
+        max_new_tokens: with ``> 0``, also serve the target from the composed KV while
+            its store runs (as :func:`~lmcache_async.hf.compose_and_repair`:
+            :attr:`ComposedPrompt.generation`, :attr:`ComposedPrompt.stored`).
+        eos_token_id: stop generating after this token.
         timeout: one deadline for the retrieves and the store (default: the client's);
             the model's computation has none.
 
@@ -399,11 +408,14 @@ async def compose_and_blend(
 
     Cancellation/timeout: during the retrieves nothing is stored; the model's work
     already running in the model thread finishes and is dropped; during the store, as
-    :meth:`AsyncClient.store`.
+    :meth:`AsyncClient.store`; with ``max_new_tokens``, as
+    :func:`~lmcache_async.hf.compose_and_repair`. Runs on the model's device (a GPU
+    model: retrieves, rotation, selection and recomputation in GPU memory).
     """
     toks = _prompt(target_tokens, model)
     fraction = _check_fraction(recompute_fraction)
     selection = _check_selection(selection)
+    _check_new_tokens(max_new_tokens)
     n_layers = geometry_from_model(model).num_layers
     layer = _select_layer(selection, select_layer, n_layers)
     if fraction:
@@ -427,8 +439,9 @@ async def compose_and_blend(
             model, toks, kv, spans, fraction, select_layer=layer, exact=exact, selection=selection
         )
 
+    serve = _Serve(max_new_tokens, eos_token_id) if max_new_tokens else None
     return await _compose_repair_store(
-        client, model, toks, parts, rope, cache_salt, timeout, repair if fraction else None, check
+        client, model, toks, parts, rope, cache_salt, timeout, repair if fraction else None, check, serve
     )
 
 

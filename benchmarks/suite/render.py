@@ -154,6 +154,16 @@ class Plots:
         plot(data, self.img_dir / name)
         return f"![{name}](img/{name})\n\n"
 
+    def serving(self, name: str, data: dict[str, Any]) -> str:
+        """A cached prompt and composed documents against the full prefill (``bench_gpu_serving.py``)."""
+        if self.plt is None:
+            return ""
+        from benchmarks.suite.bench_gpu_serving import plot
+
+        img = name.removesuffix(".json") + ".png"
+        plot(data, self.img_dir / img)
+        return f"![{img}](img/{img})\n\n"
+
     def single(self, doc: dict[str, Any], name: str) -> str:
         if self.plt is None:
             return ""
@@ -839,8 +849,11 @@ class Page:
                 "`benchmarks/probes/bench_cuda.py` and their JSON dropped into `benchmarks/results/<version>/`.\n\n"
             )
         scaling = [(name, data) for name, data in docs if isinstance(data, dict) and "scaling" in data]
+        serving = [(name, data) for name, data in docs if isinstance(data, dict) and "prompts" in data]
+        for name, data in serving:
+            self.serving(name, data)
         for name, data in docs:
-            if (name, data) in scaling:
+            if (name, data) in scaling or (name, data) in serving:
                 continue
             self.add(f"### `{name}`\n\n")
             summary = cuda_summary(data)
@@ -851,6 +864,95 @@ class Page:
             self.add(cuda_scaling_summary(data))
             self.add(self.plots.cuda_scaling(data))
             self.notes("cuda_scaling")
+
+    def serving(self, name: str, data: dict[str, Any]) -> None:
+        """A ``bench_gpu_serving.py`` result: a cached prompt and composed documents
+        against the full prefill, with the targets of issue 41."""
+        card = data["card"]
+        self.add(f"\n### Serving from the cache against recomputing, {card} (`{name}`)\n\n")
+        self.add(serving_tables(data))
+        self.add(self.plots.serving(name, data))
+        prompts, compose = data.get("prompts", {}), data.get("compose", {})
+        worst = max((r["hf_over_limit"] for c, r in prompts.items() if int(c) >= 2048), default=None)
+        self.target(
+            f"GPU ({card}): a cached prompt through `hf` <= 1.15x the limit at every context from 2k",
+            "-" if worst is None else f"at most {worst:.2f}x",
+            None if worst is None else worst <= 1.15,
+        )
+        for ctx, key, bound, label in (
+            (8192, "deviation_15", 0.5, "15 % recomputed"),
+            (32768, "deviation_15", 0.35, "15 % recomputed"),
+            (8192, "plain", 0.3, "plain composition"),
+        ):
+            rows = [r for r in compose.values() if r["context"] == ctx and key in r]
+            got = max((r[key]["over_full"] for r in rows), default=None)
+            if key == "deviation_15":
+                got = max(
+                    (min(r[k]["over_full"] for k in ("deviation_15", "query_15") if k in r) for r in rows),
+                    default=None,
+                )
+            self.target(
+                f"GPU ({card}): composed prompt, {label}, <= {bound}x the full prefill at {ctx // 1024}k",
+                "-" if got is None else f"{got:.2f}x (worst of 4 and 8 documents)",
+                None if got is None else got <= bound,
+            )
+        self.notes("gpu_serving")
+
+
+def serving_tables(data: dict[str, Any]) -> str:
+    """The two tables of a ``bench_gpu_serving.py`` result (milliseconds to the first token)."""
+    meta = [[k, _cell(v)] for k, v in data.items() if not isinstance(v, (dict, list))]
+    out = [table(["field", "value"], meta) + "\n"]
+    rows = []
+    for ctx, r in sorted(data.get("prompts", {}).items(), key=lambda kv: int(kv[0])):
+        rows.append(
+            [
+                f"{int(ctx):,}",
+                f"{r['full']['median_ms']:.1f}",
+                f"**{r['hf']['median_ms']:.1f}**",
+                f"{r['raw']['median_ms']:.1f}",
+                f"{r['limit']['median_ms']:.1f}",
+                f"{r['hf_over_limit']:.2f}x",
+                f"{r['hf_over_full']:.2f}x",
+            ]
+        )
+    head = [
+        "cached tokens",
+        "full prefill",
+        "`hf.generate_with_cache`",
+        "`retrieve(out=cuda)` + tail",
+        "limit",
+        "hf / limit",
+        "hf / full",
+    ]
+    out.append(
+        "A prompt of the cached tokens plus 16 more; milliseconds to the first token (medians). "
+        "The limit is a pinned host-to-device copy of the same KV bytes plus the same tail.\n\n"
+    )
+    out.append(table(head, rows) + "\n")
+    compose = data.get("compose", {})
+    if compose:
+        cases = [
+            k
+            for k in next(iter(compose.values()))
+            if isinstance(next(iter(compose.values()))[k], dict) and k != "full"
+        ]
+        rows = []
+        for r in compose.values():
+            cells = [f"{r[k]['median_ms']:.0f} ({r[k]['over_full']:.2f}x)" for k in cases]
+            rows.append(
+                [f"{r['target_tokens']:,}", str(r["documents"]), f"{r['full']['median_ms']:.0f}", *cells]
+            )
+        out.append(
+            "Documents cached alone, composed in reverse order with a 16-token question after them, the "
+            "first token served from the composed KV while the target's store runs; milliseconds to the "
+            "first token (x the full prefill's). `plain`: `compose_and_repair(recompute=0)`; the others "
+            "`compose_and_blend` with that selection and percentage recomputed.\n\n"
+        )
+        out.append(
+            table(["target tokens", "documents", "full prefill", *[f"`{c}`" for c in cases]], rows) + "\n"
+        )
+    return "".join(out)
 
 
 #: The rows of a ``bench_cuda.py`` result, in the order shown: (label, store key, retrieve key).

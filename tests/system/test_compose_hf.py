@@ -21,6 +21,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -299,3 +301,113 @@ def test_query_selection_is_the_tails_top_attention_of_each_part() -> None:
         )
     with pytest.raises(ValueError, match=r"^selection must be one of 'deviation', 'query', got 'attention'$"):
         hf_blend.select_and_recompute(model, toks, kv.clone(), spans, 0.25, exact=CS, selection="attention")
+
+
+async def test_served_composition_generates_from_the_composed_kv_while_the_store_runs(
+    client_f32: AsyncClient,
+) -> None:
+    """``max_new_tokens``: the tokens are :func:`hf.generate` over the composed KV (the
+    same KV that is stored), and the store, returned unfinished, stores exactly it."""
+    model = model_of(torch.float32)
+    doc1, doc2 = text(20, 3 * CS), text(21, 2 * CS)
+    for t in (doc1, doc2):
+        await hf.prefill_and_store(client_f32, model, t)
+    question = text(22, 5)
+    target = doc2 + doc1 + question
+    parts = [KVPart(doc2, cache_salt=""), KVPart(doc1, cache_salt="")]
+    for blend in (False, True):
+        salt = f"served-{blend}-{fresh_tokens(1)[0]}"
+        if blend:
+            served = await hf_blend.compose_and_blend(
+                client_f32, model, target, parts, recompute_fraction=0.2, cache_salt=salt, max_new_tokens=4
+            )
+        else:
+            served = await hf.compose_and_repair(
+                client_f32, model, target, parts, recompute=3, cache_salt=salt, max_new_tokens=4
+            )
+        assert served.generation is not None and served.stored is not None and served.kv is not None
+        assert served.result.stored_tokens == 5 * CS and served.recomputed_tokens > 0
+        want = hf.generate(model, target, max_new_tokens=4, prefix_kv=served.kv)
+        assert served.generation.tokens == want.tokens
+        assert torch.equal(served.generation.logits, want.logits)
+        assert served.generation.reused_tokens == 5 * CS and served.generation.computed_tokens == 5
+        assert await served.stored is True
+        got = await client_f32.retrieve(target, salt)
+        assert got is not None and torch.equal(got, served.kv)
+
+
+async def test_served_composition_cancelled_while_generating_cancels_the_store(
+    client_f32: AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancellation while the tokens are generated cancels the store running beside
+    them: nothing is stored, and the client is left with nothing in flight."""
+    model = model_of(torch.float32)
+    doc = text(23, 4 * CS)
+    await hf.prefill_and_store(client_f32, model, doc)
+    target = doc + text(24, 3)
+    generating = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    real_generate, real_store = hf.generate, client_f32.store
+
+    def slow_generate(*args: Any, **kwargs: Any) -> Any:
+        loop.call_soon_threadsafe(generating.set)
+        time.sleep(0.2)
+        return real_generate(*args, **kwargs)
+
+    async def slow_store(*args: Any, **kwargs: Any) -> bool:
+        await asyncio.sleep(0.5)
+        return await real_store(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "generate", slow_generate)
+    monkeypatch.setattr(client_f32, "store", slow_store)
+    salt = "cancelled-while-generating"
+    task = asyncio.ensure_future(
+        hf.compose_and_repair(
+            client_f32, model, target, [KVPart(doc, cache_salt="")], cache_salt=salt, max_new_tokens=2
+        )
+    )
+    await generating.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.6)  # past the store's delay: a store not cancelled would run now
+    assert await client_f32.drain(timeout=10)
+    assert await client_f32.lookup(target, salt) == 0
+
+
+async def test_served_composition_store_is_finished_by_aclose(embedded_server_pickle: Any) -> None:
+    """The store returned unfinished is an operation of the client: ``aclose()`` waits
+    for it, and the target is stored whole."""
+    srv = embedded_server_pickle
+    model = model_of(torch.float32)
+    geometry = hf.geometry_from_model(model)
+    name = unique_model("hf-served")
+    doc = text(26, 4 * CS)
+    target = doc + text(27, 2)
+    async with AsyncClient(srv.url, srv.http_url, name, geometry=geometry, timeout=60) as c:
+        await hf.prefill_and_store(c, model, doc)
+        served = await hf.compose_and_repair(
+            c, model, target, [KVPart(doc, cache_salt="")], cache_salt="closed", max_new_tokens=1
+        )
+        assert served.stored is not None and served.kv is not None
+    assert served.stored.done() and served.stored.result() is True
+    async with AsyncClient(srv.url, srv.http_url, name, geometry=geometry, timeout=60) as c:
+        got = await c.retrieve(target, "closed")
+    assert got is not None and torch.equal(got, served.kv)
+
+
+async def test_served_composition_refuses_bad_max_new_tokens_before_sending(client_f32: AsyncClient) -> None:
+    model = model_of(torch.float32)
+    doc = text(25, CS)
+    for bad in (-1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0"):
+            await hf.compose_and_repair(client_f32, model, doc, [KVPart(doc)], max_new_tokens=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0"):
+            await hf_blend.compose_and_blend(
+                client_f32,
+                model,
+                doc,
+                [KVPart(doc)],
+                recompute_fraction=0.1,
+                max_new_tokens=bad,  # type: ignore[arg-type]
+            )
