@@ -43,7 +43,7 @@ from lmcache_async._event_stream import subscribe
 from lmcache_async._runner import cancel_and_wait
 from lmcache_async._wire import validate_cache_salt, validate_tokens
 from lmcache_async.client import AsyncClient, ClientOptions
-from lmcache_async.errors import ClientClosedError, LMCacheConnectionError, LMCacheError
+from lmcache_async.errors import ClientClosedError, LMCacheConnectionError, LMCacheError, LMCacheTimeoutError
 from lmcache_async.events import RemovedEvent, Resync, StoredEvent
 from lmcache_async.hashing import check_hash_algorithm, chunk_hashes
 
@@ -235,11 +235,28 @@ class Fleet:
     async def open(self) -> None:
         """Open every client (concurrently) and start following their events.
 
-        Raises: what ``AsyncClient.open`` raises (every client is closed again), or
-        ``ValueError`` when the servers' chunk sizes differ.
+        Every server must be up: a fleet does not start with one of them down (route
+        around a server that goes down later, which :meth:`best` does).
+
+        Raises:
+            LMCacheConnectionError: a server cannot be reached (or did not answer in
+                time); the message names it (``fleet server 1 (tcp://..., http://...)``)
+                and the client's error is its ``__cause__``.
+            ValueError: the servers' chunk sizes differ.
+            LMCacheError: what else ``AsyncClient.open`` raises, with a note naming the
+                server.
+
+        On any failure or cancellation, the opens still running are stopped and every
+        client is closed (and unregistered) before this returns.
         """
+        opens = [
+            asyncio.create_task(c.open(), name=f"lmcache-fleet-open {i}") for i, c in enumerate(self.clients)
+        ]
         try:
-            await asyncio.gather(*(c.open() for c in self.clients))
+            await asyncio.wait(opens, return_when=asyncio.FIRST_EXCEPTION)
+            for i, task in enumerate(opens):
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise self._open_error(i, task.exception())
             sizes = {c.chunk_size for c in self.clients}
             if len(sizes) != 1:
                 raise ValueError(f"the servers of a fleet need one chunk size, got {sorted(sizes)}")
@@ -247,13 +264,32 @@ class Fleet:
             for c in self.clients:
                 check_hash_algorithm(c.hash_algorithm, c.http_url)
         except BaseException:
+            # aclose() of a client still opening stops its open and waits for it.
             await self.aclose()
+            await asyncio.wait(opens)
+            for task in opens:  # retrieved: none is left "never retrieved"
+                if not task.cancelled():
+                    task.exception()
             raise
         if self._events:
             self._followers = [
                 asyncio.create_task(self._follow(i), name=f"lmcache-fleet-events {i}")
                 for i in range(len(self.clients))
             ]
+
+    def _open_error(self, server: int, exc: BaseException | None) -> BaseException:
+        """The error :meth:`open` raises for ``server``'s failed open, naming it."""
+        assert exc is not None
+        c = self.clients[server]
+        where = f"fleet server {server} ({c.url}, {c.http_url})"
+        if isinstance(exc, LMCacheConnectionError | LMCacheTimeoutError):
+            err = LMCacheConnectionError(
+                f"{where} cannot be opened, and a Fleet opens only with every server up: {exc}"
+            )
+            err.__cause__ = exc
+            return err
+        exc.add_note(f"while opening {where}")
+        return exc
 
     async def aclose(self) -> None:
         """Stop following events and close every client."""
