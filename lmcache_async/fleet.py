@@ -14,7 +14,8 @@
 
 :meth:`Fleet.best` returns the server with the longest cached prefix, ties broken by
 load (requests the fleet routed there and still in flight, plus the client's own
-operations in flight); a server that is down is never chosen. :meth:`Fleet.retrieve`,
+operations in flight), then by a rendezvous hash of the prompt (so that prompts nobody
+holds spread evenly over the servers); a server that is down is never chosen. :meth:`Fleet.retrieve`,
 :meth:`Fleet.lookup` and :meth:`Fleet.remap_many` go to the chosen server.
 
 Memory is bounded: the index keeps at most ``max_chunks`` chunk entries (default one
@@ -28,6 +29,7 @@ has its bit cleared from every entry (one pass over the index), then is learned 
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import itertools
@@ -35,8 +37,9 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, Unpack
+from typing import Any, Final, Generic, TypeVar, Unpack
 
+import blake3
 import torch
 
 from lmcache_async._event_stream import subscribe
@@ -59,6 +62,28 @@ MAX_SERVERS = 62
 
 def _key(h: bytes) -> int:
     return int.from_bytes(h[:8], "big")
+
+
+_MASK64: Final = (1 << 64) - 1
+
+
+def _prompt_key(hashes: Sequence[bytes], toks: Sequence[int]) -> int:
+    """A 64-bit key of the prompt for breaking ties: its first chunk's hash (prompts
+    sharing a first chunk tie-break alike), or for a prompt shorter than a chunk a hash
+    of its tokens."""
+    if hashes:
+        return _key(hashes[0])
+    return int.from_bytes(blake3.blake3(array.array("I", toks).tobytes()).digest()[:8], "big")
+
+
+def _rank(key: int, server: int) -> int:
+    """Rendezvous rank of ``server`` for a prompt ``key`` (the lowest wins a tie): a
+    splitmix64 of both, so each server wins about an equal share of the prompts and a
+    server that goes down moves only its own share."""
+    z = (key ^ ((server + 1) * 0x9E3779B97F4A7C15)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 class PrefixIndex:
@@ -342,7 +367,11 @@ class Fleet:
 
     async def best(self, tokens: Sequence[int], cache_salt: str = "", *, fanout: str | None = None) -> Route:
         """The server holding the longest cached prefix of ``tokens`` (ties: the least
-        loaded, then the lowest number); with nothing cached anywhere, the least loaded.
+        loaded, then a rank computed from the prompt); with nothing cached anywhere, the
+        least loaded, then that rank. The rank (a rendezvous hash of the prompt's first
+        chunk hash, or of a shorter prompt's tokens, and the server number) spreads
+        prompts nobody holds evenly over the servers, the same prompt always to the
+        same server while the servers up are the same.
 
         ``fanout`` (default: the fleet's): ``"always"`` asks every server that is up
         (``lookup``, concurrently) and records the answers; ``"auto"`` does so only when
@@ -370,7 +399,8 @@ class Fleet:
             source = "lookup"
             depth = await self._fan_out(toks, hashes, cache_salt, up)
         servers = [i for i in range(len(self.clients)) if up >> i & 1]
-        chosen = min(servers, key=lambda i: (-depth.get(i, 0), self.load(i), i))
+        spread = _prompt_key(hashes, toks)
+        chosen = min(servers, key=lambda i: (-depth.get(i, 0), self.load(i), _rank(spread, i)))
         return Route(chosen, self.clients[chosen], depth.get(chosen, 0) * self._cs, self.load(chosen), source)
 
     async def _fan_out(
@@ -427,11 +457,19 @@ class Fleet:
         **kw: Any,
     ) -> Routed[bool]:
         """Store on ``server`` (default: the best server for ``tokens``: the one
-        already holding most of the prefix, else the least loaded) and record the
-        stored chunks in the index (the server publishes no event for it)."""
+        already holding most of the prefix, else the least loaded, ties spread by the
+        prompt as in :meth:`best`) and record the stored chunks in the index (the
+        server publishes no event for it).
+
+        Raises:
+            TypeError: ``server`` is not an int (a bool is refused too).
+            ValueError: ``server`` is not a server's number. Both before anything is sent.
+        """
         if server is None:
             route = await self.best(tokens, cache_salt, fanout="never")
         else:
+            if isinstance(server, bool) or not isinstance(server, int):
+                raise TypeError(f"server must be an int or None, got {type(server).__name__}")
             if not 0 <= server < len(self.clients):
                 raise ValueError(f"server must be in 0..{len(self.clients) - 1}, got {server!r}")
             route = Route(server, self.clients[server], 0, self.load(server), "given")
