@@ -40,7 +40,9 @@ embedded server serves too; such a registration does not appear in ``/status``
 Commands (request -> reply, besides ``ok``/``id``):
 
 * ``register`` {url, model_name, num_layers, num_kv_heads, head_dim, block_size,
-  num_blocks, dtype ("bfloat16"...), timeout=30, seed=0, transfer_mode="lmcache_driven"}
+  num_blocks, dtype ("bfloat16"...), timeout=30, seed=0, transfer_mode="lmcache_driven",
+  engine_groups=None (the layer indices of each KV cache group: several for a hybrid
+  model; default one group of every layer)}
   -> {instance_id, chunk_size, blocks_in_chunk, kv_shape, layer_names, kv_segments,
   transfer}  (``transfer``: the class name of lmcache's transfer context)
 * ``store`` {tokens, kv_file, cache_salt="", timeout, wait_visible=true,
@@ -249,6 +251,10 @@ class Engine:
             raise ValueError("geometry values must be positive")
         if self.num_blocks < 2:
             raise ValueError("num_blocks must be >= 2 (block 0 is the null block)")
+        # vLLM's KV cache groups: one of every layer, or (a hybrid model) several.
+        engine_groups = req.get("engine_groups") or [list(range(self.num_layers))]
+        if sorted(i for g in engine_groups for i in g) != list(range(self.num_layers)):
+            raise ValueError(f"engine_groups must partition the layers 0..{self.num_layers - 1}")
 
         self.zmq_ctx = zmq.Context()
         self.req_client = RequestClientFactory.create(str(req["url"]), context=self.zmq_ctx)
@@ -285,10 +291,11 @@ class Engine:
                 layout_hints={"kv_layout": "NHD"},
                 engine_group_infos=[
                     EngineGroupInfo(
-                        engine_group_id=0,
-                        layer_indices=tuple(range(self.num_layers)),
+                        engine_group_id=group_id,
+                        layer_indices=tuple(layers),
                         tokens_per_block=self.block_size,
                     )
+                    for group_id, layers in enumerate(engine_groups)
                 ],
                 engine_type=EngineType.VLLM,
             )

@@ -379,6 +379,7 @@ class EngineWorker(_JsonLinesWorker):
         *,
         seed: int = 0,
         transfer_mode: str = "lmcache_driven",
+        engine_groups: Sequence[Sequence[int]] | None = None,
         timeout: float | None = None,
     ) -> dict[str, Any]:
         """Register ``num_layers`` x ``[2, num_blocks, block_size, NH, HS]``.
@@ -386,6 +387,11 @@ class EngineWorker(_JsonLinesWorker):
         ``transfer_mode``: ``"lmcache_driven"`` (vLLM's GPU path; real servers only)
         or ``"engine_driven"`` (lmcache's worker path for non-CUDA devices: it moves
         the chunks itself with prepare/commit, which the embedded server serves too).
+
+        ``engine_groups``: the layer indices of each of vLLM's KV cache groups, as a hybrid
+        model registers them (e.g. ``[[0, 1], [2, 3]]``); default: one group of every
+        layer. Only registration is meant with several groups (store and retrieve speak
+        one group's block ids).
 
         Returns the worker's reply (instance_id, chunk_size, blocks_in_chunk,
         kv_shape, layer_names, kv_segments, transfer).
@@ -403,6 +409,7 @@ class EngineWorker(_JsonLinesWorker):
             dtype=_dtype_name(dtype),
             seed=seed,
             transfer_mode=transfer_mode,
+            engine_groups=None if engine_groups is None else [list(g) for g in engine_groups],
         )
         self.registration = reply
         return reply

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
         ForkedClientError as ForkedClientError,
         ForkedSyncClientError as ForkedSyncClientError,
         HTTPStatusError as HTTPStatusError,
+        HybridLayoutError as HybridLayoutError,
         KVEventsDisabledError as KVEventsDisabledError,
         LayoutMismatchError as LayoutMismatchError,
         LMCacheConnectionError as LMCacheConnectionError,

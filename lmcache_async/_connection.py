@@ -379,6 +379,7 @@ class Connection:
                 refused the connection ("refused", within about :data:`REFUSED_WAIT_S`
                 seconds), or no connection was made in time. The socket, its monitor and
                 the ZMQ context are closed again.
+            ClientClosedError: :meth:`close` ran meanwhile (nothing is left open).
 
         Cancellation: the socket, its monitor and the context are closed again.
         """
@@ -386,6 +387,8 @@ class Connection:
         self._first_connect = asyncio.Event()
         self.reconnected = asyncio.Event()
         await self._resolve(timeout)
+        if self._closed:  # close() ran while the host was resolved: make nothing
+            raise ClientClosedError(f"cannot connect to {self.url}: the connection was closed")
         ctx = process_context()
         sock: zmq.Socket[Any] | None = None
         monitor: zmq.Socket[Any] | None = None
@@ -461,6 +464,8 @@ class Connection:
         limit = CONNECT_WAIT_S if timeout is None else min(timeout, CONNECT_WAIT_S)
         start = time.monotonic()
         while not self._first_connect.is_set():
+            if self._closed:
+                raise ClientClosedError(f"cannot connect to {self.url}: the connection was closed")
             waited = time.monotonic() - start
             if self._refused and waited >= min(REFUSED_WAIT_S, limit):
                 raise LMCacheConnectionError(
@@ -883,6 +888,7 @@ class Connection:
                     f"after {limit:.1f}s (nothing was sent)"
                 )
             await asyncio.sleep(0.001)
+            self._check_sendable(op)  # close() may have run meanwhile
             if self._send(frames, op):
                 return
 

@@ -162,6 +162,9 @@ class Session:
         self.config = ServerConfig()
         self.instance_id = secrets.randbits(63)
         self.registered_id: int | None = None  # the id the server knows this client by
+        #: The id of a register request sent whose reply has not been read (cancelled or
+        #: failed mid-call): the server may know it, so closing unregisters it too.
+        self._register_unanswered: int | None = None
         self.pool_identity: tuple[str, int] = ("", 0)  # (shm name, pool size) registered with
         self.retired_ids: list[int] = []
         self.pool: ShmPool | None = None
@@ -310,9 +313,11 @@ class Session:
         """
         payload = self._register_payload()
         generation = self.conn.generation
+        self._register_unanswered = payload.instance_id
         reply = await self.conn.call(Op.REGISTER_ENGINE_DRIVEN, (payload.to_wire(),), timeout=timeout)
         shm_name, pool_size = parse_register_response(reply.value())
         self.registered_id = payload.instance_id
+        self._register_unanswered = None
         self.pool_identity = (shm_name, pool_size)
         expected = self.config.expected_pool
         if expected is not None and expected != (shm_name, pool_size):
@@ -541,6 +546,10 @@ class Session:
 
     # ------------------------------------------------------------------ closing
 
+    def _maybe_registered(self) -> bool:
+        """Whether the server may know this client under its current id."""
+        return self.instance_id in (self.registered_id, self._register_unanswered)
+
     async def close(self, *, unregister: bool) -> None:
         """Stop the server watch and the keep-alive, unregister (when asked, registered
         under the current id and connected; at most :data:`UNREGISTER_TIMEOUT` seconds),
@@ -554,8 +563,7 @@ class Session:
                 await cancel_and_wait(self.watch_task, "the server watch")
             if self.keepalive is not None:
                 await cancel_and_wait(self.keepalive, "the keep-alive")
-            registered = self.registered_id is not None and self.registered_id == self.instance_id
-            if unregister and registered and self.conn.usable:
+            if unregister and self._maybe_registered() and self.conn.usable:
                 with contextlib.suppress(LMCacheError):
                     await self.conn.call(
                         Op.UNREGISTER_ENGINE_DRIVEN, (self.instance_id,), timeout=UNREGISTER_TIMEOUT
@@ -584,8 +592,11 @@ class Session:
             for task in (self.keepalive, self.watch_task):
                 if task is not None:
                     task.cancel()
-        registered = self.registered_id is not None and self.registered_id == self.instance_id
-        farewell = (Op.UNREGISTER_ENGINE_DRIVEN, (self.instance_id,)) if unregister and registered else None
+        farewell = (
+            (Op.UNREGISTER_ENGINE_DRIVEN, (self.instance_id,))
+            if unregister and self._maybe_registered()
+            else None
+        )
         pool, self.pool = self.pool, None
         try:
             if pool is not None:

@@ -204,6 +204,10 @@ class AsyncClient(core.ClientCore):
         self._ops: set[asyncio.Future[Any]] = set()  # operation tasks and cleanup replies
         self._posted: set[asyncio.Future[Any]] = set()  # cleanup replies awaited in the background
         self._closed_event: asyncio.Event | None = None
+        #: The task running the session's open steps, while open() runs.
+        self._opening: asyncio.Task[None] | None = None
+        #: aclose() was called while open() ran.
+        self._close_asked = False
         #: Releases the socket of a client collected while open (made by open()).
         self._finalizer: weakref.finalize[Any, Any] | None = None
         # The session holds this client's tracking weakly: its background tasks must not
@@ -312,19 +316,40 @@ class AsyncClient(core.ClientCore):
             LMCacheConnectionError: an endpoint is unreachable.
             LMCacheTimeoutError: the server did not answer within ``timeout``.
             ModelNotRegisteredError: no geometry given and ``/status`` lacks the model.
+            HybridLayoutError: no geometry given and the model's registration has
+                several KV groups (a hybrid model).
             ServerError: the server does not serve engine-driven transfers, or its two
                 endpoints are not one server.
             TransferError: ``transfer="shm"`` but SHM is unusable.
+            ClientClosedError: :meth:`aclose` was called before or while this ran.
 
-        Cancellation or failure closes whatever was opened.
+        Failure closes whatever was opened (a registration made is undone). Cancellation
+        of the caller: ``CancelledError`` propagates once socket and session are closed
+        (the unregister is skipped, as in :meth:`aclose`). :meth:`aclose` called while
+        this runs stops it at once: this raises ``ClientClosedError`` once everything it
+        opened is closed and unregistered, and that ``aclose()`` returns then.
         """
         if self._state is not _Lifecycle.NEW:
+            if self._state in (_Lifecycle.CLOSING, _Lifecycle.CLOSED):
+                raise ClientClosedError(f"open() on a client that is {self._state.value}")
             raise ClientStateError(f"open() on a client that is {self._state.value}")
         self._state = _Lifecycle.OPENING
         self._loop = asyncio.get_running_loop()
+        self._closed_event = asyncio.Event()
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        # The steps run in a task of their own, which aclose() can cancel without
+        # cancelling the caller's task (whose CancelledError would then be a lie).
+        opening = asyncio.create_task(
+            self._session.open(lambda: _remaining(deadline)), name=f"lmcache-open {self.url}"
+        )
+        self._opening = opening
         try:
-            deadline = None if self.timeout is None else time.monotonic() + self.timeout
-            await self._session.open(lambda: _remaining(deadline))
+            try:
+                await opening
+            finally:
+                self._opening = None
+            if self._close_asked:
+                raise ClientClosedError("the client was closed while it was opening")
             self._finalizer = weakref.finalize(
                 self,
                 core.collected_open,
@@ -334,9 +359,15 @@ class AsyncClient(core.ClientCore):
                 self._pid,
             )
             self._state = _Lifecycle.OPEN
-        except BaseException:
+        except BaseException as exc:
+            task = asyncio.current_task()
+            caller_cancelled = isinstance(exc, asyncio.CancelledError) and (
+                task is None or task.cancelling() > 0
+            )
             self._state = _Lifecycle.CLOSING
-            await self._shutdown(unregister=False)
+            await self._shutdown(unregister=not caller_cancelled)
+            if self._close_asked and not caller_cancelled and not isinstance(exc, ClientClosedError):
+                raise ClientClosedError("the client was closed while it was opening") from exc
             raise
 
     async def aclose(self) -> None:
@@ -348,6 +379,9 @@ class AsyncClient(core.ClientCore):
         retired rather than unregistered: a cancelled store may hold reserved slots that
         unregistering would admit); the keep-alive task's end; the ``unregister`` reply,
         at most :data:`~lmcache_async._session.UNREGISTER_TIMEOUT` seconds (skipped while disconnected).
+
+        Called while :meth:`open` runs, it stops the open (which raises
+        ``ClientClosedError``) and returns once the open has closed what it opened.
 
         Idempotent; a call while another ``aclose()`` runs waits for that one. In a
         process forked from the one that opened the client it only drops the inherited
@@ -365,7 +399,12 @@ class AsyncClient(core.ClientCore):
         if self._loop is not None and asyncio.get_running_loop() is not self._loop:
             await self._close_from_another_loop(self._loop)
             return
-        if self._state is _Lifecycle.CLOSING:
+        if self._state is _Lifecycle.OPENING:
+            # open() closes what it opened and raises ClientClosedError; wait for that.
+            self._close_asked = True
+            if self._opening is not None:
+                self._opening.cancel()
+        if self._state in (_Lifecycle.OPENING, _Lifecycle.CLOSING):
             assert self._closed_event is not None
             await self._closed_event.wait()
             return

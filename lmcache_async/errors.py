@@ -18,6 +18,7 @@ Where callers already catch a builtin, the error also derives from it::
      |    +-- ClientClosedError                              (see above)
      +-- ServerError                                         the server answered, but not as promised
      |    +-- ModelNotRegisteredError (also LookupError)     /status has no such model
+     |    +-- HybridLayoutError                              the model's registration has several KV groups
      |    +-- ProtocolError                                  a malformed or hostile reply
      |    |    +-- UnsafePayloadError                        a pickle reply that is not plain tensors
      |    |    +-- LayoutMismatchError                       KV of another geometry under the model
@@ -54,6 +55,7 @@ __all__ = [
     "ForkedClientError",
     "ForkedSyncClientError",
     "HTTPStatusError",
+    "HybridLayoutError",
     "KVEventsDisabledError",
     "LMCacheConnectionError",
     "LMCacheError",
@@ -215,6 +217,29 @@ class ModelNotRegisteredError(ServerError, LookupError):
         super().__init__(
             f"model {model_name!r} is not registered on the server (registered: {known}); "
             "start the inference engine first or pass geometry=KVGeometry(...) to connect()"
+        )
+
+
+class HybridLayoutError(ServerError):
+    """The model's registration in ``/status`` has several KV groups (a hybrid model: vLLM
+    registers one group per kind of layer when a model mixes full attention with
+    sliding-window or Mamba layers), which no single :class:`~lmcache_async.KVGeometry`
+    describes; the client does not guess one.
+
+    Attributes:
+        model_name: the model asked for.
+        groups: one description per group, as the message shows them (its layers, the
+            engine's KV format and shape, its tokens per block).
+    """
+
+    def __init__(self, model_name: str, groups: list[str]) -> None:
+        self.model_name = model_name
+        self.groups = list(groups)
+        super().__init__(
+            f"model {model_name!r} is registered with {len(groups)} KV groups (a hybrid model, e.g. "
+            f"attention mixed with sliding-window or Mamba layers): {'; '.join(groups)}. "
+            "lmcache_async reads and writes models whose KV is one group, which one KVGeometry "
+            "describes; it does not guess a geometry for this one"
         )
 
 

@@ -14,7 +14,8 @@
 
 :meth:`Fleet.best` returns the server with the longest cached prefix, ties broken by
 load (requests the fleet routed there and still in flight, plus the client's own
-operations in flight); a server that is down is never chosen. :meth:`Fleet.retrieve`,
+operations in flight), then by a rendezvous hash of the prompt (so that prompts nobody
+holds spread evenly over the servers); a server that is down is never chosen. :meth:`Fleet.retrieve`,
 :meth:`Fleet.lookup` and :meth:`Fleet.remap_many` go to the chosen server.
 
 Memory is bounded: the index keeps at most ``max_chunks`` chunk entries (default one
@@ -28,6 +29,7 @@ has its bit cleared from every entry (one pass over the index), then is learned 
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import itertools
@@ -35,15 +37,16 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, Unpack
+from typing import Any, Final, Generic, TypeVar, Unpack
 
+import blake3
 import torch
 
 from lmcache_async._event_stream import subscribe
 from lmcache_async._runner import cancel_and_wait
 from lmcache_async._wire import validate_cache_salt, validate_tokens
 from lmcache_async.client import AsyncClient, ClientOptions
-from lmcache_async.errors import ClientClosedError, LMCacheConnectionError, LMCacheError
+from lmcache_async.errors import ClientClosedError, LMCacheConnectionError, LMCacheError, LMCacheTimeoutError
 from lmcache_async.events import RemovedEvent, Resync, StoredEvent
 from lmcache_async.hashing import check_hash_algorithm, chunk_hashes
 
@@ -59,6 +62,28 @@ MAX_SERVERS = 62
 
 def _key(h: bytes) -> int:
     return int.from_bytes(h[:8], "big")
+
+
+_MASK64: Final = (1 << 64) - 1
+
+
+def _prompt_key(hashes: Sequence[bytes], toks: Sequence[int]) -> int:
+    """A 64-bit key of the prompt for breaking ties: its first chunk's hash (prompts
+    sharing a first chunk tie-break alike), or for a prompt shorter than a chunk a hash
+    of its tokens."""
+    if hashes:
+        return _key(hashes[0])
+    return int.from_bytes(blake3.blake3(array.array("I", toks).tobytes()).digest()[:8], "big")
+
+
+def _rank(key: int, server: int) -> int:
+    """Rendezvous rank of ``server`` for a prompt ``key`` (the lowest wins a tie): a
+    splitmix64 of both, so each server wins about an equal share of the prompts and a
+    server that goes down moves only its own share."""
+    z = (key ^ ((server + 1) * 0x9E3779B97F4A7C15)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 class PrefixIndex:
@@ -235,11 +260,28 @@ class Fleet:
     async def open(self) -> None:
         """Open every client (concurrently) and start following their events.
 
-        Raises: what ``AsyncClient.open`` raises (every client is closed again), or
-        ``ValueError`` when the servers' chunk sizes differ.
+        Every server must be up: a fleet does not start with one of them down (route
+        around a server that goes down later, which :meth:`best` does).
+
+        Raises:
+            LMCacheConnectionError: a server cannot be reached (or did not answer in
+                time); the message names it (``fleet server 1 (tcp://..., http://...)``)
+                and the client's error is its ``__cause__``.
+            ValueError: the servers' chunk sizes differ.
+            LMCacheError: what else ``AsyncClient.open`` raises, with a note naming the
+                server.
+
+        On any failure or cancellation, the opens still running are stopped and every
+        client is closed (and unregistered) before this returns.
         """
+        opens = [
+            asyncio.create_task(c.open(), name=f"lmcache-fleet-open {i}") for i, c in enumerate(self.clients)
+        ]
         try:
-            await asyncio.gather(*(c.open() for c in self.clients))
+            await asyncio.wait(opens, return_when=asyncio.FIRST_EXCEPTION)
+            for i, task in enumerate(opens):
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise self._open_error(i, task.exception())
             sizes = {c.chunk_size for c in self.clients}
             if len(sizes) != 1:
                 raise ValueError(f"the servers of a fleet need one chunk size, got {sorted(sizes)}")
@@ -247,13 +289,32 @@ class Fleet:
             for c in self.clients:
                 check_hash_algorithm(c.hash_algorithm, c.http_url)
         except BaseException:
+            # aclose() of a client still opening stops its open and waits for it.
             await self.aclose()
+            await asyncio.wait(opens)
+            for task in opens:  # retrieved: none is left "never retrieved"
+                if not task.cancelled():
+                    task.exception()
             raise
         if self._events:
             self._followers = [
                 asyncio.create_task(self._follow(i), name=f"lmcache-fleet-events {i}")
                 for i in range(len(self.clients))
             ]
+
+    def _open_error(self, server: int, exc: BaseException | None) -> BaseException:
+        """The error :meth:`open` raises for ``server``'s failed open, naming it."""
+        assert exc is not None
+        c = self.clients[server]
+        where = f"fleet server {server} ({c.url}, {c.http_url})"
+        if isinstance(exc, LMCacheConnectionError | LMCacheTimeoutError):
+            err = LMCacheConnectionError(
+                f"{where} cannot be opened, and a Fleet opens only with every server up: {exc}"
+            )
+            err.__cause__ = exc
+            return err
+        exc.add_note(f"while opening {where}")
+        return exc
 
     async def aclose(self) -> None:
         """Stop following events and close every client."""
@@ -306,7 +367,11 @@ class Fleet:
 
     async def best(self, tokens: Sequence[int], cache_salt: str = "", *, fanout: str | None = None) -> Route:
         """The server holding the longest cached prefix of ``tokens`` (ties: the least
-        loaded, then the lowest number); with nothing cached anywhere, the least loaded.
+        loaded, then a rank computed from the prompt); with nothing cached anywhere, the
+        least loaded, then that rank. The rank (a rendezvous hash of the prompt's first
+        chunk hash, or of a shorter prompt's tokens, and the server number) spreads
+        prompts nobody holds evenly over the servers, the same prompt always to the
+        same server while the servers up are the same.
 
         ``fanout`` (default: the fleet's): ``"always"`` asks every server that is up
         (``lookup``, concurrently) and records the answers; ``"auto"`` does so only when
@@ -334,7 +399,8 @@ class Fleet:
             source = "lookup"
             depth = await self._fan_out(toks, hashes, cache_salt, up)
         servers = [i for i in range(len(self.clients)) if up >> i & 1]
-        chosen = min(servers, key=lambda i: (-depth.get(i, 0), self.load(i), i))
+        spread = _prompt_key(hashes, toks)
+        chosen = min(servers, key=lambda i: (-depth.get(i, 0), self.load(i), _rank(spread, i)))
         return Route(chosen, self.clients[chosen], depth.get(chosen, 0) * self._cs, self.load(chosen), source)
 
     async def _fan_out(
@@ -391,11 +457,19 @@ class Fleet:
         **kw: Any,
     ) -> Routed[bool]:
         """Store on ``server`` (default: the best server for ``tokens``: the one
-        already holding most of the prefix, else the least loaded) and record the
-        stored chunks in the index (the server publishes no event for it)."""
+        already holding most of the prefix, else the least loaded, ties spread by the
+        prompt as in :meth:`best`) and record the stored chunks in the index (the
+        server publishes no event for it).
+
+        Raises:
+            TypeError: ``server`` is not an int (a bool is refused too).
+            ValueError: ``server`` is not a server's number. Both before anything is sent.
+        """
         if server is None:
             route = await self.best(tokens, cache_salt, fanout="never")
         else:
+            if isinstance(server, bool) or not isinstance(server, int):
+                raise TypeError(f"server must be an int or None, got {type(server).__name__}")
             if not 0 <= server < len(self.clients):
                 raise ValueError(f"server must be in 0..{len(self.clients) - 1}, got {server!r}")
             route = Route(server, self.clients[server], 0, self.load(server), "given")

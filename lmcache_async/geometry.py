@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import torch
 
-from lmcache_async.errors import ModelNotRegisteredError, ProtocolError
+from lmcache_async.errors import HybridLayoutError, ModelNotRegisteredError, ProtocolError
 
 __all__ = ["MAX_CHUNK_BYTES", "KVGeometry", "check_server_geometry", "dtype_from_name", "dtype_name"]
 
@@ -84,6 +84,44 @@ def check_server_geometry(geometry: KVGeometry, chunk_size: int) -> None:
             f"/status describes an absurd KV geometry ({geometry}): one chunk of {chunk_size} tokens "
             f"would be {nbytes} bytes, more than {MAX_CHUNK_BYTES} (64 GiB); pass geometry= explicitly"
         )
+
+
+#: Groups a :class:`~lmcache_async.errors.HybridLayoutError` describes (the rest are counted).
+_MAX_GROUPS_SHOWN: Final = 8
+
+
+def _text(value: object, limit: int = 60) -> str:
+    """``value`` as text of at most ``limit`` characters (it comes from the server)."""
+    text = str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _layers(value: object) -> str:
+    """Layer indices as ranges: ``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    if not isinstance(value, list) or not all(type(i) is int for i in value):
+        return _text(value)
+    runs: list[str] = []
+    for i in value:
+        if runs and runs[-1].split("-")[-1] == str(i - 1):
+            runs[-1] = f"{runs[-1].split('-')[0]}-{i}"
+        else:
+            runs.append(str(i))
+    return _text(", ".join(runs))
+
+
+def _describe_groups(groups: list[Any]) -> list[str]:
+    """One line per kernel group of a ``/status`` layout (hostile values truncated)."""
+    out = []
+    for i, group in enumerate(groups[:_MAX_GROUPS_SHOWN]):
+        g = group if isinstance(group, Mapping) else {}
+        out.append(
+            f"group {i}: layers {_layers(g.get('layer_indices'))} "
+            f"({_text(g.get('engine_kv_format'))}, {_text(g.get('engine_kv_concrete_shape'))}, "
+            f"{_text(g.get('tokens_per_block'))} tokens per block)"
+        )
+    if len(groups) > _MAX_GROUPS_SHOWN:
+        out.append(f"and {len(groups) - _MAX_GROUPS_SHOWN} more")
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +189,9 @@ class KVGeometry:
 
         Raises:
             ModelNotRegisteredError: no ``cache_context_meta`` entry names the model.
-            ProtocolError: the entry cannot be decoded (e.g. a hybrid model with several
-                kernel groups, or a layout format this client does not support).
+            HybridLayoutError: the model's entry has several KV (kernel) groups.
+            ProtocolError: the entry cannot be decoded (e.g. a layout format this client
+                does not support).
         """
         meta = status.get("cache_context_meta") or {}
         if not isinstance(meta, Mapping):
@@ -166,12 +205,19 @@ class KVGeometry:
 
     @classmethod
     def from_context_meta(cls, entry: Mapping[str, Any]) -> KVGeometry:
-        """Decode one ``cache_context_meta`` entry (see the module docstring)."""
+        """Decode one ``cache_context_meta`` entry (see the module docstring).
+
+        Raises:
+            HybridLayoutError: the entry has several KV (kernel) groups.
+            ProtocolError: the entry cannot be decoded.
+        """
         try:
             layout = entry["kv_cache_layout"]
             groups = layout["kernel_groups"]
+            if not isinstance(groups, list) or not groups:
+                raise ProtocolError(f"kernel_groups is not a non-empty list: {str(groups)[:80]!r}")
             if len(groups) != 1:
-                raise ProtocolError(f"{len(groups)} kernel groups (hybrid model); pass geometry= explicitly")
+                raise HybridLayoutError(_text(entry.get("model_name"), 200), _describe_groups(groups))
             group = groups[0]
             fmt = str(group["engine_kv_format"])
             if fmt not in _FORMATS:
@@ -197,7 +243,7 @@ class KVGeometry:
                 use_mla=single,
                 world_size=int(entry.get("world_size", 1)),
             )
-        except ProtocolError:
+        except (ProtocolError, HybridLayoutError):
             raise
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise ProtocolError(f"cannot decode cache_context_meta entry: {exc!r}") from exc

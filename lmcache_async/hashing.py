@@ -88,11 +88,14 @@ def chunk_hashes(
     Raises:
         UnsupportedHashAlgorithmError: the client's server hashes with another algorithm.
         ClientStateError: the client is not open.
-        TypeError/ValueError: bad tokens, a chunk size below 1, or unaligned bounds.
+        TypeError/ValueError: bad tokens. ValueError: a chunk size that is not an int
+            >= 1 (a bool, float, str or ``None`` included) nor a client, or unaligned
+            bounds.
     """
     from lmcache_async._wire import validate_tokens
 
-    if not isinstance(chunk_size, int):  # a client: its server's chunk size, if blake3
+    if not isinstance(chunk_size, int) and hasattr(chunk_size, "hash_algorithm"):
+        # a client: its server's chunk size, if blake3
         check_hash_algorithm(chunk_size.hash_algorithm, chunk_size.http_url)
         chunk_size = chunk_size.chunk_size
     toks = validate_tokens(tokens)

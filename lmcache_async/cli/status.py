@@ -25,7 +25,7 @@ from lmcache_async._shm_segment import POOL_PREFIX, map_segment
 from lmcache_async._wire import Op
 from lmcache_async.cli.arguments import server_parent
 from lmcache_async.cli.runner import command, connect_client, emit, one_line, run_async, table
-from lmcache_async.errors import LMCacheError, ProtocolError, TransferError
+from lmcache_async.errors import HybridLayoutError, LMCacheError, ProtocolError, TransferError
 
 # torch (through lmcache_async.geometry) is imported only to decode the geometry of the
 # models an engine registered, and by --probe: a health check does not pay its ~2 s.
@@ -242,7 +242,7 @@ def _models(status: dict[str, Any]) -> list[dict[str, Any]]:
         }
         try:
             g = KVGeometry.from_context_meta(entry)
-        except (ProtocolError, ValueError, TypeError) as exc:
+        except (ProtocolError, HybridLayoutError, ValueError, TypeError) as exc:
             row["error"] = one_line(str(exc))
         else:
             row.update(

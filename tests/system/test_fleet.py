@@ -3,12 +3,14 @@ events route a prompt to the server that holds it, a client's store (which publi
 nothing) is found by lookup fan-out, ties go to the less loaded server, retrieve and
 remap_many go to the chosen server (bitwise), ``removed`` events withdraw a server, and
 a server killed and restarted mid-stream is excluded while down and resynced (its
-entries forgotten) when it comes back."""
+entries forgotten) when it comes back. Prompts nobody holds spread over the servers."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 import lmcache_async as lmc
 from lmcache_async.fleet import Fleet
 from lmcache_async.hashing import chunk_hashes
-from tests.helpers import fresh_tokens, random_kv, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio
 
@@ -74,10 +76,12 @@ async def test_fleet_routes_by_cached_prefix(fresh_real_server: Any, generation:
                 assert (await fleet.store(kv_r, r, server=1)).value is True
                 assert fleet.index.prefix_chunks(chunk_hashes(r, CS), 0b11) == {0: 2, 1: 2}
                 await fleet.clients[1].drain()
+                fleet._routed[1] += 1
                 assert (await fleet.best(r, fanout="never")).server == 0
-                fleet._routed[0] += 1
+                fleet._routed[0] += 2
                 assert (await fleet.best(r, fanout="never")).server == 1
-                fleet._routed[0] -= 1
+                fleet._routed[0] -= 2
+                fleet._routed[1] -= 1
                 # remap_many goes to the server holding each source
                 target = [5, 6] + p[2:]
                 done = await fleet.remap_many([(p, target), (q, [9] + q[1:])])
@@ -102,3 +106,33 @@ async def test_fleet_routes_by_cached_prefix(fresh_real_server: Any, generation:
             await _until(lambda: fleet.resyncs[0] > resyncs)
             assert fleet.index.prefix_chunks(chunk_hashes(p, CS), 0b11) == {}
             await _until(lambda: a.status()["kv_events"]["subscribers"] == 1)
+
+
+async def test_sequential_new_prompts_spread_over_the_servers(real_server_shm: Any) -> None:
+    """QA-5 m4: one store at a time (the load 0 everywhere) of 300 prompts nobody holds,
+    over 3 servers: each gets 70 to 130 of them (an even share is 100; random prompts
+    would fall outside with a probability of about 3e-4), and the same
+    prompt is routed to the same server again. The three clients of this fleet share one
+    real server: the routing only sees three servers."""
+    srv = real_server_shm
+    rng = random.Random(0)  # fixed prompts: 93, 103 and 104 of them per server
+    prompts = [[rng.randrange(2**31) for _ in range(CS)] for _ in range(300)]
+    kv = random_kv(SMALL_GEOMETRY, CS)
+    async with Fleet(
+        [(srv.url, srv.http_url)] * 3,
+        unique_model("spread"),
+        geometry=SMALL_GEOMETRY,
+        events=False,
+        timeout=30,
+    ) as fleet:
+        chosen = []
+        for tokens in prompts:
+            done = await fleet.store(kv, tokens)
+            assert done.value is True and done.route.load == 0 and done.route.cached_tokens == 0
+            chosen.append(done.route.server)
+        shares = Counter(chosen)
+        assert sorted(shares) == [0, 1, 2] and all(70 <= n <= 130 for n in shares.values()), shares
+        fresh = Fleet([(srv.url, srv.http_url)] * 3, "m", geometry=SMALL_GEOMETRY, events=False)
+        fresh._cs = CS
+        fresh._up = lambda: 0b111  # type: ignore[method-assign]
+        assert [(await fresh.best(t, fanout="never")).server for t in prompts] == chosen
