@@ -9,7 +9,7 @@ prefaulted pool), geometry 40 layers x 8 KV heads x 128, fp16: one chunk is
 repetition, every case in turn (so drift hits them alike):
 
 * ``single``: one ``store(kv_cuda, fresh_tokens)`` and one ``retrieve(tokens, out=kv_cuda)``
-  of 1, 4 and 16 chunks; the pinned ``copy_`` of the same bytes (D2H, H2D: the link);
+  of 1, 4, 16 and 32 chunks (32: 1.25 GiB); the pinned ``copy_`` of the same bytes (D2H, H2D: the link);
   the official SDK's path, ``store(kv.cpu())`` and ``retrieve(tokens).cuda()``, emulated
   through this client (the SDK cannot run on the GPU machine: an upper bound for it);
 * ``scaling``: 16 calls of 4 chunks (2.5 GiB), at most 1, 2, 4 or 8 in flight: ``store``
@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CS = 256
 GEOM = lmc.KVGeometry(num_layers=40, num_kv_heads=8, head_dim=128, dtype=torch.float16, block_size=16)
-SINGLE_CHUNKS = (1, 4, 16)
+SINGLE_CHUNKS = (1, 4, 16, 32)  # 32 chunks: 1.25 GiB, one call of at least 1 GiB
 CONCURRENCY = (1, 2, 4, 8)
 CALLS = 16
 CALL_CHUNKS = 4
