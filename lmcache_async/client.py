@@ -347,7 +347,8 @@ class AsyncClient(core.ClientCore):
         ``cleanup_grace`` seconds (those left are cancelled, and the registration is then
         retired rather than unregistered: a cancelled store may hold reserved slots that
         unregistering would admit); the keep-alive task's end; the ``unregister`` reply,
-        at most :data:`~lmcache_async._session.UNREGISTER_TIMEOUT` seconds (skipped while disconnected).
+        at most :data:`~lmcache_async._session.UNREGISTER_TIMEOUT` seconds (skipped while disconnected);
+        the server's end of each open ``kv_events()`` subscription, cancelled there, at most 1 s.
 
         Idempotent; a call while another ``aclose()`` runs waits for that one. In a
         process forked from the one that opened the client it only drops the inherited
