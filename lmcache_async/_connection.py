@@ -515,19 +515,25 @@ class Connection:
             lambda op: LMCacheConnectionError(f"{op_name(op)}: the connection's reader stopped")
         )
 
-    async def close(self) -> None:
-        """Fail in-flight calls with ClientClosedError, stop the tasks, close the socket
-        (linger 0). Idempotent."""
+    async def close(self, stream_wait: float = 1.0) -> None:
+        """Fail in-flight calls with ClientClosedError, cancel the open streams on the
+        server (while connected; their ends awaited at most ``stream_wait`` seconds, then
+        left to the socket's linger), stop the tasks, close the socket. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        streams = list(self._table.streams.values())
         self._table.fail_all(lambda op: ClientClosedError(f"{op_name(op)}: the connection was closed"))
+        ends = [end for st in streams if (end := st.farewell(hear_end=True)) is not None]
         tasks, self._tasks = self._tasks, []
         try:
+            if ends:
+                await asyncio.wait(ends, timeout=stream_wait)
             await cancel_and_wait(tasks, "a connection task")
         finally:  # also when the closer is cancelled: the socket is closed all the same
+            unanswered = [end.cancel() for end in ends if not end.done()]
             self._unwatch()
-            self._release_sockets()
+            self._release_sockets(FAREWELL_LINGER_MS if unanswered else 0)
 
     def abandon(self, farewell: tuple[Op, Sequence[Any]] | None = None, farewell_wait: float = 0.0) -> None:
         """Close the socket and its monitor now, without awaiting anything: for a
@@ -548,13 +554,16 @@ class Connection:
             return
         self._closed = True
         loop = self._loop
+        streams = list(self._table.streams.values())
         if loop is not None and not loop.is_closed():
             self._table.fail_all(lambda op: ClientClosedError(f"{op_name(op)}: the connection was closed"))
             for task in self._tasks:
                 task.cancel()
         self._tasks = []
         self._unwatch()
-        linger = 0
+        for stream in streams:
+            stream.farewell(hear_end=False)  # cancelled on the server, if still connected
+        linger = FAREWELL_LINGER_MS if streams else 0
         if farewell is not None and self._sock is not None and self.connected:
             op, args = farewell
             frames = encode_request(next(self._table._uids), op, args, self.wire)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import secrets
 import threading
 import time
@@ -54,7 +55,7 @@ from lmcache_async.errors import (
 from lmcache_async.events import (
     KVEvent,
     Resync,
-    parse_batch,
+    decode_batch,
     validate_cursor,
     validate_max_events,
 )
@@ -91,6 +92,7 @@ class KVEventStream:
         cursor: int = 0,
         incarnation: int | None = None,
         max_events: int = 256,
+        chunk_size: int,
         ping_interval: float = 10.0,
         reconnect_timeout: float | None = 60.0,
         send_timeout: float | None = 10.0,
@@ -103,19 +105,21 @@ class KVEventStream:
             raise TypeError(f"incarnation must be an int or None, got {type(incarnation).__name__}")
         self.incarnation = incarnation
         self.max_events = validate_max_events(max_events)
-        if (
-            isinstance(ping_interval, bool)
-            or not isinstance(ping_interval, int | float)
-            or not 0 < ping_interval <= 30
-        ):
+        self.chunk_size = chunk_size
+        if isinstance(ping_interval, bool) or not isinstance(ping_interval, int | float):
+            raise TypeError(f"ping_interval must be a number of seconds, got {type(ping_interval).__name__}")
+        if not 0 < ping_interval <= 30:  # nan and inf too
             raise ValueError(f"ping_interval must be in (0, 30] seconds, got {ping_interval!r}")
         self.ping_interval = float(ping_interval)
-        if reconnect_timeout is not None and (
-            isinstance(reconnect_timeout, bool)
-            or not isinstance(reconnect_timeout, int | float)
-            or reconnect_timeout < 0
-        ):
-            raise ValueError(f"reconnect_timeout must be >= 0 seconds or None, got {reconnect_timeout!r}")
+        if reconnect_timeout is not None:
+            if isinstance(reconnect_timeout, bool) or not isinstance(reconnect_timeout, int | float):
+                kind = type(reconnect_timeout).__name__
+                raise TypeError(f"reconnect_timeout must be a number of seconds or None, got {kind}")
+            if not 0 <= reconnect_timeout < math.inf:  # nan too
+                raise ValueError(
+                    f"reconnect_timeout must be a finite number >= 0 seconds or None (for ever), "
+                    f"got {reconnect_timeout!r}"
+                )
         self.reconnect_timeout = reconnect_timeout
         self._send_timeout = send_timeout
         self._on_close = on_close
@@ -259,7 +263,14 @@ class KVEventStream:
             await asyncio.sleep(self._backoff)
             self._backoff = min(self._backoff * 2, 1.0)
             return
-        batch = parse_batch(reply.value())
+        assert reply.payload is not None  # a frameless reply is the end (None above)
+        batch = decode_batch(
+            reply.payload,
+            model_name=self.model_name,
+            cursor=self.cursor,
+            max_events=self.max_events,
+            chunk_size=self.chunk_size,
+        )
         self.batches += 1
         self._ack_due = True
         self._backoff = RESUBSCRIBE_BACKOFF_S
@@ -282,7 +293,9 @@ class KVEventStream:
             return
         self.incarnation = batch.incarnation
         if batch.lost and not self._fresh:
-            self._items.append(Resync("lost", batch.incarnation, None, batch.next_cursor))
+            # Resuming from the Resync's cursor must give the records that follow it here.
+            resume = batch.events[0].seq - 1 if batch.events else batch.next_cursor
+            self._items.append(Resync("lost", batch.incarnation, None, resume))
         self._fresh = False
         self.cursor = batch.next_cursor
         self._items.extend(batch.events)
@@ -342,9 +355,11 @@ def subscribe(
     :meth:`lmcache_async.AsyncClient.kv_events` iterates.
 
     Args:
-        model_name: the model whose events to follow (the server filters by exact name).
-        cursor: resume after the records already seen (a ``Resync`` item's ``cursor``, or
-            the last event's ``seq``); 0: everything the server still holds.
+        model_name: the model whose events to follow (the server filters by exact name; a
+            record of another model is a ProtocolError).
+        cursor: resume after the records already seen (the ``seq`` of the last event
+            applied, or a ``Resync`` item's ``cursor``: nothing after it is skipped); 0:
+            everything the server still holds.
         incarnation: the server incarnation ``cursor`` belongs to (the last event's);
             another one on the server means it restarted: a ``Resync("restarted")``
             first. With ``cursor`` 0 and no incarnation, records the server no longer
@@ -352,10 +367,11 @@ def subscribe(
         max_events: records a batch, 1..1024 (the server answers nothing else).
         ping_interval: seconds between the pings that keep the subscription (0 < s <= 30).
         reconnect_timeout: seconds a lost connection may take to come back before the
-            iteration raises (``None``: for ever).
+            iteration raises (finite, >= 0; ``None``: for ever).
 
     Raises (here, nothing sent): ValueError/TypeError for bad arguments; the client's
-    state errors (not open, closed, another event loop). Iteration raises what
+    state errors (not open, closed, another event loop); KVEventsDisabledError for
+    lmcache_async's embedded server (it has no KV events). Iteration raises what
     :meth:`KVEventStream.__anext__` says; waiting for an event has no deadline (an idle
     server sends nothing: bound it with ``asyncio.timeout``, which closes the stream).
 
@@ -363,15 +379,32 @@ def subscribe(
     subscription is cancelled on the server.
     """
     name = client.model_name if model_name is None else validate_model_name(model_name)
+    if "\0" in name:  # no engine registers such a name: the stream would wait for ever
+        raise ValueError(f"model_name must not contain '\\x00': {name!r}")
     stream = KVEventStream(
         client._session.conn,
         name,
         cursor=cursor,
         incarnation=incarnation,
         max_events=max_events,
+        chunk_size=client._session.chunk_size,
         ping_interval=ping_interval,
         reconnect_timeout=reconnect_timeout,
     )
     client._require_open()
     client._check_loop()
+    if is_embedded(client._session.meta):
+        raise KVEventsDisabledError(
+            f"{client._session.conn.url} is lmcache_async's embedded server (lmcache_async.testing, "
+            "`lmcache-async serve`, `make demo`), which publishes no KV events: follow the events "
+            "of a real LMCache server (`lmcache server`, docs/guides/routing.md)"
+        )
     return stream
+
+
+def is_embedded(meta: Any) -> bool:
+    """Whether the server's ``/status`` or ``/config`` read at connect (``meta``, the
+    client's :class:`~lmcache_async._metadata.Metadata`) is the embedded server's
+    (:mod:`lmcache_async.testing`: an ``lmcache_async_embedded`` section)."""
+    docs = (meta._cache["status"].value, meta._cache["config"].value)
+    return any(isinstance(doc, dict) and "lmcache_async_embedded" in doc for doc in docs)

@@ -19,9 +19,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import zmq
+
 from lmcache_async._connection import Connection, PendingTable
 from lmcache_async._wire import Op, Reply, encode_request, op_name, packb
-from lmcache_async.errors import LMCacheConnectionError
+from lmcache_async.errors import LMCacheConnectionError, ProtocolError
 
 __all__ = ["ReplyStream", "open_stream", "open_streams"]
 
@@ -34,7 +36,9 @@ class ReplyStream:
     :meth:`next` hands them out; :meth:`ack` grants the server credit for the next;
     :meth:`cancel` ends the stream on the server. It ends with the server's frameless
     reply (:meth:`next` returns ``None``) or with the connection's loss or close
-    (:meth:`next` raises it).
+    (:meth:`next` raises it). An item beyond the credit granted (the first item needs
+    none) ends it with a :class:`~lmcache_async.errors.ProtocolError` and cancels it on
+    the server: at most one item is ever buffered.
     """
 
     def __init__(self, conn: Connection, uid: int, op: Op) -> None:
@@ -46,6 +50,9 @@ class ReplyStream:
         self._error: BaseException | None = None
         self.ended = False  # the frameless end arrived, or the stream failed
         self._waiter: asyncio.Future[None] | None = None
+        self._credit = 1  # items the server may send now: the first, then one per ack
+        self._cancel_sent = False
+        self._end_heard: asyncio.Future[None] | None = None  # see farewell()
 
     def _wake(self) -> None:
         waiter, self._waiter = self._waiter, None
@@ -62,7 +69,21 @@ class ReplyStream:
         if reply.payload is None:  # the frameless end of the stream
             table.streams.pop(self.uid, None)
             self.ended = True
+            if self._end_heard is not None and not self._end_heard.done():
+                self._end_heard.set_result(None)
+        elif self._end_heard is not None:  # closed: nothing more is wanted
+            return False
+        elif self._credit <= 0:
+            self.fail(
+                ProtocolError(
+                    f"{op_name(self.op)}: the server sent a stream item without credit "
+                    "(it must wait for an ack after each item); the stream is cancelled"
+                )
+            )
+            self.cancel()
+            return False
         else:
+            self._credit -= 1
             self._items.append(reply)
         self._wake()
         return True
@@ -98,7 +119,11 @@ class ReplyStream:
 
     def ack(self) -> bool:
         """Grant the server credit for the next item; False when it could not be sent
-        (the connection is down: the stream is then failed by the loss anyway)."""
+        (the connection is down: the stream is then failed by the loss anyway), or the
+        stream has ended."""
+        if self.ended:
+            return False
+        self._credit += 1
         return self._control(b"ack")
 
     def cancel(self) -> bool:
@@ -106,11 +131,34 @@ class ReplyStream:
         dropped: the stream is forgotten here at once); False when it could not be sent
         (disconnected or closed: the server's stream ends with the lost peer, or by its
         liveness reaper)."""
-        self._conn._table.streams.pop(self.uid, None)
+        if self._end_heard is None:  # (else closing: its end is still to be heard)
+            self._conn._table.streams.pop(self.uid, None)
         if not self.ended:
             self.ended = True
             self._wake()
-        return self._control(b"cancel")
+        if self._cancel_sent:
+            return True
+        self._cancel_sent = self._control(b"cancel")
+        return self._cancel_sent
+
+    def farewell(self, *, hear_end: bool) -> asyncio.Future[None] | None:
+        """Send ``cancel`` as the connection closes (the stream failed here already; no
+        event loop needed) if it is still connected. With ``hear_end``, returns a future
+        done when the server's end of the stream arrives (the stream is routed its replies
+        again for that); else, or when nothing was sent, ``None``."""
+        conn = self._conn
+        if self._cancel_sent or conn._sock is None or not conn.connected:
+            return None
+        try:
+            conn._sock.send_multipart([self._uid_frame, b"", b"cancel"], zmq.NOBLOCK)
+        except zmq.ZMQError:  # not ready (nothing queued) or gone
+            return None
+        self._cancel_sent = True
+        if not hear_end or conn._loop is None or not conn._reader_alive:
+            return None
+        self._end_heard = conn._loop.create_future()
+        conn._table.streams[self.uid] = self
+        return self._end_heard
 
     def _control(self, action: bytes) -> bool:
         conn = self._conn

@@ -298,6 +298,8 @@ def generation_for_version(version: str) -> WireGeneration:
 
 def op_name(op: int | str) -> str:
     """Return the server's name of an operation given as :class:`Op`, legacy id or name."""
+    if isinstance(op, Op):  # a string-only operation's legacy id is no id on the wire
+        return op.wire_name
     if isinstance(op, str):
         return op
     try:

@@ -378,7 +378,8 @@ class AsyncClient(core.ClientCore):
         ``cleanup_grace`` seconds (those left are cancelled, and the registration is then
         retired rather than unregistered: a cancelled store may hold reserved slots that
         unregistering would admit); the keep-alive task's end; the ``unregister`` reply,
-        at most :data:`~lmcache_async._session.UNREGISTER_TIMEOUT` seconds (skipped while disconnected).
+        at most :data:`~lmcache_async._session.UNREGISTER_TIMEOUT` seconds (skipped while disconnected);
+        the server's end of each open ``kv_events()`` subscription, cancelled there, at most 1 s.
 
         Called while :meth:`open` runs, it stops the open (which raises
         ``ClientClosedError``) and returns once the open has closed what it opened.

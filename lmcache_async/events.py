@@ -19,18 +19,23 @@ What the events can see (docs/guides/routing.md has the whole list):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
+from msgspec import Meta
 
 from lmcache_async.errors import ProtocolError
 
 __all__ = [
+    "MAX_BATCH_HASHES",
     "MAX_EVENTS_LIMIT",
     "KVEvent",
     "KVEventBatch",
     "RemovedEvent",
     "Resync",
     "StoredEvent",
-    "parse_batch",
+    "batch_size_limit",
+    "decode_batch",
     "validate_cursor",
     "validate_max_events",
 ]
@@ -91,7 +96,9 @@ class Resync:
             incarnation: its cache starts empty, its sequence numbers from 1).
         incarnation: the server incarnation the events that follow come from.
         previous_incarnation: the one before (``None`` for ``"lost"``, or when unknown).
-        cursor: the cursor the stream resumes from.
+        cursor: a cursor to resume from in a later stream (``kv_events(cursor=...,
+            incarnation=...)``) that skips nothing after this item: the position just
+            before the first record that follows it.
     """
 
     reason: Literal["lost", "restarted"]
@@ -135,68 +142,129 @@ def validate_cursor(cursor: object) -> int:
     return cursor
 
 
-def _int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ProtocolError(f"KV event batch: {name} must be an int, got {value!r}")
-    return value
+#: The most chunk hashes the ``removed`` records of one batch may carry together (an L1
+#: event removes at most what L1 holds; this bounds the memory and the decoding time a
+#: batch can cost: about 0.2 s of the event loop at the limit).
+MAX_BATCH_HASHES: Final = 1 << 20
+#: The largest cursor, sequence number or incarnation (the server's are int64).
+_INT64_MAX: Final = 2**63 - 1
+
+_Hash = Annotated[bytes, Meta(min_length=32, max_length=32)]
+_Seq = Annotated[int, Meta(ge=1, le=_INT64_MAX)]
+_Cursor = Annotated[int, Meta(ge=0, le=_INT64_MAX)]
 
 
-def _hash(value: object, name: str) -> bytes:
-    if not isinstance(value, bytes):
-        raise ProtocolError(f"KV event: {name} must be bin, got {type(value).__name__}")
-    return value
+def _batch_decoder(max_events: int, chunk_size: int) -> msgspec.msgpack.Decoder[Any]:
+    """A typed decoder of one batch: msgspec checks every array's length at its header,
+    so a batch of more records (or a record of more tokens) than asked for is refused
+    before any of it is built."""
+
+    tokens = Annotated[list[Annotated[int, Meta(ge=0, lt=2**32)]], Meta(max_length=chunk_size)]
+    record = msgspec.defstruct(
+        "KVEventRecord",
+        [
+            ("seq", _Seq),
+            ("kind", Literal["stored", "removed"]),
+            ("model_name", str),
+            ("block_hashes", Annotated[list[_Hash], Meta(max_length=MAX_BATCH_HASHES)]),
+            ("parent_block_hash", _Hash | None, None),
+            ("token_ids", tokens, []),
+            ("medium", str, "CPU"),
+        ],
+    )
+    batch = msgspec.defstruct(
+        "KVEventBatch",
+        [
+            ("enabled", bool),
+            ("incarnation", Annotated[int, Meta(ge=0, le=_INT64_MAX)]),
+            ("next_cursor", _Cursor),
+            ("lost", bool),
+            ("events", Annotated[list[record], Meta(max_length=max_events)]),  # type: ignore[valid-type]
+        ],
+    )
+    return msgspec.msgpack.Decoder(batch)
 
 
-def _record(obj: object, incarnation: int) -> StoredEvent | RemovedEvent:
-    if not isinstance(obj, dict):
-        raise ProtocolError("KV event: a record must be a map")
-    kind = obj.get("kind")
-    seq = _int(obj.get("seq"), "seq")
-    model = obj.get("model_name")
-    medium = obj.get("medium", "CPU")
-    if not isinstance(model, str) or not isinstance(medium, str):
-        raise ProtocolError("KV event: model_name and medium must be str")
-    hashes = obj.get("block_hashes")
-    if not isinstance(hashes, list):
-        raise ProtocolError("KV event: block_hashes must be an array")
-    if kind == "removed":
-        return RemovedEvent(seq, model, tuple(_hash(h, "block_hashes") for h in hashes), medium, incarnation)
-    if kind == "stored":
-        if len(hashes) != 1:
-            raise ProtocolError(f"KV event: a stored record carries one hash, got {len(hashes)}")
-        parent = obj.get("parent_block_hash")
-        tokens = obj.get("token_ids")
-        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-            raise ProtocolError("KV event: token_ids must be an array of ints")
-        return StoredEvent(
-            seq,
-            model,
-            _hash(hashes[0], "block_hashes"),
-            None if parent is None else _hash(parent, "parent_block_hash"),
-            tuple(tokens),
-            medium,
-            incarnation,
-        )
-    raise ProtocolError(f"KV event: unknown kind {kind!r}")
+_decoders: dict[tuple[int, int], msgspec.msgpack.Decoder[Any]] = {}
 
 
-def parse_batch(obj: Any) -> KVEventBatch:
-    """Check and convert one decoded batch map.
+def batch_size_limit(max_events: int, chunk_size: int, model_name: str) -> int:
+    """The most bytes a batch of at most ``max_events`` records may take: every record a
+    ``stored`` one of ``chunk_size`` tokens (each token at its widest encoding), plus
+    :data:`MAX_BATCH_HASHES` hashes of ``removed`` records."""
+    stored = 256 + len(model_name.encode()) + 9 * chunk_size
+    return 256 + max_events * stored + 34 * MAX_BATCH_HASHES
+
+
+def decode_batch(
+    payload: bytes | memoryview, *, model_name: str, cursor: int, max_events: int, chunk_size: int
+) -> KVEventBatch:
+    """Decode and check one batch of the subscription to ``model_name`` that asked for
+    the records after ``cursor``, at most ``max_events`` a batch, of a server whose chunk
+    size is ``chunk_size``.
+
+    The size is checked before anything is decoded (:func:`batch_size_limit`), the
+    lengths of the arrays at their headers.
 
     Raises:
-        ProtocolError: a missing field, a wrong type or an unknown record kind.
+        ProtocolError: malformed, or not what was asked: more than ``max_events`` records,
+            a ``stored`` record without exactly one hash and ``chunk_size`` token ids, a
+            hash that is not 32 bytes, a sequence number or cursor out of range or out
+            of order, a record of another model, more than :data:`MAX_BATCH_HASHES`
+            hashes.
     """
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"KV event batch must be a map, got {type(obj).__name__}")
-    enabled = obj.get("enabled")
-    lost = obj.get("lost")
-    if not isinstance(enabled, bool) or not isinstance(lost, bool):
-        raise ProtocolError("KV event batch: enabled and lost must be bools")
-    incarnation = _int(obj.get("incarnation"), "incarnation")
-    next_cursor = _int(obj.get("next_cursor"), "next_cursor")
-    events = obj.get("events")
-    if not isinstance(events, list):
-        raise ProtocolError("KV event batch: events must be an array")
-    return KVEventBatch(
-        enabled, incarnation, next_cursor, lost, tuple(_record(e, incarnation) for e in events)
-    )
+    limit = batch_size_limit(max_events, chunk_size, model_name)
+    if len(payload) > limit:
+        raise ProtocolError(
+            f"KV event batch of {len(payload)} bytes: more than the {limit} a batch of at most "
+            f"{max_events} records can take"
+        )
+    decoder = _decoders.get((max_events, chunk_size))
+    if decoder is None:
+        if len(_decoders) >= 64:
+            _decoders.clear()
+        decoder = _decoders[max_events, chunk_size] = _batch_decoder(max_events, chunk_size)
+    try:
+        raw = decoder.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"KV event batch: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"KV event batch: malformed msgpack ({exc})") from None
+    if not raw.enabled:
+        return KVEventBatch(False, raw.incarnation, raw.next_cursor, raw.lost, ())
+    if not raw.lost and raw.next_cursor < cursor:
+        raise ProtocolError(
+            f"KV event batch: next_cursor {raw.next_cursor} is before the cursor {cursor} asked"
+        )
+    events: list[StoredEvent | RemovedEvent] = []
+    previous, hashes = cursor, 0
+    for r in raw.events:
+        if not previous < r.seq <= raw.next_cursor:
+            raise ProtocolError(
+                f"KV event: seq {r.seq} is out of order (after {previous}, next_cursor {raw.next_cursor})"
+            )
+        previous = r.seq
+        if r.model_name != model_name:
+            raise ProtocolError(f"KV event {r.seq}: a record of model {r.model_name!r}, not {model_name!r}")
+        if r.kind == "stored":
+            if len(r.block_hashes) != 1:
+                raise ProtocolError(
+                    f"KV event {r.seq}: a stored record carries one hash, got {len(r.block_hashes)}"
+                )
+            if len(r.token_ids) != chunk_size:
+                raise ProtocolError(
+                    f"KV event {r.seq}: a stored record carries {chunk_size} token ids (the chunk size), "
+                    f"got {len(r.token_ids)}"
+                )
+            events.append(
+                StoredEvent(
+                    r.seq, model_name, r.block_hashes[0], r.parent_block_hash, tuple(r.token_ids),
+                    r.medium, raw.incarnation,
+                )
+            )  # fmt: skip
+        else:
+            hashes += len(r.block_hashes)
+            if hashes > MAX_BATCH_HASHES:
+                raise ProtocolError(f"KV event batch: more than {MAX_BATCH_HASHES} removed hashes")
+            events.append(RemovedEvent(r.seq, model_name, tuple(r.block_hashes), r.medium, raw.incarnation))
+    return KVEventBatch(True, raw.incarnation, raw.next_cursor, raw.lost, tuple(events))

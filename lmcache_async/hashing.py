@@ -40,6 +40,9 @@ __all__ = [
 
 #: The only ``--hash-algorithm`` whose hashes a client can compute.
 DEFAULT_HASH_ALGORITHM: Final = "blake3"
+#: What lmcache_async's embedded server (:mod:`lmcache_async.testing`) says it hashes with
+#: (no LMCache server has this setting).
+EMBEDDED_HASH_ALGORITHM: Final = "blake2b"
 #: The parent hash of a sequence's first chunk.
 NONE_HASH: Final[bytes] = blake3.blake3(b"\0" * 12).digest()
 
@@ -143,6 +146,13 @@ def check_hash_algorithm(algorithm: str | None, where: str) -> None:
     Raises:
         UnsupportedHashAlgorithmError: another algorithm than blake3.
     """
+    if algorithm == EMBEDDED_HASH_ALGORITHM:
+        raise UnsupportedHashAlgorithmError(
+            f"{where} hashes chunks with {algorithm!r}: it is lmcache_async's embedded server "
+            "(lmcache_async.testing, `lmcache-async serve`, `make demo`), which has no LMCache "
+            "chunk hashes; use a real LMCache server (`lmcache server`, its default "
+            "--hash-algorithm blake3) for chunk hashes, KV-event routing or targeted deletes"
+        )
     if algorithm is not None and algorithm != DEFAULT_HASH_ALGORITHM:
         raise UnsupportedHashAlgorithmError(
             f"{where} hashes chunks with {algorithm!r}: only the default 'blake3' can be "

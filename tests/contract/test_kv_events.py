@@ -11,7 +11,10 @@
   subscription on the server; the subscription is never under the registration id;
 * credit: while the consumer does not ask, the server sends no second batch;
 * a restarted server: the stream resumes and says ``Resync("restarted")``; a cursor
-  that fell out of the server's log: ``Resync("lost")``;
+  that fell out of the server's log: ``Resync("lost")``; resuming from any cursor handed
+  out (an event's ``seq``, a Resync's ``cursor``) skips nothing;
+* closing the client (``aclose``, the blocking ``close`` from another thread) cancels
+  every subscription on the server before it returns;
 * a subscription nobody pings is reaped by the server (and the stream subscribes
   again); the pinged one stays;
 * the blocking iterator adapter; ``experimental``, ``warm``, ``delete`` and ``clear``;
@@ -267,7 +270,7 @@ async def test_a_cursor_out_of_the_log_gives_a_lost_resync(fresh_real_server: An
         # a consumer that had seen nothing of this incarnation (cursor 0) but knew it
         async with _stream(clients[2], cursor=0, incarnation=incarnation) as events:
             ev = await asyncio.wait_for(events.__anext__(), 10)
-            assert ev == Resync("lost", incarnation, None, 3)
+            assert ev == Resync("lost", incarnation, None, 2)  # just before the record that follows
             ev = await asyncio.wait_for(events.__anext__(), 10)
             assert isinstance(ev, RemovedEvent) and ev.seq == 3 and ev.model_name == models[2]
         # a fresh consumer (nothing derived yet) is not told
@@ -277,6 +280,78 @@ async def test_a_cursor_out_of_the_log_gives_a_lost_resync(fresh_real_server: An
     finally:
         for c in clients:
             await c.aclose()
+
+
+@GENERATIONS
+async def test_resuming_skips_nothing_and_closing_leaves_no_subscription(
+    fresh_real_server: Any, generation: str
+) -> None:
+    """One server (a log of 4 records, the reaper off) for both checks below."""
+    args = ["--kv-event-log-size", "4", "--worker-reap-timeout-seconds", "0"]
+    srv = fresh_real_server("pickle", generation, extra_args=args)
+    await _resuming_from_any_cursor_handed_out_skips_nothing(srv)
+    await _closing_the_client_cancels_its_subscriptions(srv)
+
+
+async def _resuming_from_any_cursor_handed_out_skips_nothing(srv: Any) -> None:
+    """With a log of 4 records and 10 written, a stream from cursor 1 says
+    ``Resync("lost")`` and gets records 7..10; a stream resumed from the Resync's cursor
+    or from any event's ``seq`` gets every record after it."""
+    async with _client(srv, unique_model("ev")) as c:
+        toks = fresh_tokens(CS)
+        for _ in range(10):  # one removed record each
+            assert await c.store(random_kv(SMALL_GEOMETRY, CS), toks) is True
+            await c.clear(force=False)
+        await _wait_for(lambda: srv.status()["kv_events"]["next_seq"] == 11)
+        inc = srv.status()["kv_events"]["incarnation"]
+
+        async def read(cursor: int, n: int) -> list[Any]:
+            async with _stream(c, cursor=cursor, incarnation=inc, max_events=2) as events:
+                return [await asyncio.wait_for(events.__anext__(), 10) for _ in range(n)]
+
+        live = await read(1, 5)
+        assert live[0] == Resync("lost", inc, None, 6)
+        assert [e.seq for e in live[1:]] == [7, 8, 9, 10]
+        for cursor in [6, 7, 8, 9]:  # the Resync's, then each event's but the last
+            assert [e.seq for e in await read(cursor, 10 - cursor)] == list(range(cursor + 1, 11))
+
+
+async def _closing_the_client_cancels_its_subscriptions(srv: Any) -> None:
+    """``aclose()`` while consumers wait in ``kv_events()``, and the blocking ``close()``
+    from another thread while a thread iterates: no subscription is left on the server
+    (its reaper is off), right after the close."""
+    c = _client(srv, unique_model("ev"))
+    await c.open()
+    consumers = [asyncio.ensure_future(anext(c.kv_events())) for _ in range(8)]
+    await _wait_subscribers(srv, 8)
+    start = time.monotonic()
+    await c.aclose()
+    assert time.monotonic() - start < 1.5
+    assert _subscribers(srv) == 0  # the close waited for the server's end of each
+    for task in consumers:
+        with pytest.raises(lmc.ClientClosedError, match="^subscribe_kv_events: the connection was closed$"):
+            await task
+
+    def blocking() -> None:
+        bc = lmc.Client(srv.url, srv.http_url, unique_model("ev"), geometry=SMALL_GEOMETRY, timeout=30)
+        errors: list[BaseException] = []
+
+        def iterate() -> None:
+            try:
+                for _ in bc.kv_events():
+                    pass
+            except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+                errors.append(exc)
+
+        thread = threading.Thread(target=iterate)
+        thread.start()
+        _wait_subscribers_blocking(srv, 1)
+        bc.close()
+        assert _subscribers(srv) == 0
+        thread.join(10)
+        assert [type(e) for e in errors] == [lmc.ClientClosedError]
+
+    await asyncio.to_thread(blocking)
 
 
 async def _wait_for(pred: Any, deadline: float = 10.0) -> None:

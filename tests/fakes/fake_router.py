@@ -4,7 +4,8 @@
 calls ``handler(request)`` (a :class:`tests.fakes.server_wire.Request`), which returns a list
 of actions: ``("reply", value)``, ``("raw", [frames])`` (frames after the identity),
 ``("sleep", seconds)``, ``("drop",)`` (close the socket: the client sees a disconnect).
-Returning ``[]`` means never reply, like the real server on a bad request.
+Returning ``[]`` means never reply, like the real server on a bad request. The control
+frames of a stream (``ack``, ``cancel``) are recorded in ``controls``.
 
 ``json_http_server(routes)`` is the HTTP side of such a fake server: each ``GET path``
 answers the JSON value given for it.
@@ -41,6 +42,7 @@ class FakeRouter:
     def __init__(self, handler: Handler = ok_handler, port: int = 0) -> None:
         self.handler = handler
         self.requests: list[server_wire.Request] = []
+        self.controls: list[tuple[bytes, bytes]] = []  # a stream's (uid frame, b"ack" | b"cancel")
         self._port = port
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
@@ -72,6 +74,9 @@ class FakeRouter:
         while True:
             frames = await sock.recv_multipart()
             ident, rest = frames[0], frames[1:]
+            if len(rest) == 3 and rest[1] == b"":  # a stream's control frame
+                self.controls.append((rest[0], rest[2]))
+                continue
             try:
                 request = server_wire.decode_request(rest)
             except Exception:
