@@ -26,7 +26,7 @@ from typing import Any, Final
 
 import aiohttp
 
-from lmcache_async._deadline import Deadline, http_timeout
+from lmcache_async._deadline import Deadline, async_timeout, http_timeout
 from lmcache_async._runner import cancel_and_wait
 from lmcache_async.errors import (
     AuthenticationError,
@@ -266,8 +266,16 @@ class Metadata:
 
             entry.inflight = asyncio.ensure_future(run())
             entry.inflight.add_done_callback(_consume_exception)
-        # shield: a cancelled caller leaves the shared fetch running for the others
-        return await asyncio.shield(entry.inflight)
+        # shield: a cancelled caller, or one whose own deadline passes first, leaves the
+        # shared fetch running for the others
+        start = time.monotonic()
+        try:
+            async with async_timeout(timeout):
+                return await asyncio.shield(entry.inflight)
+        except TimeoutError as exc:
+            if isinstance(exc, LMCacheTimeoutError):  # the fetch's own
+                raise
+            raise LMCacheTimeoutError(f"GET /{name}", time.monotonic() - start) from None
 
     async def version(self, timeout: float | None = 10.0) -> str | None:
         """The server's LMCache version from ``GET /lmc_version`` (not cached), or
@@ -288,11 +296,13 @@ class Metadata:
         return doc
 
     async def config(self, *, max_age: float | None = None, timeout: float | None = 10.0) -> dict[str, Any]:
-        """The ``/config`` document (``/conf`` on older servers)."""
+        """The ``/config`` document (``/conf`` on older servers). ``timeout`` bounds this
+        caller's wait, also when it shares a fetch another caller started."""
         return await self._get("config", max_age, timeout)
 
     async def status(self, *, max_age: float | None = None, timeout: float | None = 10.0) -> dict[str, Any]:
-        """The ``/status`` document."""
+        """The ``/status`` document. ``timeout`` bounds this caller's wait, also when it
+        shares a fetch another caller started."""
         return await self._get("status", max_age, timeout)
 
 

@@ -33,7 +33,7 @@ from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 pytestmark = pytest.mark.anyio
 
 #: The small timeout of the paused-server calls, and how late past a deadline a call may end.
-SMALL = 0.3
+SMALL = 0.2
 SLACK = 0.5
 CS = 16
 
@@ -96,52 +96,67 @@ CALLS: dict[str, Callable[[lmc.AsyncClient, float], Awaitable[Any]]] = {
     "kv_events": _first_event,
 }
 
-_PAUSED_SERVERS = [{"mode": "pickle", "generation": g} for g in ("0.5.6", "0.5.7")]
+
+def _outcome(name: str, timeout: float, error: BaseException | None, result: Any, elapsed: float) -> str:
+    """``"ok"``, or what is wrong with how ``name(timeout=timeout)`` ended."""
+    if elapsed >= timeout + SLACK:
+        return f"took {elapsed:.3f}s"
+    if name.endswith("_many"):
+        ok = error is None and _many_timed_out(result)
+    elif name == "drain":
+        ok = (error, result) == (None, False)  # its contract: False when the timeout passed first
+    elif name == "kv_events":
+        ok = type(error) is TimeoutError  # asyncio.timeout's own (the documented bound)
+    else:
+        ok = isinstance(error, lmc.LMCacheTimeoutError)
+        if ok and timeout == 0 and elapsed >= 0.1:  # refused before anything was sent
+            return f"took {elapsed:.3f}s"
+    return "ok" if ok else f"ended with {error!r} / {result!r}"
 
 
-@pytest.mark.parametrize("module_real_server", _PAUSED_SERVERS, ids=["0.5.6", "0.5.7"], indirect=True)
-@pytest.mark.parametrize("timeout", [0, SMALL], ids=["0", "small"])
-@pytest.mark.parametrize("name", list(CALLS))
+@pytest.mark.parametrize("generation", ["0.5.6", "0.5.7"])
 async def test_every_call_ends_within_its_deadline_on_a_paused_server(
-    module_real_server: Any, timeout: float, name: str
+    fresh_real_server: Callable[..., Any], generation: str
 ) -> None:
-    srv = module_real_server
+    """One server a generation (xdist spreads parametrized tests over workers, each of
+    which would start its own): every call, with ``timeout=0`` and a small one; on 0.5.6
+    also the blocking ``Client.delete(timeout=0)``."""
+    srv = fresh_real_server("pickle", generation=generation)
+    assert srv.pid is not None
+    outcomes: dict[str, str] = {}
+    blocking: lmc.Client | None = None
     async with lmc.AsyncClient(
         srv.url, srv.http_url, unique_model(), geometry=SMALL_GEOMETRY, timeout=30, cleanup_grace=0.5
     ) as c:
-        assert srv.pid is not None
-        with _paused(srv.pid):
-            if name == "drain":  # something to wait for: a lookup abandoned on its deadline
-                with pytest.raises(lmc.LMCacheTimeoutError):
-                    await c.lookup(fresh_tokens(CS), timeout=0.01)
-            error, result, elapsed = await _bounded(CALLS[name](c, timeout), timeout)
-    assert elapsed < timeout + SLACK, f"{name}(timeout={timeout}) took {elapsed:.3f}s"
-    if name.endswith("_many"):
-        assert error is None and _many_timed_out(result), (error, result)
-    elif name == "drain":
-        assert (error, result) == (None, False)  # its contract: False when the timeout passed first
-    elif name == "kv_events":
-        assert type(error) is TimeoutError  # asyncio.timeout's own (the documented bound)
-    else:
-        assert isinstance(error, lmc.LMCacheTimeoutError), repr(error)
-        if timeout == 0:  # refused before anything was sent: no wait at all
-            assert elapsed < 0.1, f"{name}(timeout=0) took {elapsed:.3f}s"
-
-
-@pytest.mark.parametrize("module_real_server", _PAUSED_SERVERS[:1], ids=["0.5.6"], indirect=True)
-def test_the_blocking_delete_with_no_time_left_raises_at_once(module_real_server: Any) -> None:
-    srv = module_real_server
-    with lmc.Client(srv.url, srv.http_url, unique_model(), geometry=SMALL_GEOMETRY, timeout=30) as c:
-        assert srv.pid is not None
-        with _paused(srv.pid):
-            start = time.monotonic()
-            with pytest.raises(lmc.LMCacheTimeoutError) as info:
-                c.delete(fresh_tokens(2 * CS), timeout=0)
-            elapsed = time.monotonic() - start
-    assert elapsed < 0.2
-    assert info.value.operation == "delete"
-    assert str(info.value) == f"delete: no reply from the LMCache server after {info.value.elapsed:.3f}s"
-    assert info.value.elapsed < 0.01
+        if generation == "0.5.6":
+            blocking = await asyncio.to_thread(
+                lmc.Client, srv.url, srv.http_url, unique_model(), geometry=SMALL_GEOMETRY, timeout=30
+            )
+        try:
+            with _paused(srv.pid):
+                for timeout in (0, SMALL):
+                    for name, call in CALLS.items():
+                        if name == "drain":  # something to wait for: a lookup abandoned on its deadline
+                            with pytest.raises(lmc.LMCacheTimeoutError):
+                                await c.lookup(fresh_tokens(CS), timeout=0.01)
+                        error, result, elapsed = await _bounded(call(c, timeout), timeout)
+                        outcomes[f"{name}(timeout={timeout})"] = _outcome(
+                            name, timeout, error, result, elapsed
+                        )
+                if blocking is not None:
+                    start = time.monotonic()
+                    with pytest.raises(lmc.LMCacheTimeoutError) as info:
+                        await asyncio.to_thread(blocking.delete, fresh_tokens(2 * CS), timeout=0)
+                    elapsed = time.monotonic() - start
+                    assert elapsed < 0.2
+                    assert (info.value.operation, info.value.elapsed < 0.01) == ("delete", True)
+                    elapsed_text = f"{info.value.elapsed:.3f}s"
+                    assert str(info.value) == f"delete: no reply from the LMCache server after {elapsed_text}"
+        finally:
+            if blocking is not None:
+                await asyncio.to_thread(blocking.close)
+    assert outcomes == dict.fromkeys(outcomes, "ok")
+    assert len(outcomes) == 2 * len(CALLS)
 
 
 # --------------------------------------------------------------------------- fakes
@@ -180,7 +195,7 @@ async def _http(*routes: Route) -> AsyncIterator[tuple[str, list[str]]]:
     @web.middleware
     async def note(request: web.Request, handler: Any) -> web.StreamResponse:
         seen.append(f"{request.method} {request.path}")
-        return await handler(request)  # type: ignore[no-any-return]
+        return await handler(request)
 
     app = web.Application(middlewares=[note])
     table = {
@@ -190,7 +205,7 @@ async def _http(*routes: Route) -> AsyncIterator[tuple[str, list[str]]]:
     table |= {(method, path): handler for method, path, handler in routes}
     for (method, path), handler in table.items():
         app.router.add_route(method, path, handler)
-    runner = web.AppRunner(app, handler_cancellation=True)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1)
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)
