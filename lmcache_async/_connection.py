@@ -64,6 +64,7 @@ import zmq.backend
 from zmq.utils.monitor import parse_monitor_message
 
 from lmcache_async import _trace
+from lmcache_async._deadline import async_timeout, check_left, zmq_poll_ms
 from lmcache_async._runner import Expired, cancel_and_wait, expire
 from lmcache_async._wire import GEN_0_5_6, Op, Reply, WireGeneration, decode_reply, encode_request, op_name
 from lmcache_async._zmq_context import monitor_address, process_context
@@ -447,7 +448,7 @@ class Connection:
         assert self._loop is not None
         limit = CONNECT_WAIT_S if timeout is None else min(timeout, CONNECT_WAIT_S)
         try:
-            async with asyncio.timeout(limit):
+            async with async_timeout(limit):
                 await self._loop.getaddrinfo(self._host, None, type=socket.SOCK_STREAM)
         except TimeoutError:
             raise LMCacheConnectionError(
@@ -589,7 +590,7 @@ class Connection:
         poller.register(sock, zmq.POLLIN)
         with contextlib.suppress(zmq.ZMQError):
             while (left := end - time.monotonic()) > 0:
-                if not poller.poll(max(1, int(left * 1000))):
+                if not poller.poll(zmq_poll_ms(left)):
                     return
                 with contextlib.suppress(zmq.Again):
                     if sock.recv_multipart(zmq.NOBLOCK)[0] == bytes(uid_frame):
@@ -682,7 +683,8 @@ class Connection:
 
         Raises:
             LMCacheTimeoutError: no reply in time (also a ``TimeoutError``); the request
-                may still be executed by the server.
+                may still be executed by the server. ``timeout <= 0`` (not urgent): at
+                once, nothing sent.
             LMCacheConnectionError: the connection was lost while waiting.
             ClientClosedError: the connection is closed.
 
@@ -693,6 +695,8 @@ class Connection:
         Cancellation: the entry is removed; a later reply is dropped.
         """
         self._check_sendable(op)
+        if not urgent:  # a deadline already passed: nothing is sent (an urgent cleanup still goes)
+            check_left(timeout, op_name(op))
         start = time.monotonic()
         if self._must_wait(urgent):
             await self._wait_for_place(op, start, timeout)
@@ -812,7 +816,7 @@ class Connection:
         waiters.append(waiter)
         try:
             remaining = None if timeout is None else timeout - (time.monotonic() - start)
-            async with asyncio.timeout(remaining):
+            async with async_timeout(remaining):
                 await waiter
         except TimeoutError:
             raise LMCacheTimeoutError(op_name(op), time.monotonic() - start, None) from None

@@ -22,10 +22,11 @@ import json
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 
+from lmcache_async._deadline import Deadline, async_timeout, http_timeout
 from lmcache_async._runner import cancel_and_wait
 from lmcache_async.errors import (
     AuthenticationError,
@@ -35,10 +36,19 @@ from lmcache_async.errors import (
     ProtocolError,
 )
 
-__all__ = ["API_KEY_ENV", "Metadata", "resolve_api_key"]
+__all__ = ["API_KEY_ENV", "MAX_HTTP_BODY_BYTES", "Metadata", "decode_json", "excerpt", "resolve_api_key"]
 
 #: The environment variable an API key is read from when none is passed.
 API_KEY_ENV = "LMCACHE_API_KEY"
+
+#: The longest HTTP body the client reads (``/lmc_version``, ``/config``, ``/status`` and
+#: the management calls' answers; a real server's are a few KiB): a longer one is a
+#: :class:`~lmcache_async.errors.ProtocolError` (an ``http_url`` naming something else
+#: than the server's HTTP API, e.g. a port that streams).
+MAX_HTTP_BODY_BYTES: Final = 4 << 20
+
+#: The most characters of a body an error message quotes.
+EXCERPT_CHARS: Final = 512
 
 
 def resolve_api_key(api_key: str | None) -> str | None:
@@ -158,31 +168,33 @@ class Metadata:
         client's headers: ``(status, body)``. The one place an HTTP request is made, for
         this object's GETs and for :mod:`lmcache_async.management`'s calls.
 
+        Reads at most :data:`MAX_HTTP_BODY_BYTES` of the answer's body.
+
         Raises:
             AuthenticationError: HTTP 401 (an API key is needed, or was wrong).
-            LMCacheTimeoutError: no whole answer within ``timeout`` seconds.
+            LMCacheTimeoutError: no whole answer within ``timeout`` seconds; with
+                ``timeout=0`` at once, and nothing is sent.
             LMCacheConnectionError: the request could not be made or read.
+            ProtocolError: the body is longer than :data:`MAX_HTTP_BODY_BYTES`.
 
         Cancellation: the request is abandoned (aiohttp closes its connection).
         """
         url = self.http_url + path
-        start = time.monotonic()
+        deadline = Deadline(timeout, f"{method} {path}")
+        # A deadline already passed raises here, before anything is sent.
+        wait = http_timeout(deadline.left())
         try:
             async with self._get_session().request(
-                method,
-                url,
-                json=json_body,
-                headers=self._headers,
-                timeout=aiohttp.ClientTimeout(total=timeout),
+                method, url, json=json_body, headers=self._headers, timeout=wait
             ) as resp:
-                body = await resp.read()
                 status = resp.status
+                body = await _read_capped(resp, method, url)
         except TimeoutError:
-            raise LMCacheTimeoutError(f"{method} {path}", time.monotonic() - start) from None
+            raise LMCacheTimeoutError(deadline.what, deadline.elapsed()) from None
         except aiohttp.ClientError as exc:
             raise LMCacheConnectionError(_failure_message(method, url, exc)) from exc
         if status == 401:
-            raise AuthenticationError(status, url, _excerpt(body), key_sent=self._api_key is not None)
+            raise AuthenticationError(status, url, excerpt(body), key_sent=self._api_key is not None)
         return status, body
 
     async def _get_json(self, path: str, timeout: float | None) -> tuple[int, Any, str]:
@@ -195,14 +207,8 @@ class Metadata:
         """
         status, body = await self.request("GET", path, timeout)
         if status != 200:
-            return status, None, _excerpt(body)
-        url = self.http_url + path
-        try:
-            return status, json.loads(body), ""
-        except ValueError as exc:
-            raise ProtocolError(f"GET {url}: invalid JSON") from exc
-        except RecursionError:  # a hostile document nested thousands deep
-            raise ProtocolError(f"GET {url}: invalid JSON (nested too deeply)") from None
+            return status, None, excerpt(body)
+        return status, decode_json(body, f"GET {self.http_url}{path}"), ""
 
     async def healthcheck(self, timeout: float | None = 5.0) -> bool:
         """True when ``/healthcheck`` answers 200."""
@@ -260,8 +266,16 @@ class Metadata:
 
             entry.inflight = asyncio.ensure_future(run())
             entry.inflight.add_done_callback(_consume_exception)
-        # shield: a cancelled caller leaves the shared fetch running for the others
-        return await asyncio.shield(entry.inflight)
+        # shield: a cancelled caller, or one whose own deadline passes first, leaves the
+        # shared fetch running for the others
+        start = time.monotonic()
+        try:
+            async with async_timeout(timeout):
+                return await asyncio.shield(entry.inflight)
+        except TimeoutError as exc:
+            if isinstance(exc, LMCacheTimeoutError):  # the fetch's own
+                raise
+            raise LMCacheTimeoutError(f"GET /{name}", time.monotonic() - start) from None
 
     async def version(self, timeout: float | None = 10.0) -> str | None:
         """The server's LMCache version from ``GET /lmc_version`` (not cached), or
@@ -282,11 +296,13 @@ class Metadata:
         return doc
 
     async def config(self, *, max_age: float | None = None, timeout: float | None = 10.0) -> dict[str, Any]:
-        """The ``/config`` document (``/conf`` on older servers)."""
+        """The ``/config`` document (``/conf`` on older servers). ``timeout`` bounds this
+        caller's wait, also when it shares a fetch another caller started."""
         return await self._get("config", max_age, timeout)
 
     async def status(self, *, max_age: float | None = None, timeout: float | None = 10.0) -> dict[str, Any]:
-        """The ``/status`` document."""
+        """The ``/status`` document. ``timeout`` bounds this caller's wait, also when it
+        shares a fetch another caller started."""
         return await self._get("status", max_age, timeout)
 
 
@@ -308,5 +324,48 @@ def _failure_message(method: str, url: str, exc: aiohttp.ClientError) -> str:
     return f"{method} {url} failed: {exc}"
 
 
-def _excerpt(body: bytes) -> str:
-    return body[:512].decode("utf-8", "replace")
+def excerpt(body: bytes | str) -> str:
+    """The start of ``body`` (at most :data:`EXCERPT_CHARS` characters), for an error message."""
+    if isinstance(body, bytes):
+        body = body[: EXCERPT_CHARS * 4].decode("utf-8", "replace")
+    return body if len(body) <= EXCERPT_CHARS else body[:EXCERPT_CHARS] + "..."
+
+
+def decode_json(body: bytes, what: str) -> Any:
+    """``body`` decoded as JSON.
+
+    Raises:
+        ProtocolError: not JSON, or nested too deeply to decode (``what`` names the request).
+    """
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise ProtocolError(f"{what}: invalid JSON") from exc
+    except RecursionError:  # a hostile document nested thousands deep
+        raise ProtocolError(f"{what}: invalid JSON (nested too deeply)") from None
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, method: str, url: str) -> bytes:
+    """The body of ``resp``, read as it comes (each read yields to the loop), at most
+    :data:`MAX_HTTP_BODY_BYTES`.
+
+    Raises:
+        ProtocolError: the body (or its announced ``Content-Length``) is longer.
+    """
+    limit = MAX_HTTP_BODY_BYTES
+    announced = resp.content_length
+    if announced is not None and announced > limit:
+        raise ProtocolError(_too_long(method, url, f"announces {announced} bytes"))
+    body = bytearray()
+    while chunk := await resp.content.read(limit + 1 - len(body)):
+        body += chunk
+        if len(body) > limit:
+            raise ProtocolError(_too_long(method, url, f"is longer than {limit} bytes"))
+    return bytes(body)
+
+
+def _too_long(method: str, url: str, how: str) -> str:
+    return (
+        f"{method} {url}: the answer {how}, more than the client reads ({MAX_HTTP_BODY_BYTES} bytes, "
+        "MAX_HTTP_BODY_BYTES); is http_url the LMCache server's HTTP API?"
+    )

@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Final, Protocol
 
+from lmcache_async._deadline import async_timeout
 from lmcache_async.errors import LMCacheError, LMCacheTimeoutError
 
 __all__ = ["CHECK_TIMEOUT_S", "POLL_S", "QUIET_S", "ServerWatch"]
@@ -101,7 +102,7 @@ class ServerWatch:
         limit = self.check_timeout if timeout is None else min(timeout, self.check_timeout)
         self.checks += 1
         try:
-            async with asyncio.timeout(limit):
+            async with async_timeout(limit):
                 identity = await self._fetch(limit)
         except TimeoutError:
             raise LMCacheTimeoutError("server identity check (GET /config)", limit) from None

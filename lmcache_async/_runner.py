@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from lmcache_async._deadline import check_left
 from lmcache_async.errors import LMCacheTimeoutError
 
 if TYPE_CHECKING:
@@ -100,11 +101,13 @@ async def run_detached(
 
     Raises:
         LMCacheTimeoutError: ``timeout`` passed; the task goes on, abandoned, to clean up.
+            ``timeout=0``: at once, and ``body`` is never started.
 
     Cancellation: the task is marked abandoned and goes on to clean up; the caller's
     ``CancelledError`` propagates.
     """
     start = time.monotonic()
+    check_left(timeout, name)  # a deadline already passed: the body never runs, nothing is sent
     op = OpState(
         None if timeout is None else start + timeout + cleanup_grace,
         None if timeout is None else start + timeout,

@@ -6,8 +6,11 @@ A ``timeout`` is one of:
 * :data:`DEFAULT` (the default value of every per-call ``timeout``): the client's own
   ``timeout``;
 * ``None``: no deadline, wait as long as it takes;
-* a finite number of seconds ``>= 0`` (``int`` or ``float``; ``0`` fails at the first
-  wait);
+* a finite number of seconds ``>= 0`` (``int`` or ``float``; ``0``: the deadline has
+  passed, so the call raises :class:`~lmcache_async.errors.LMCacheTimeoutError` at once,
+  before anything is sent; a bulk call fails each item so, and ``drain`` returns
+  ``False`` unless nothing is left); a deadline is kept to the millisecond, never
+  rounded up;
 * ``math.inf``: the same as ``None``;
 * a negative number or ``nan`` raises ``ValueError``, and what is not a number (a
   ``bool``, a string, ...) ``TypeError``, naming the argument, before anything is sent.

@@ -11,14 +11,14 @@ each is written on its method (docs/guides/routing.md, "Management calls").
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
+from urllib.parse import quote
 
+from lmcache_async._deadline import Deadline
 from lmcache_async._defaults import DefaultType
-from lmcache_async._metadata import Metadata
+from lmcache_async._metadata import Metadata, decode_json, excerpt
 from lmcache_async._wire import Op, validate_cache_salt, validate_tokens
 from lmcache_async.errors import (
     HTTPStatusError,
@@ -49,6 +49,8 @@ WARM_POLL_INTERVAL_S: Final = 0.05
 
 #: The most keys one ``DELETE /cache/objects`` takes (the server's ``MAX_DELETE_BATCH``).
 MAX_DELETE_KEYS: Final = 10_000
+#: The most object groups of a model, for the bound on a prefetch's ``total_keys``.
+MAX_OBJECT_GROUPS: Final = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,26 +103,47 @@ def object_keys(
 
 
 async def _http_json(
-    meta: Metadata, method: str, path: str, body: Any, timeout: float | None
-) -> tuple[int, Any]:
-    """``method path`` with a JSON body: ``(status, decoded JSON or None)``.
+    meta: Metadata, method: str, path: str, body: Any, deadline: Deadline
+) -> tuple[int, Any, str]:
+    """``method path`` with a JSON body, within ``deadline``: ``(status, document,
+    detail)``. A 2xx answer must be JSON (its document); another status's document is
+    ``None`` when its body is not JSON. ``detail`` is the ``detail`` of a JSON object, or
+    the start of the body, cut to an excerpt for an error message.
 
     Raises:
-        AuthenticationError: 401. LMCacheTimeoutError, LMCacheConnectionError
-        (:meth:`Metadata.request`).
+        AuthenticationError: 401. LMCacheConnectionError (:meth:`Metadata.request`).
+        LMCacheTimeoutError: named ``deadline.what``, the deadline passed (before the
+            request: nothing sent).
+        ProtocolError: a 2xx answer that is not JSON, or nested too deeply; a body longer
+        than :data:`~lmcache_async._metadata.MAX_HTTP_BODY_BYTES`.
     """
-    status, raw = await meta.request(method, path, timeout, json_body=body)
     try:
-        doc = json.loads(raw) if raw else None
-    except ValueError:
-        doc = None
-    return status, doc
-
-
-def _detail(doc: Any) -> str:
+        status, raw = await meta.request(method, path, deadline.left(), json_body=body)
+    except LMCacheTimeoutError as exc:
+        if exc.operation == deadline.what:
+            raise
+        raise LMCacheTimeoutError(deadline.what, deadline.elapsed()) from None  # named by the call
+    what = f"{method} {meta.http_url}{path}"
+    if 200 <= status < 300:
+        doc = decode_json(raw, what) if raw else None
+    else:
+        try:
+            doc = decode_json(raw, what) if raw else None
+        except ProtocolError:
+            doc = None
     if isinstance(doc, dict) and "detail" in doc:
-        return str(doc["detail"])
-    return repr(doc)
+        detail = excerpt(str(doc["detail"]))
+    else:
+        detail = excerpt(raw) if doc is None else excerpt(repr(doc))
+    return status, doc, detail
+
+
+def _count(doc: dict[str, Any], name: str, most: int) -> int:
+    """``doc[name]`` when it is an int from 0 to ``most``, else -1."""
+    value = doc.get(name)
+    if type(value) is not int or not 0 <= value <= most:
+        return -1
+    return value
 
 
 async def _warm_prefetch(
@@ -133,12 +156,9 @@ async def _warm_prefetch(
     poll_interval: float,
 ) -> WarmResult:
     """``POST /cache/prefetches`` then poll ``GET /cache/prefetches/{id}`` until it
-    completes, all within ``timeout`` seconds."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-
-    def left() -> float | None:
-        return None if deadline is None else max(deadline - time.monotonic(), 0.0)
-
+    completes, all within ``timeout`` seconds (a poll is never sent past the deadline:
+    :class:`LMCacheTimeoutError` instead)."""
+    deadline = Deadline(timeout, "warm")
     body = {
         "model_name": model_name,
         "world_size": world_size,
@@ -147,42 +167,44 @@ async def _warm_prefetch(
         "source_tier": "l2",
         "target_tier": "l1",
     }
-    status, doc = await _http_json(meta, "POST", "/cache/prefetches", body, left())
+    status, doc, detail = await _http_json(meta, "POST", "/cache/prefetches", body, deadline)
     url = f"{meta.http_url}/cache/prefetches"
     if status == 404:
         raise ServerError(f"{meta.http_url} has no warm prefetch route (POST /cache/prefetches: 404)")
     if status == 503:
-        raise ServerError(f"warm: {meta.http_url} cannot warm {model_name!r}: {_detail(doc)}")
+        raise ServerError(f"warm: {meta.http_url} cannot warm {model_name!r}: {detail}")
     if status not in (200, 202):
-        raise HTTPStatusError(
-            status, url, _detail(doc), f"warm: POST {url} failed with HTTP {status}: {_detail(doc)}"
-        )
-    if not isinstance(doc, dict) or type(doc.get("chunks")) is not int:
-        raise ProtocolError(f"warm: POST /cache/prefetches answered {doc!r}")
+        raise HTTPStatusError(status, url, detail, f"warm: POST {url} failed with HTTP {status}: {detail}")
+    if not isinstance(doc, dict) or _count(doc, "chunks", len(tokens)) < 0:
+        raise ProtocolError(f"warm: POST /cache/prefetches answered {excerpt(repr(doc))}")
     chunks = doc["chunks"]
     if doc.get("status") == "noop":
         return WarmResult(0, 0, 0)
     request_id = doc.get("request_id")
-    if not isinstance(request_id, str):
-        raise ProtocolError(f"warm: POST /cache/prefetches answered {doc!r}")
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= 256:
+        raise ProtocolError(f"warm: POST /cache/prefetches answered {excerpt(repr(doc))}")
+    poll = f"/cache/prefetches/{quote(request_id, safe='')}"
+    # Keys asked for: chunks x ranks x object groups.
+    most_keys = chunks * world_size * MAX_OBJECT_GROUPS
     while True:
-        status, doc = await _http_json(meta, "GET", f"/cache/prefetches/{request_id}", None, left())
-        if status != 200 or not isinstance(doc, dict):
+        status, doc, detail = await _http_json(meta, "GET", poll, None, deadline)
+        if status != 200:
             raise HTTPStatusError(
                 status,
                 f"{url}/{request_id}",
-                _detail(doc),
+                detail,
                 f"warm: polling prefetch {request_id} got HTTP {status}",
             )
+        if not isinstance(doc, dict):
+            raise ProtocolError(f"warm: prefetch {request_id} answered {excerpt(repr(doc))}")
         if doc.get("status") == "completed":
-            found, total = doc.get("found_keys"), doc.get("total_keys")
-            if type(found) is not int or type(total) is not int:
-                raise ProtocolError(f"warm: prefetch {request_id} answered {doc!r}")
+            total = _count(doc, "total_keys", most_keys)
+            found = _count(doc, "found_keys", max(total, 0))
+            if total < 0 or found < 0:
+                raise ProtocolError(f"warm: prefetch {request_id} answered {excerpt(repr(doc))}")
             return WarmResult(chunks, found, total)
-        remaining = left()
-        if remaining is not None and remaining <= 0:
-            raise LMCacheTimeoutError("warm", timeout or 0.0)
-        await asyncio.sleep(poll_interval if remaining is None else min(poll_interval, remaining))
+        left = deadline.left()  # past the deadline: LMCacheTimeoutError, no poll sent
+        await asyncio.sleep(poll_interval if left is None else min(poll_interval, left))
 
 
 async def _delete_keys(
@@ -192,25 +214,34 @@ async def _delete_keys(
     force: bool,
     timeout: float | None,
 ) -> DeleteResult:
-    """``DELETE /cache/objects`` in batches of at most :data:`MAX_DELETE_KEYS` keys."""
+    """``DELETE /cache/objects`` in batches of at most :data:`MAX_DELETE_KEYS` keys, all
+    within ``timeout`` seconds (a batch is never sent past the deadline:
+    :class:`LMCacheTimeoutError` instead)."""
     deleted = skipped = 0
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = Deadline(timeout, "delete")
+    url = f"{meta.http_url}/cache/objects"
     for i in range(0, len(keys), MAX_DELETE_KEYS):
-        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        body = {"keys": keys[i : i + MAX_DELETE_KEYS], "tier": tier, "force": force, "adapter": None}
-        status, doc = await _http_json(meta, "DELETE", "/cache/objects", body, left)
-        url = f"{meta.http_url}/cache/objects"
+        batch = keys[i : i + MAX_DELETE_KEYS]
+        body = {"keys": batch, "tier": tier, "force": force, "adapter": None}
+        status, doc, detail = await _http_json(meta, "DELETE", "/cache/objects", body, deadline)
         if status == 404 and not isinstance(doc, dict):
             raise ServerError(f"{meta.http_url} has no targeted delete (DELETE /cache/objects: 404)")
-        if status != 200 or not isinstance(doc, dict):
+        if status != 200:
             raise HTTPStatusError(
-                status, url, _detail(doc), f"delete: DELETE {url} failed with HTTP {status}: {_detail(doc)}"
+                status, url, detail, f"delete: DELETE {url} failed with HTTP {status}: {detail}"
             )
+        if not isinstance(doc, dict):
+            raise ProtocolError(f"delete: DELETE /cache/objects answered {excerpt(repr(doc))}")
         if doc.get("ok") is False:
-            raise ServerError(f"delete: the server failed part of the delete: {doc.get('error')}")
-        d, s = doc.get("deleted"), doc.get("skipped")
-        if type(d) is not int or type(s) is not int:
-            raise ProtocolError(f"delete: DELETE /cache/objects answered {doc!r}")
+            raise ServerError(
+                f"delete: the server failed part of the delete: {excerpt(str(doc.get('error')))}"
+            )
+        # Each key is deleted or skipped at most once per tier it is deleted from.
+        most = len(batch) * (2 if tier == "all" else 1)
+        d = _count(doc, "deleted", most)
+        s = _count(doc, "skipped", most)
+        if d < 0 or s < 0 or d + s > most:
+            raise ProtocolError(f"delete: DELETE /cache/objects answered {excerpt(repr(doc))}")
         deleted += d
         skipped += s
     return DeleteResult(deleted, skipped)

@@ -35,6 +35,7 @@ import torch
 
 from lmcache_async import _copies as copies
 from lmcache_async._cuda import hooks as cuda_hooks
+from lmcache_async._deadline import async_timeout
 from lmcache_async._runner import OpState
 from lmcache_async._shm import ShmPool
 from lmcache_async._wire import (
@@ -765,7 +766,7 @@ class OperationsBase:
         try:
             if wait <= 0:
                 raise TimeoutError
-            async with asyncio.timeout(wait):
+            async with async_timeout(wait):
                 status = await fetch(wait)
             return f" (server L1 memory: {l1_memory(status)})"
         except TimeoutError:

@@ -16,8 +16,6 @@ import json
 import time
 from typing import Any, Final
 
-import aiohttp
-
 from lmcache_async._connection import Connection
 from lmcache_async._metadata import Metadata
 from lmcache_async._server_config import expected_pool, mp_section
@@ -146,17 +144,13 @@ async def server_version(http_url: str, timeout: float | None) -> str | None:
 
     Cancellation: the request is abandoned and its connection closed.
     """
-    url = http_url.rstrip("/") + "/lmc_version"
-    with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-        async with (
-            aiohttp.ClientSession() as session,
-            session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp,
-        ):
-            if resp.status == 200:
-                doc = json.loads(await resp.read())
-                if isinstance(doc, str):
-                    return doc
-    return None
+    meta = Metadata(http_url, ttl=0)
+    try:
+        with contextlib.suppress(LMCacheError, ValueError):
+            return await meta.version(timeout=timeout)
+        return None
+    finally:
+        await meta.close()
 
 
 async def _noop(url: str, timeout: float) -> tuple[bool, float | None]:
