@@ -63,17 +63,21 @@ FRACTIONS = (0.05, 0.15)
 SELECTIONS = ("deviation", "query")
 
 
-def build_model(layers: int | None = None) -> Any:
-    """The 8B-shaped Llama, random weights drawn on the GPU in bf16."""
+def build_model(layers: int | None = None, device: str = "cuda", small: bool = False) -> Any:
+    """The 8B-shaped Llama, random weights drawn on the GPU in bf16 (``small``: a
+    128-wide model, for a dry run of the script on the CPU)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**{**LLAMA_8B, **({"num_hidden_layers": layers} if layers else {})})
+    sizes = {**LLAMA_8B, **({"num_hidden_layers": layers} if layers else {})}
+    if small:
+        sizes.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(**sizes)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("cuda"):
+        with torch.device(device):
             model = LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(previous)
@@ -92,6 +96,11 @@ def start_server(size: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     return proc, json.loads(line)
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class Tokens:
     """Fresh random prompts (ids below the vocabulary), never repeated within a run."""
 
@@ -106,10 +115,10 @@ async def timed(fn: Callable[[], Awaitable[Any]], reps: int) -> dict[str, Any]:
     """Median, min and max milliseconds of ``reps`` calls after one warm-up."""
     times = []
     for i in range(reps + 1):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         await fn()
-        torch.cuda.synchronize()
+        sync()
         if i:
             times.append((time.perf_counter() - t0) * 1e3)
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "n": reps}
@@ -123,9 +132,11 @@ async def prompt_row(
     geometry = client.geometry
     stored = await hf.prefill_and_store(client, model, prompt[:ctx])
     assert stored.stored_tokens == ctx
-    dev = torch.empty(geometry.kv_shape(len(prompt)), dtype=geometry.dtype, device="cuda")
-    host = torch.empty(geometry.kv_shape(ctx), dtype=geometry.dtype).pin_memory()
-    limit_dev = torch.empty(geometry.kv_shape(ctx), dtype=geometry.dtype, device="cuda")
+    device = hf._model_device(model)
+    dev = torch.empty(geometry.kv_shape(len(prompt)), dtype=geometry.dtype, device=device)
+    host = torch.empty(geometry.kv_shape(ctx), dtype=geometry.dtype)
+    host = host.pin_memory() if device.type == "cuda" else host
+    limit_dev = torch.empty(geometry.kv_shape(ctx), dtype=geometry.dtype, device=device)
 
     async def full() -> None:
         await hf.run_model(hf.generate, model, prompt, max_new_tokens=1)
@@ -163,7 +174,7 @@ async def prompts(client: lmc.AsyncClient, model: Any, contexts: list[int], reps
             f"prompt {ctx}: "
             + ", ".join(f"{k} {v['median_ms']:.1f}" for k, v in row.items() if isinstance(v, dict))
         )
-        torch.cuda.empty_cache()
+        empty_cache()
     return out
 
 
@@ -200,10 +211,10 @@ async def compose_row(
     for name, fraction, selection in cases:
         times = []
         for i in range(reps + 1):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             await served(fraction, selection)
-            torch.cuda.synchronize()
+            sync()
             if i:
                 times.append((time.perf_counter() - t0) * 1e3)
             await asyncio.gather(*pending)
@@ -230,8 +241,13 @@ async def compose(
                 f"compose {ctx}x{n}: "
                 + ", ".join(f"{k} {v['median_ms']:.1f}" for k, v in row.items() if isinstance(v, dict))
             )
-            torch.cuda.empty_cache()
+            empty_cache()
     return out
+
+
+def empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def stamp() -> dict[str, Any]:
@@ -242,7 +258,7 @@ def stamp() -> dict[str, Any]:
     except OSError:
         commit = ""
     return {
-        "card": torch.cuda.get_device_name(),
+        "card": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (dry run)",
         "torch": torch.__version__,
         "python": platform.python_version(),
         "lmcache_async": lmc.__version__,
@@ -256,7 +272,7 @@ def stamp() -> dict[str, Any]:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    model = build_model(args.layers)
+    model = build_model(args.layers, args.device, small=args.device == "cpu")
     geometry = hf.geometry_from_model(model)
     proc, info = start_server(args.size)
     try:
@@ -331,12 +347,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="40G", help="the server's SHM pool")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (a smoke run)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a dry run of the script
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args(argv)
-    for c in [*args.contexts, *args.compose_contexts]:
-        if c % CS or any((c // n) % CS for n in args.documents):
+    for c in args.contexts:
+        if c % CS:
+            parser.error(f"context {c} must be whole {CS}-token chunks")
+    for c in args.compose_contexts:
+        if any(c % n or (c // n) % CS for n in args.documents):
             parser.error(f"context {c} must split into whole {CS}-token chunks per document")
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     result = asyncio.run(main_async(args))
     text = json.dumps(result, indent=1)
