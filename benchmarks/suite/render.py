@@ -891,9 +891,10 @@ class Page:
                     (min(r[k]["over_full"] for k in ("deviation_15", "query_15") if k in r) for r in rows),
                     default=None,
                 )
+            how = "worst of 4 and 8 documents" + (", the faster selection" if key == "deviation_15" else "")
             self.target(
                 f"GPU ({card}): composed prompt, {label}, <= {bound}x the full prefill at {ctx // 1024}k",
-                "-" if got is None else f"{got:.2f}x (worst of 4 and 8 documents)",
+                "-" if got is None else f"{got:.2f}x ({how})",
                 None if got is None else got <= bound,
             )
         self.notes("gpu_serving")

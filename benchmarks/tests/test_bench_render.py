@@ -296,3 +296,54 @@ def test_the_suite_runs_the_quality_section_without_a_server(monkeypatch: pytest
         assert run._run_section("quality", None, None, Path("python"), prof, "0.5.6") == {"ok": True}
     assert calls == [run.PROFILES["quick"]["quality"], run.PROFILES["full"]["quality"]]
     assert calls[1] == {"sets": 50, "new_tokens": 16, "contexts": [1024, 2048, 4096], "reps": 2}
+
+
+def _ms(x: float) -> dict[str, float]:
+    return {"median_ms": x, "min_ms": x, "max_ms": x, "n": 3}
+
+
+def test_gpu_serving_json_is_rendered_with_its_targets(render: Any, tmp_path: Path) -> None:
+    results = _write_results(tmp_path)
+    serving = {
+        "card": "NVIDIA H100 80GB HBM3",
+        "reps": 3,
+        "prompts": {
+            "2048": {"kv_bytes": 268435456, "full": _ms(60.0), "hf": _ms(33.0), "raw": _ms(31.0),
+                     "limit": _ms(30.0), "hf_over_limit": 1.1, "hf_over_full": 0.55},
+            "8192": {"kv_bytes": 1073741824, "full": _ms(260.0), "hf": _ms(72.0), "raw": _ms(70.0),
+                     "limit": _ms(60.0), "hf_over_limit": 1.2, "hf_over_full": 72 / 260},
+        },
+        "compose": {
+            "8192x4": {"context": 8192, "documents": 4, "target_tokens": 8208, "full": _ms(260.0),
+                       "plain": {**_ms(70.0), "over_full": 70 / 260},
+                       "deviation_15": {**_ms(140.0), "over_full": 140 / 260},
+                       "query_15": {**_ms(120.0), "over_full": 120 / 260}},
+        },
+    }  # fmt: skip
+    (results / "cuda_serving_h100.json").write_text(json.dumps(serving))
+    text = render.render(results, tmp_path / "notes", tmp_path / "img")
+    gpu = text[text.index("## GPU") :]
+    assert (
+        "### Serving from the cache against recomputing, NVIDIA H100 80GB HBM3 (`cuda_serving_h100.json`)"
+        in gpu
+    )
+    assert "| 2,048 | 60.0 | **33.0** | 31.0 | 30.0 | 1.10x | 0.55x |" in gpu
+    assert "| 8,208 | 4 | 260 | 70 (0.27x) | 140 (0.54x) | 120 (0.46x) |" in gpu
+    head = text[: text.index("## GPU")]
+    card = "GPU (NVIDIA H100 80GB HBM3)"
+    assert (
+        f"| {card}: a cached prompt through `hf` <= 1.15x the limit at every context from 2k | at most 1.20x | **not met** |"
+        in head
+    )
+    assert (
+        f"| {card}: composed prompt, 15 % recomputed, <= 0.5x the full prefill at 8k | 0.46x (worst of 4 and 8 documents, the faster selection) | met |"
+        in head
+    )
+    assert (
+        f"| {card}: composed prompt, 15 % recomputed, <= 0.35x the full prefill at 32k | - | not measured |"
+        in head
+    )
+    assert (
+        f"| {card}: composed prompt, plain composition, <= 0.3x the full prefill at 8k | 0.27x (worst of 4 and 8 documents) | met |"
+        in head
+    )
