@@ -326,7 +326,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
         )
     axes[1].axhline(1.0, color="black", linewidth=0.8)
     axes[1].set_xticks(
-        [j + 0.4 - width / 2 for j in range(len(keys))], [k.replace("x", " tok, ") + " docs" for k in keys]
+        [j + 0.4 - width / 2 for j in range(len(keys))],
+        [f"{co[k]['context'] // 1024}k, {co[k]['documents']} docs" for k in keys],
     )
     axes[1].set_ylabel("time to first token / full prefill's")
     axes[1].set_title("Composed documents")
