@@ -67,8 +67,11 @@ async def observed(
         try:
             op.state[obs] = obs.operation_started(op)
         except Exception as exc:
+            took = time.perf_counter() - began  # the observer's time, not our logging's
             _failed(obs, "start", op, exc)
-        _timed(obs, "operation_started", time.perf_counter() - began)
+        else:
+            took = time.perf_counter() - began
+        _timed(obs, "operation_started", took)
     token = _current.set(op)
     start = time.perf_counter()
     try:
@@ -102,8 +105,11 @@ async def observed(
             try:
                 obs.operation_ended(op)
             except Exception as exc:
+                took = time.perf_counter() - began
                 _failed(obs, "end", op, exc)
-            _timed(obs, "operation_ended", time.perf_counter() - began)
+            else:
+                took = time.perf_counter() - began
+            _timed(obs, "operation_ended", took)
     return result
 
 

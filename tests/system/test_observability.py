@@ -13,6 +13,7 @@ off: a client used without OpenTelemetry never imports it (in a subprocess).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import re
@@ -780,6 +781,20 @@ def test_the_blocking_client_takes_the_same_options_and_keeps_the_callers_span(
     assert (lookup.attributes or {})["lmcache.outcome"] == "miss"
 
 
+async def _rebind(mode: str, port: int, http_port: int) -> Any:
+    """An embedded server on the ports of one just stopped: libzmq's reaper closes the
+    old listening socket in the background, so the port may stay in use a moment (a CI
+    run got EADDRINUSE); tried again for at most 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return _embedded(mode, port=port, http_port=http_port)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
 async def test_a_server_replaced_behind_a_proxy_is_logged_once_at_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -793,7 +808,7 @@ async def test_a_server_replaced_behind_a_proxy_is_logged_once_at_warning(
                 assert await c.drain(10)
                 with caplog.at_level(logging.DEBUG, logger="lmcache_async"):
                     srv.stop()  # the forwarders keep the client's connections up
-                    srv = _embedded("pickle", port=port, http_port=http_port)
+                    srv = await _rebind("pickle", port, http_port)
                     await asyncio.sleep(1.2)  # silence: the next operation checks who answers
                     assert await c.lookup(toks) == 0  # the new server is empty
     finally:
