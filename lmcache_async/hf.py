@@ -780,7 +780,7 @@ async def _compose_repair_store(
     t1 = time.perf_counter()
     positions = await run_model(repair, the_plan, kv, toks) if repair is not None else []
     compute_ms = _ms(t1)
-    left = None if deadline is None else max(deadline - (time.perf_counter() - t0), 0.0)
+    left = None if deadline is None else max(deadline - retrieve_s, 0.0)  # the model's time has no deadline
     t2 = time.perf_counter()
     store = asyncio.ensure_future(client.store(kv, toks[: the_plan.stored], cache_salt, timeout=left))
     if serve is None:
