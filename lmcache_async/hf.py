@@ -783,40 +783,32 @@ async def _compose_repair_store(
     left = None if deadline is None else max(deadline - retrieve_s, 0.0)  # the model's time has no deadline
     t2 = time.perf_counter()
     store = asyncio.ensure_future(client.store(kv, toks[: the_plan.stored], cache_salt, timeout=left))
-    if serve is None:
-        new = await store
-        return ComposedPrompt(
-            _compose.result(the_plan, gathered, new),
-            len(positions),
-            kv,
-            compute_ms,
-            tuple(positions),
-            retrieve_s * 1000.0,
-            _ms(t2),
-        )
-    try:
-        gen = await run_model(
-            generate,
-            model,
-            toks,
-            max_new_tokens=serve.max_new_tokens,
-            prefix_kv=kv,
-            eos_token_id=serve.eos_token_id,
-        )
-    except BaseException:
-        store.cancel()  # a store cancelled cleanly stores all chunks or none
-        raise
-    store.add_done_callback(_log_store_error)
+    gen: Generation | None = None
+    if serve is not None:
+        try:
+            gen = await run_model(
+                generate,
+                model,
+                toks,
+                max_new_tokens=serve.max_new_tokens,
+                prefix_kv=kv,
+                eos_token_id=serve.eos_token_id,
+            )
+        except BaseException:
+            store.cancel()  # a store cancelled cleanly stores all chunks or none
+            raise
+        store.add_done_callback(_log_store_error)
+    new = False if gen is not None else await store
     return ComposedPrompt(
-        _compose.result(the_plan, gathered, False),
+        _compose.result(the_plan, gathered, new),
         len(positions),
         kv,
         compute_ms,
         tuple(positions),
         retrieve_s * 1000.0,
-        0.0,
-        replace(gen, retrieve_ms=retrieve_s * 1000.0),
-        store,
+        0.0 if gen is not None else _ms(t2),
+        None if gen is None else replace(gen, retrieve_ms=retrieve_s * 1000.0),
+        None if gen is None else store,
     )
 
 

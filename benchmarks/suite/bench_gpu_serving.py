@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import platform
 import statistics
@@ -43,9 +44,9 @@ from typing import Any
 import torch
 
 import lmcache_async as lmc
+from benchmarks.probes.bench_cuda import ROOT, start_server
 from lmcache_async import KVPart, hf, hf_blend
 
-ROOT = Path(__file__).resolve().parents[2]
 CS = 256
 TAIL = 16
 LLAMA_8B: dict[str, Any] = {
@@ -84,18 +85,6 @@ def build_model(layers: int | None = None, device: str = "cuda", small: bool = F
     return model.eval()
 
 
-def start_server(size: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    cmd = [sys.executable, "-m", "lmcache_async", "serve", "--port", "0", "--http-port", "0"]
-    cmd += ["--chunk-size", str(CS), "--mode", "shm", "--size", size, "--prefault", "--json"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        proc.kill()
-        raise RuntimeError(f"the embedded server did not start: {cmd}")
-    return proc, json.loads(line)
-
-
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -111,8 +100,11 @@ class Tokens:
         return torch.randint(0, LLAMA_8B["vocab_size"], (n,), generator=self.gen).tolist()
 
 
-async def timed(fn: Callable[[], Awaitable[Any]], reps: int) -> dict[str, Any]:
-    """Median, min and max milliseconds of ``reps`` calls after one warm-up."""
+async def timed(
+    fn: Callable[[], Awaitable[Any]], reps: int, after: Callable[[], Awaitable[Any]] | None = None
+) -> dict[str, Any]:
+    """Median, min and max milliseconds of ``reps`` calls after one warm-up; ``after``
+    runs after each call, untimed."""
     times = []
     for i in range(reps + 1):
         sync()
@@ -121,6 +113,8 @@ async def timed(fn: Callable[[], Awaitable[Any]], reps: int) -> dict[str, Any]:
         sync()
         if i:
             times.append((time.perf_counter() - t0) * 1e3)
+        if after is not None:
+            await after()
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "n": reps}
 
 
@@ -208,22 +202,14 @@ async def compose_row(
     cases = [("plain", 0.0, "")] + [
         (f"{sel}_{round(f * 100)}", f, sel) for f in FRACTIONS for sel in SELECTIONS
     ]
+
+    async def stored() -> None:
+        await asyncio.gather(*pending)
+        pending.clear()
+
     for name, fraction, selection in cases:
-        times = []
-        for i in range(reps + 1):
-            sync()
-            t0 = time.perf_counter()
-            await served(fraction, selection)
-            sync()
-            if i:
-                times.append((time.perf_counter() - t0) * 1e3)
-            await asyncio.gather(*pending)
-            pending.clear()
-        med = statistics.median(times)
-        row[name] = {
-            "median_ms": med, "min_ms": min(times), "max_ms": max(times), "n": reps,
-            "over_full": med / row["full"]["median_ms"],
-        }  # fmt: skip
+        row[name] = await timed(functools.partial(served, fraction, selection), reps, stored)
+        row[name]["over_full"] = row[name]["median_ms"] / row["full"]["median_ms"]
     return row
 
 
@@ -274,7 +260,7 @@ def stamp() -> dict[str, Any]:
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(args.layers, args.device, small=args.device == "cpu")
     geometry = hf.geometry_from_model(model)
-    proc, info = start_server(args.size)
+    proc, info = start_server("shm", args.size)  # chunk 256, prefaulted
     try:
         async with lmc.AsyncClient(
             info["url"], info["http_url"], "bench-gpu", geometry=geometry, timeout=300

@@ -58,16 +58,21 @@ async def _settle() -> None:
     await asyncio.sleep(0)
 
 
-async def _close_during_open(srv: Any) -> None:
-    loop = asyncio.get_running_loop()
+async def _baseline(srv: Any, model: str) -> tuple[list[dict[str, Any]], int, int, int]:
+    """Report the loop's unhandled exceptions into the list returned, warm up (the loop's
+    resolver thread, the ZMQ context's threads) with one client, then the baseline of
+    descriptors, threads and tasks."""
     reported: list[dict[str, Any]] = []
-    loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx))
-    model = unique_model("close-during-open")
-    # Warm up (the loop's resolver thread, the ZMQ context's threads) before the baseline.
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: reported.append(ctx))
     async with lmc.AsyncClient(srv.url, srv.http_url, model, geometry=SMALL_GEOMETRY, timeout=10):
         pass
     await _settle()
-    fds, threads, tasks = _fds(), threading.active_count(), len(_other_tasks())
+    return reported, _fds(), threading.active_count(), len(_other_tasks())
+
+
+async def _close_during_open(srv: Any) -> None:
+    model = unique_model("close-during-open")
+    reported, fds, threads, tasks = await _baseline(srv, model)
     rng = random.Random(40)
     outcomes: Counter[str] = Counter()
     ids: set[int] = set()
@@ -115,14 +120,8 @@ async def test_aclose_during_open_on_the_real_server(real_server_shm: Any) -> No
 async def test_a_fleet_with_a_server_down_names_it_and_leaves_nothing(real_server_shm: Any) -> None:
     srv = real_server_shm
     dead = (f"tcp://127.0.0.1:{_dead_port()}", f"http://127.0.0.1:{_dead_port()}")
-    loop = asyncio.get_running_loop()
-    reported: list[dict[str, Any]] = []
-    loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx))
     model = unique_model("fleet-down")
-    async with lmc.AsyncClient(srv.url, srv.http_url, model, geometry=SMALL_GEOMETRY, timeout=10):
-        pass
-    await _settle()
-    fds, threads, tasks = _fds(), threading.active_count(), len(_other_tasks())
+    reported, fds, threads, tasks = await _baseline(srv, model)
     ids: set[int] = set()
     message = re.escape(
         f"fleet server 1 ({dead[0]}, {dead[1]}) cannot be opened, and a Fleet opens only with every "
