@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from lmcache_async import _compose
+from lmcache_async import _compose, _hf_recompute
 from lmcache_async._compose import ComposeResult, KVPart
 from lmcache_async._defaults import DEFAULT, DefaultType, resolve_timeout
 from lmcache_async._wire import validate_cache_salt, validate_tokens
@@ -818,6 +818,10 @@ def _recompute_at(model: Any, toks: list[int], kv: torch.Tensor, chosen: list[in
     chosen and to the recomputed KV of the chosen ones up to itself (the repairs' one
     scattered forward pass)."""
     geometry = geometry_from_model(model)
+    if _hf_recompute.usable(model, kv):  # on a GPU: in place, attention cut by position
+        ids = [toks[i] for i in chosen]
+        _hf_recompute.run(model, kv, ids, chosen, geometry.num_kv_heads, geometry.head_dim)
+        return
     device = _model_device(model)
     total = kv.shape[2]
     pos = torch.tensor(chosen, dtype=torch.long, device=device)

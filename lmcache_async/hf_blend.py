@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import DynamicCache
 
-from lmcache_async import _compose
+from lmcache_async import _compose, _hf_recompute
 from lmcache_async._compose import KVPart
 from lmcache_async._defaults import DEFAULT, DefaultType
 from lmcache_async._wire import validate_cache_salt
@@ -145,7 +145,14 @@ def _layer_values(
     if not isinstance(v_proj, torch.nn.Module):
         return _layer_kv(model, toks, kv, start, end, layer)[1]
     captured: list[torch.Tensor] = []
-    _run_until(model, toks, kv, start, end, v_proj, captured)
+    if _hf_recompute.usable(model, kv):  # on a GPU: over a copy of the layers that run
+        geometry = geometry_from_model(model)
+        scratch = kv[:, :layer, :end].clone()
+        heads, head_dim = geometry.num_kv_heads, geometry.head_dim
+        ids, positions = toks[start:end], range(start, end)
+        _hf_recompute.run(model, scratch, ids, positions, heads, head_dim, v_proj, captured)
+    else:
+        _run_until(model, toks, kv, start, end, v_proj, captured)
     if not captured:  # pragma: no cover - a model that never calls v_proj
         return _layer_kv(model, toks, kv, start, end, layer)[1]
     return captured[0].reshape(end - start, -1)

@@ -21,6 +21,9 @@ between two ``torch.cuda.synchronize()``; the median of ``--reps`` after one war
   ``recompute=0``), and :func:`hf_blend.compose_and_blend` at 5 % and 15 % with the
   ``deviation`` and ``query`` selections, each serving the first token from the composed
   KV (``max_new_tokens=1``) while the target's store runs (awaited after the timing).
+  ``--fractions`` and ``--selections`` narrow them; ``--masked`` times each repair again
+  through the 4D-mask pass that the in-place one (``lmcache_async._hf_recompute``)
+  replaced on GPUs, in the same run.
 
 The JSON names the card (``torch.cuda.get_device_name``); figures from another card
 are not comparable.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import platform
@@ -37,7 +41,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +50,7 @@ import torch
 
 import lmcache_async as lmc
 from benchmarks.probes.bench_cuda import ROOT, start_server
-from lmcache_async import KVPart, hf, hf_blend
+from lmcache_async import KVPart, _hf_recompute, hf, hf_blend
 
 CS = 256
 TAIL = 16
@@ -172,8 +177,47 @@ async def prompts(client: lmc.AsyncClient, model: Any, contexts: list[int], reps
     return out
 
 
+@dataclass(frozen=True)
+class Cases:
+    """The repairs a composition row times: each fraction with each selection; with
+    ``masked``, each of them again through the 4D-mask pass the in-place one replaced
+    (the same run's A/B)."""
+
+    fractions: tuple[float, ...] = FRACTIONS
+    selections: tuple[str, ...] = SELECTIONS
+    masked: bool = False
+
+    def names(self) -> list[tuple[str, float, str, bool]]:
+        out = [("plain", 0.0, "", False)]
+        for f in self.fractions:
+            for sel in self.selections:
+                out.append((f"{sel}_{round(f * 100)}", f, sel, False))
+                if self.masked:
+                    out.append((f"{sel}_{round(f * 100)}_masked", f, sel, True))
+        return out
+
+
+@contextlib.contextmanager
+def masked_pass(on: bool) -> Iterator[None]:
+    """The repairs' passes through transformers' attention with a 4D mask (the path
+    before the in-place pass), while ``on``."""
+    saved = _hf_recompute.DEVICES
+    if on:
+        _hf_recompute.DEVICES = ()
+    try:
+        yield
+    finally:
+        _hf_recompute.DEVICES = saved
+
+
 async def compose_row(
-    client: lmc.AsyncClient, model: Any, docs: list[list[int]], question: list[int], salt: str, reps: int
+    client: lmc.AsyncClient,
+    model: Any,
+    docs: list[list[int]],
+    question: list[int],
+    salt: str,
+    reps: int,
+    cases: Cases,
 ) -> dict[str, Any]:
     """One composition: the documents (cached alone) in reverse order, the question after
     them; the full prefill, plain composition and the selective repairs."""
@@ -199,29 +243,29 @@ async def compose_row(
         pending.append(res.stored)  # the store runs past the first token: awaited untimed
 
     row: dict[str, Any] = {"target_tokens": len(target), "full": await timed(full, reps)}
-    cases = [("plain", 0.0, "")] + [
-        (f"{sel}_{round(f * 100)}", f, sel) for f in FRACTIONS for sel in SELECTIONS
-    ]
 
     async def stored() -> None:
         await asyncio.gather(*pending)
         pending.clear()
 
-    for name, fraction, selection in cases:
-        row[name] = await timed(functools.partial(served, fraction, selection), reps, stored)
+    for name, fraction, selection, masked in cases.names():
+        with masked_pass(masked):
+            row[name] = await timed(functools.partial(served, fraction, selection), reps, stored)
         row[name]["over_full"] = row[name]["median_ms"] / row["full"]["median_ms"]
+        print(f"  {name}: {row[name]['median_ms']:.1f} ms, {row[name]['over_full']:.3f}x full", flush=True)
     return row
 
 
 async def compose(
-    client: lmc.AsyncClient, model: Any, contexts: list[int], docs_counts: list[int], reps: int
+    client: lmc.AsyncClient, model: Any, contexts: list[int], docs_counts: list[int], reps: int, cases: Cases
 ) -> dict[str, Any]:
     tokens = Tokens(2)
     out: dict[str, Any] = {}
     for ctx in contexts:
         for n in docs_counts:
             docs = [tokens.fresh(ctx // n) for _ in range(n)]
-            row = await compose_row(client, model, docs, tokens.fresh(TAIL), f"target-{ctx}-{n}", reps)
+            question = tokens.fresh(TAIL)
+            row = await compose_row(client, model, docs, question, f"target-{ctx}-{n}", reps, cases)
             out[f"{ctx}x{n}"] = {"context": ctx, "documents": n, **row}
             print(
                 f"compose {ctx}x{n}: "
@@ -269,7 +313,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             if args.contexts:
                 result["prompts"] = await prompts(c, model, args.contexts, args.reps)
             if args.compose_contexts:
-                result["compose"] = await compose(c, model, args.compose_contexts, args.documents, args.reps)
+                cases = Cases(tuple(args.fractions), tuple(args.selections), args.masked)
+                result["compose"] = await compose(
+                    c, model, args.compose_contexts, args.documents, args.reps, cases
+                )
             return result
     finally:
         proc.terminate()
@@ -330,6 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=int, nargs="*", default=[2048, 8192, 16384, 32768])
     parser.add_argument("--compose-contexts", type=int, nargs="*", default=[8192, 32768])
     parser.add_argument("--documents", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
+    parser.add_argument("--selections", nargs="+", choices=SELECTIONS, default=list(SELECTIONS))
+    parser.add_argument(
+        "--masked", action="store_true", help="also each repair through the 4D-mask pass (A/B)"
+    )
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--size", default="40G", help="the server's SHM pool")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (a smoke run)")

@@ -132,3 +132,41 @@ async def test_composition_runs_on_the_gpu_as_on_the_cpu(
     assert close(on_gpu.generation.logits, on_cpu.generation.logits)
     stored = await client.retrieve(target, f"gpu-{repair}", device="cuda")
     assert stored is not None and torch.equal(stored, on_gpu.kv)  # the stored KV is the served one
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_in_place_pass_is_the_masked_pass_on_the_gpu(dtype: torch.dtype) -> None:
+    """On CUDA the repairs' passes write in place and cut attention by position (fused
+    kernels: flash in bf16, the efficient one in fp32); the 4D-mask pass they replace
+    gives the same KV within the dtype's rounding, and only the chosen tokens change."""
+    import random
+
+    from lmcache_async import _hf_recompute
+
+    model = tiny_llama(dtype).to("cuda")
+    geometry = hf.geometry_from_model(model)
+    total = 1200
+    gen = torch.Generator().manual_seed(7)
+    toks = torch.randint(0, VOCAB, (total + 9,), generator=gen).tolist()
+    kv = torch.randn(geometry.kv_shape(total), generator=gen).to(dtype).to("cuda")
+    chosen = sorted(random.Random(4).sample(range(300, total), 200))
+    assert _hf_recompute.usable(model, kv)
+    fast = kv.clone()
+    hf._recompute_at(model, toks, fast, chosen)
+    values_fast = hf_blend._layer_values(model, toks, kv, 300, total, 1)
+    saved, _hf_recompute.DEVICES = _hf_recompute.DEVICES, ()
+    try:
+        masked = kv.clone()
+        hf._recompute_at(model, toks, masked, chosen)
+        values_masked = hf_blend._layer_values(model, toks, kv, 300, total, 1)
+    finally:
+        _hf_recompute.DEVICES = saved
+    assert model.config._attn_implementation == "sdpa"
+    others = [t for t in range(total) if t not in set(chosen)]
+    assert torch.equal(fast[:, :, others], kv[:, :, others])
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    scale = float(masked.float().abs().max())
+    assert float((fast.float() - masked.float()).abs().max()) <= tol * scale
+    assert float((values_fast.float() - values_masked.float()).abs().max()) <= tol * float(
+        values_masked.float().abs().max()
+    )
