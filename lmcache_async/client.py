@@ -32,13 +32,14 @@ import torch
 
 from lmcache_async import _client_core as core, _compose, _observing as observing, bulk, management, observe
 from lmcache_async._client_core import align
-from lmcache_async._connection import DEFAULT_MAX_IN_FLIGHT, check_zmq_url
+from lmcache_async._connection import DEFAULT_MAX_IN_FLIGHT
 from lmcache_async._cuda.hooks import kv_mark, target_mark
 from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout
 from lmcache_async._event_stream import subscribe
 from lmcache_async._ops import Operations
 from lmcache_async._runner import OpState, wait_all
 from lmcache_async._session import Session
+from lmcache_async._urls import check_zmq_url
 from lmcache_async._wire import (
     Op,
     validate_cache_salt,
