@@ -18,9 +18,11 @@ from __future__ import annotations
 import ast
 import re
 import tomllib
+import typing
 from collections import Counter
 from pathlib import Path
 
+from lmcache_async.observe import Outcome
 from tests.unit.test_api_index import public_modules
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -295,3 +297,10 @@ def test_contributing_lists_the_run_time_dependencies() -> None:
     declared = [re.match(r"[A-Za-z0-9_.-]+", d).group(0) for d in PYPROJECT["project"]["dependencies"]]  # type: ignore[union-attr]
     assert len(declared) >= 7
     assert sorted(listed) == sorted(declared)
+
+
+def test_the_design_notes_name_every_outcome() -> None:
+    text = " ".join((ROOT / "docs" / "internals" / "design.md").read_text().split())
+    start = text.index("(`outcome` ")
+    named = re.findall(r'`"([a-z]+)"`', text[start : text.index(";", start)])
+    assert named == list(typing.get_args(Outcome))
