@@ -835,7 +835,7 @@ class AsyncClient(core.ClientCore):
                         incarnation: int | None = None, max_events: int = 256, ping_interval: float = 10.0,
                         reconnect_timeout: float | None = 60.0) -> AsyncGenerator[KVEvent]:  # fmt: skip
         """The server's KV events of ``model_name`` (default: this client's) as they come: arguments, errors,
-        cancellation: :func:`lmcache_async._event_stream.subscribe`; what they see: docs/guides/routing.md."""
+        cancellation: :func:`lmcache_async.events.subscribe`; what they see: docs/guides/routing.md."""
         async with subscribe(self, model_name, cursor, incarnation, max_events, ping_interval,
                              reconnect_timeout) as stream:  # fmt: skip
             async for event in stream:
