@@ -9,7 +9,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from lmcache_async._connection import Connection, OnLate
+from lmcache_async._connection import Connection
+from lmcache_async._pending import OnLate
 from lmcache_async._wire import Op, op_name
 from lmcache_async.errors import ServerReplacedError
 

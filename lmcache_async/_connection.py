@@ -47,16 +47,12 @@ import asyncio
 import collections
 import contextlib
 import functools
-import ipaddress
-import itertools
 import logging
 import os
 import socket
 import time
-import urllib.parse
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -65,7 +61,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from lmcache_async import _trace
 from lmcache_async._deadline import async_timeout, check_left, zmq_poll_ms
+from lmcache_async._pending import OnLate, PendingTable
 from lmcache_async._runner import Expired, cancel_and_wait, expire
+from lmcache_async._urls import check_zmq_url, is_ip_address
 from lmcache_async._wire import GEN_0_5_6, Op, Reply, WireGeneration, decode_reply, encode_request, op_name
 from lmcache_async._zmq_context import monitor_address, process_context
 from lmcache_async.errors import (
@@ -76,10 +74,6 @@ from lmcache_async.errors import (
 )
 
 __all__ = ["Connection", "OnLate", "PendingTable", "check_zmq_url"]
-
-#: Given, when a call stops waiting for a request it sent, the future of its late reply
-#: (see :meth:`PendingTable.linger`).
-OnLate = Callable[["asyncio.Future[None]"], None]
 
 log = logging.getLogger(__name__)
 
@@ -116,76 +110,6 @@ _RCVMORE = int(zmq.RCVMORE)
 _monotonic = time.monotonic
 
 
-def check_zmq_url(url: object, name: str = "url") -> str:
-    """Refuse, before any socket exists, a ZMQ endpoint a client cannot connect to.
-
-    Accepted: ``tcp://host:port`` (a host name, an IPv4 address or a bracketed IPv6
-    address, and a port in 1..65535, nothing after it) and ``ipc://path``.
-
-    Returns:
-        The host to resolve (``""`` for ``ipc://``).
-
-    Raises:
-        TypeError: ``url`` is not a str.
-        ValueError: anything else (no scheme, another scheme, no host, a host that is
-            not a valid host name, no port, a port out of range, more than one ':' after
-            the host, a path or query after the port); the message says which.
-    """
-    if not isinstance(url, str):
-        raise TypeError(f"{name} must be a str like tcp://host:port, got {type(url).__name__}")
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        raise ValueError(f"{name} must look like tcp://host:port, got {url!r}")
-    if scheme == "ipc":
-        if not rest:
-            raise ValueError(f"{name} {url!r} names no socket path (ipc://path)")
-        return ""
-    if scheme in ("http", "https"):
-        raise ValueError(
-            f"{name} {url!r} is an HTTP address: {name} is the server's ZMQ endpoint, "
-            "tcp://host:port (the HTTP endpoint is http_url)"
-        )
-    if scheme != "tcp":
-        raise ValueError(f"{name} must be tcp://host:port or ipc://path, got {url!r}")
-    parts = urllib.parse.urlsplit(url)
-    if parts.path or parts.query or parts.fragment or "@" in parts.netloc:
-        raise ValueError(f"{name} {url!r} must be tcp://host:port and nothing else")
-    if not parts.netloc.startswith("[") and parts.netloc.count(":") > 1:
-        raise ValueError(
-            f"{name} {url!r} has more than one ':' after the host (tcp://host:port; an IPv6 "
-            "address goes in brackets, tcp://[::1]:5555)"
-        )
-    try:
-        port = parts.port
-    except ValueError:
-        port_text = parts.netloc.rpartition(":")[2]
-        raise ValueError(f"{name} {url!r}: port {port_text!r} is not a port number in 1..65535") from None
-    if not parts.hostname or parts.hostname == "*":
-        raise ValueError(f"{name} {url!r} names no host to connect to (tcp://host:port)")
-    if port is None:
-        raise ValueError(f"{name} {url!r} has no port (tcp://host:port; the server's --port, often 5555)")
-    if port == 0:
-        raise ValueError(f"{name} {url!r}: port 0 is not a port to connect to (1..65535)")
-    host = parts.hostname
-    if not _is_ip_address(host):
-        try:
-            host.encode("idna")  # what name resolution does with it
-        except UnicodeError:
-            raise ValueError(
-                f"{name} {url!r}: {host[:40]!r}{'...' if len(host) > 40 else ''} is not a host name "
-                "(at most 253 characters, in dot-separated labels of 1 to 63)"
-            ) from None
-    return host
-
-
-def _is_ip_address(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
 def _release(sock: zmq.Socket[Any] | None, monitor: zmq.Socket[Any] | None, linger: int = 0) -> None:
     """Close the DEALER (its monitor stopped first) and the monitor's socket. Never blocks
     (closing a socket does not, whatever its linger; only a context's ``term()`` would,
@@ -204,128 +128,6 @@ def _release_unclosed(pid: int, sock: zmq.Socket[Any], monitor: zmq.Socket[Any])
     a forked child must not touch the parent's sockets)."""
     if os.getpid() == pid:
         _release(sock, monitor)
-
-
-@dataclass
-class _Entry:
-    future: asyncio.Future[Reply]
-    op: Op
-
-
-class PendingTable:
-    """In-flight requests keyed by uid (pure bookkeeping; no I/O).
-
-    Attributes:
-        dropped_unknown: replies whose uid had no entry (late, duplicate, foreign).
-        dropped_mismatch: replies whose echoed op differed from the request's.
-        late_heard: late replies (counted in ``dropped_unknown`` too) whose arrival was
-            told to a waiter (:meth:`linger`).
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[int, _Entry] = {}
-        self._late: dict[int, tuple[Op, asyncio.Future[None]]] = {}  # uid: op, arrival
-        self.streams: dict[int, Any] = {}  # uid: its _reply_stream.ReplyStream (many replies)
-        self._uids = itertools.count()
-        self.dropped_unknown = 0
-        self.dropped_mismatch = 0
-        self.late_heard = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def register(self, op: Op, loop: asyncio.AbstractEventLoop) -> tuple[int, asyncio.Future[Reply]]:
-        """Allocate a fresh uid and a future. The entry leaves the table when a reply is
-        routed to it or :meth:`fail_all` fails it; a caller that stops waiting otherwise
-        (timeout, cancellation) calls :meth:`discard`."""
-        uid = next(self._uids)
-        fut: asyncio.Future[Reply] = loop.create_future()
-        self._entries[uid] = _Entry(fut, op)
-        return uid, fut
-
-    def discard(self, uid: int) -> None:
-        """Forget ``uid`` (its caller stopped waiting); a later reply is dropped."""
-        self._entries.pop(uid, None)
-
-    def linger(self, uid: int, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None] | None:
-        """Forget ``uid`` as :meth:`discard` does, but watch for its late reply: the
-        returned future is done when it arrives (the reply itself is dropped and counted),
-        fails as the in-flight calls do in :meth:`fail_all`, and is forgotten once its
-        waiter cancels it. ``None`` when the reply already came, or the call already failed
-        (its entry is gone)."""
-        entry = self._entries.pop(uid, None)
-        if entry is None:
-            return None
-        late: asyncio.Future[None] = loop.create_future()
-        self._late[uid] = (entry.op, late)
-        late.add_done_callback(functools.partial(self._late_done, uid))
-        return late
-
-    def _late_done(self, uid: int, late: asyncio.Future[None]) -> None:
-        self._late.pop(uid, None)
-        if not late.cancelled():
-            late.exception()  # retrieved: its waiter may have left
-
-    @property
-    def lingering(self) -> int:
-        """Late replies still watched for (:meth:`linger`)."""
-        return len(self._late)
-
-    def resolve(self, reply: Reply) -> bool:
-        """Route a reply; returns False (and counts it) if it was dropped."""
-        if self.streams and (stream := self.streams.get(reply.uid)) is not None:
-            return bool(stream.accept(reply, self))
-        entry = self._entries.get(reply.uid)
-        if entry is None:
-            self.dropped_unknown += 1
-            if self._late:
-                self._late_arrived(reply)
-            return False
-        if entry.future.done():  # its caller stopped waiting a moment ago: not late
-            del self._entries[reply.uid]
-            self.dropped_unknown += 1
-            return False
-        if reply.op != int(entry.op) and reply.op != op_name(entry.op):
-            self.dropped_mismatch += 1
-            log.warning("dropping reply %d: op %r echoed for %s", reply.uid, reply.op, op_name(entry.op))
-            return False
-        del self._entries[reply.uid]
-        entry.future.set_result(reply)
-        return True
-
-    def _late_arrived(self, reply: Reply) -> None:
-        watched = self._late.get(reply.uid)
-        if watched is None:
-            return
-        op, late = watched
-        if reply.op != int(op) and reply.op != op_name(op):
-            return  # not its reply
-        del self._late[reply.uid]
-        if not late.done():
-            self.late_heard += 1
-            late.set_result(None)
-
-    def fail_all(self, exc_factory: Any) -> int:
-        """Fail every in-flight future (and open stream) with ``exc_factory(op)`` and
-        empty the table; returns how many. The late replies watched for (:meth:`linger`)
-        fail too (not counted): none can come any more."""
-        entries, streams = list(self._entries.values()), list(self.streams.values())
-        lates = list(self._late.values())
-        self._entries.clear()
-        self.streams.clear()
-        self._late.clear()
-        for op, late in lates:
-            if not late.done():
-                late.set_exception(exc_factory(op))
-        for entry in entries:
-            if not entry.future.done():
-                entry.future.set_exception(exc_factory(entry.op))
-        for stream in streams:
-            stream.fail(exc_factory(stream.op))
-        return len(entries) + len(streams)
-
-    def next_uid(self) -> int:
-        return next(self._uids)
 
 
 class Connection:
@@ -443,7 +245,7 @@ class Connection:
     async def _resolve(self, timeout: float | None) -> None:
         """Resolve the host before any socket exists: ZMQ would retry an unknown host
         forever, which :meth:`open` could only report as "no connection"."""
-        if not self._host or _is_ip_address(self._host):
+        if not self._host or is_ip_address(self._host):
             return
         assert self._loop is not None
         limit = CONNECT_WAIT_S if timeout is None else min(timeout, CONNECT_WAIT_S)

@@ -43,6 +43,13 @@ from types import TracebackType
 from typing import Any
 
 from lmcache_async._connection import Connection
+from lmcache_async._event_types import (
+    KVEvent,
+    Resync,
+    decode_batch,
+    validate_cursor,
+    validate_max_events,
+)
 from lmcache_async._reply_stream import ReplyStream, open_stream
 from lmcache_async._runner import cancel_and_wait
 from lmcache_async._wire import Op, validate_model_name
@@ -51,13 +58,6 @@ from lmcache_async.errors import (
     KVEventsDisabledError,
     LMCacheConnectionError,
     LMCacheTimeoutError,
-)
-from lmcache_async.events import (
-    KVEvent,
-    Resync,
-    decode_batch,
-    validate_cursor,
-    validate_max_events,
 )
 
 __all__ = ["KVEventStream", "subscribe"]

@@ -21,7 +21,8 @@ from typing import Any
 
 import zmq
 
-from lmcache_async._connection import Connection, PendingTable
+from lmcache_async._connection import Connection
+from lmcache_async._pending import PendingTable
 from lmcache_async._wire import Op, Reply, encode_request, op_name, packb
 from lmcache_async.errors import LMCacheConnectionError, ProtocolError
 

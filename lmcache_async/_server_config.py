@@ -2,9 +2,14 @@
 into one frozen :class:`ServerConfig`.
 
 Read at open and again at each re-registration (a restarted server may have another
-chunk size, pool or instance id). Nothing else in the library reads ``/config`` by hand:
-the CLI's ``status`` command shows the document itself and predicts the transport with
-:func:`expected_pool`, the same reading :attr:`ServerConfig.expected_pool` holds.
+chunk size, pool or instance id). The other readers of the documents: the server's hash
+algorithm (``/status`` ``hash_algorithm`` or ``/config`` ``mp.hash_algorithm``) is read by
+:func:`lmcache_async.hashing.hash_algorithm_of`, from the documents the client's
+``Metadata`` read at connect (:func:`lmcache_async.management.hash_algorithm`); the
+embedded-server check of ``kv_events`` reads both documents for its marker
+(:func:`lmcache_async._event_stream.is_embedded`); the CLI's ``status`` command shows the
+``/config`` document itself and predicts the transport with :func:`expected_pool`, the same
+reading :attr:`ServerConfig.expected_pool` holds.
 """
 
 from __future__ import annotations

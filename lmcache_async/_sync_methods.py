@@ -203,7 +203,7 @@ class SyncMethods:
 
     def kv_events(self, model_name: str | None = None, *, cursor: int = 0, incarnation: int | None = None, max_events: int = 256, ping_interval: float = 10.0, reconnect_timeout: float | None = 60.0) -> Iterator[KVEvent]:
         """The server's KV events of ``model_name`` (default: this client's) as they come: arguments, errors,
-        cancellation: :func:`lmcache_async._event_stream.subscribe`; what they see: docs/guides/routing.md.
+        cancellation: :func:`lmcache_async.events.subscribe`; what they see: docs/guides/routing.md.
 
         Blocking :meth:`AsyncClient.kv_events <lmcache_async.AsyncClient.kv_events>` (its
         arguments, result, errors and cancellation) (an iterator: each step is a blocking call;

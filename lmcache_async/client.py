@@ -32,13 +32,14 @@ import torch
 
 from lmcache_async import _client_core as core, _compose, _observing as observing, bulk, management, observe
 from lmcache_async._client_core import align
-from lmcache_async._connection import DEFAULT_MAX_IN_FLIGHT, check_zmq_url
+from lmcache_async._connection import DEFAULT_MAX_IN_FLIGHT
 from lmcache_async._cuda.hooks import kv_mark, target_mark
 from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout
 from lmcache_async._event_stream import subscribe
 from lmcache_async._ops import Operations
 from lmcache_async._runner import OpState, wait_all
 from lmcache_async._session import Session
+from lmcache_async._urls import check_zmq_url
 from lmcache_async._wire import (
     Op,
     validate_cache_salt,
@@ -834,7 +835,7 @@ class AsyncClient(core.ClientCore):
                         incarnation: int | None = None, max_events: int = 256, ping_interval: float = 10.0,
                         reconnect_timeout: float | None = 60.0) -> AsyncGenerator[KVEvent]:  # fmt: skip
         """The server's KV events of ``model_name`` (default: this client's) as they come: arguments, errors,
-        cancellation: :func:`lmcache_async._event_stream.subscribe`; what they see: docs/guides/routing.md."""
+        cancellation: :func:`lmcache_async.events.subscribe`; what they see: docs/guides/routing.md."""
         async with subscribe(self, model_name, cursor, incarnation, max_events, ping_interval,
                              reconnect_timeout) as stream:  # fmt: skip
             async for event in stream:

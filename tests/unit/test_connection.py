@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from lmcache_async import _wire as wire
-from lmcache_async._connection import Connection, PendingTable
+from lmcache_async._connection import Connection
+from lmcache_async._pending import PendingTable
 from lmcache_async._wire import Op, Reply
 from lmcache_async.errors import ClientClosedError, LMCacheConnectionError, LMCacheTimeoutError
 from tests.fakes import server_wire
