@@ -10,7 +10,7 @@ Both scripts run with an lmcache venv's python (:func:`lmcache_venv_python`):
 ``generation="0.5.6"`` (default) or ``"0.5.7"`` picks the venv, and so lmcache's
 own wire of that generation; ``EngineWorker(server)`` takes the generation of
 the server object it is given (``RealLMCacheServer.generation``,
-``EmbeddedServer.protocol``). They speak JSON lines (see ``_worker_loop.py``); tensors travel as
+``EmbeddedServer.generation``). They speak JSON lines (see ``_worker_loop.py``); tensors travel as
 ``torch.save`` files in a private temp dir. Every request has a deadline:
 on timeout the child is killed and :class:`WorkerTimeout` raised, so a
 silent server can never hang a test. Both classes are context managers and
@@ -353,7 +353,7 @@ class EngineWorker(_JsonLinesWorker):
 
     def __init__(self, url: Any, **kw: Any) -> None:
         if "generation" not in kw and "python" not in kw:
-            kw["generation"] = getattr(url, "generation", None) or getattr(url, "protocol", None)
+            kw["generation"] = getattr(url, "generation", None)
         super().__init__(**kw)
         self.url: str = str(getattr(url, "url", url))
         self.registration: dict[str, Any] = {}
