@@ -457,7 +457,7 @@ def test_lmcache_counterparts_against_the_embedded_server(
             got = eng.retrieve(tokens)
             assert got is not None and torch.equal(got, kv[:, :, : 2 * CS])
 
-            conn = sdk.connect(handle.url, handle.http_url, spec.name)
+            conn = sdk.connect(handle.url, handle.http_url, spec.name, geometry=[L, NH * HS])
             inline = {"0.5.6": "EngineDrivenContextPickle", "0.5.7": "EngineDrivenContextInline"}
             assert conn["transfer"] == ("EngineDrivenContextShm" if mode == "shm" else inline[protocol])
             got_sdk = sdk.retrieve(tokens)
@@ -469,6 +469,22 @@ def test_lmcache_counterparts_against_the_embedded_server(
             assert sdk.store(own_tokens, own) is (mode == "pickle")  # as on the real servers
             got_eng = eng.retrieve(own_tokens)
             assert got_eng is not None and torch.equal(got_eng, own)
+
+            # The benchmark commands of the same worker (benchmarks/suite's SDK side).
+            n = 3 * CS
+            remap = sdk.request("remap", pairs=[[7000, 9000]], num_tokens=n)
+            assert (remap["hits"], remap["stored"]) == (1, 1)
+            got_remap = eng.retrieve(list(range(9000, 9000 + n)))
+            assert got_remap is not None and torch.equal(got_remap, own)
+            bench = sdk.request("bench", case="pair", chunks=1, iters=2, base=20_000)
+            assert len(bench["times"]) == 2 and bench["cpu"] >= 0
+            conc = sdk.request("concurrent", op="retrieve", starts=[7000, 9000], tokens=n, threads=2)
+            assert conc["done"] == 2
+            where: dict[str, Any] = {"url": handle.url, "http_url": handle.http_url, "model_name": spec.name}
+            fresh = sdk.request("fresh", start=7000, tokens=n, **where)
+            assert set(fresh) >= {"connect_s", "first_s", "second_s"}
+            untouched = sdk.request("untouched", op="retrieve", starts=[7000, 9000], tokens=n, **where)
+            assert (len(untouched["times"]), len(untouched["faults"])) == (2, 2)
             eng.unregister()
         assert handle.server.leftovers().is_clean()
     finally:
