@@ -71,7 +71,7 @@ lint: venv
 	$(BIN)/ruff format --check lmcache_async harness tests benchmarks examples tools
 	$(BIN)/python tools/gen_sync_client.py --check
 
-# mypy strict over lmcache_async, harness, tests, benchmarks/tests and tools (pyproject.toml
+# mypy strict over lmcache_async, harness, tests, benchmarks/{tests,suite,probes} and tools (pyproject.toml
 # [tool.mypy] files).
 typecheck: venv
 	$(BIN)/mypy

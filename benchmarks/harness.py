@@ -3,8 +3,6 @@ probes (``benchmarks/probes/``).
 
 * :func:`server_python`: the lmcache venv of a server generation (0.5.6: ``.lmcache-venv``,
   built by ``make lmcache-venv``; 0.5.7: ``.lmcache-venv-057``);
-* :class:`SDKBench`: the official SDK's side of a benchmark, ``benchmarks/sdk_bench_worker.py``
-  run in that venv and timed inside its own process;
 * :func:`stamp`: what the figures were measured on (machine, versions, commit, load);
 * :func:`spread`: median and range of a list of round figures;
 * :func:`require_generation`: a clear error when the server is not the generation asked for;
@@ -34,22 +32,13 @@ from typing import Any
 import zmq
 
 from harness.real_server import LMCacheServerError, RealLMCacheServer, lmcache_venv_python
-from harness.workers import HARNESS_DIR, _JsonLinesWorker
+from harness.workers import _JsonLinesWorker
 from lmcache_async import _wire as wire
 from lmcache_async._wire import Op
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH_DIR = ROOT / "benchmarks"
 
 GENERATIONS = ("0.5.6", "0.5.7")
-
-
-class SDKBench(_JsonLinesWorker):
-    """The official SDK in the lmcache venv (``benchmarks/sdk_bench_worker.py``)."""
-
-    SCRIPT = str(BENCH_DIR / "sdk_bench_worker.py")
-    IMPORT_DIRS = (HARNESS_DIR,)  # its bare `from _worker_loop import ...`
-    KIND = "sdk-bench"
 
 
 def server_python(generation: str = "0.5.6") -> Path:

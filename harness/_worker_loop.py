@@ -5,9 +5,11 @@ name (they are run as scripts, so this directory is first on ``sys.path``).
 
 Wire format (one JSON object per line, UTF-8):
 
-* startup: the worker writes ``{"ok": true, "ready": true, "pid": N,
-  "worker": "<kind>"}`` once its imports succeeded, or ``{"ok": false,
-  "ready": false, "error": "..."}`` and exits 1.
+* startup: the worker writes :func:`ready_line` (``{"ok": true, "ready": true,
+  "pid": N, "worker": "<kind>", "lmcache_version": "...", "generation": "0.5.6" |
+  "0.5.7"}``) once its imports succeeded, or ``{"ok": false, "ready": false,
+  "error": "..."}`` and exits 1. The spawner (``harness/workers.py``) checks that the
+  generation is the one it asked for.
 * request: ``{"cmd": "<name>", "id": <any>, ...params}``.
 * reply: ``{"ok": true, "id": <echo>, ...results}`` or ``{"ok": false,
   "id": <echo>, "error": "<Type>: <message>", "traceback": "..."}``.
@@ -50,6 +52,19 @@ def installed_lmcache() -> tuple[str, str]:
             continue
         return version, "0.5.6" if version == "0.5.6" else "0.5.7"
     raise RuntimeError("no lmcache distribution is installed in this venv")
+
+
+def ready_line(worker: str) -> dict[str, Any]:
+    """The startup line of a worker of kind ``worker`` (see the module docstring)."""
+    version, generation = installed_lmcache()
+    return {
+        "ok": True,
+        "ready": True,
+        "pid": os.getpid(),
+        "worker": worker,
+        "lmcache_version": version,
+        "generation": generation,
+    }
 
 
 def take_protocol_stdout() -> TextIO:

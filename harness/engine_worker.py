@@ -68,7 +68,7 @@ import sys
 
 # Run as a script (``python path/to/this.py``), so its own directory is sys.path[0]:
 # the sibling _worker_loop imports by its bare name, with no sys.path edit.
-from _worker_loop import WorkerExit, error_reply, installed_lmcache, send, serve, take_protocol_stdout
+from _worker_loop import WorkerExit, error_reply, ready_line, send, serve, take_protocol_stdout
 
 PROTO = take_protocol_stdout()
 
@@ -101,7 +101,6 @@ NULL_BLOCK_ID = 0  # server default --null-block-id
 TRANSFER_MODES = ("lmcache_driven", "engine_driven")
 
 
-LMCACHE_VERSION, GENERATION = installed_lmcache()
 #: 0.5.7 keys carry packed ``token_bytes`` (a map with ``token_ids`` is rejected).
 PACKED_TOKENS = hasattr(IPCCacheServerKey, "from_token_ids")
 
@@ -494,17 +493,7 @@ class Engine:
 
 def main() -> int:
     engine = Engine()
-    send(
-        PROTO,
-        {
-            "ok": True,
-            "ready": True,
-            "pid": os.getpid(),
-            "worker": "engine",
-            "lmcache_version": LMCACHE_VERSION,
-            "generation": GENERATION,
-        },
-    )
+    send(PROTO, ready_line("engine"))
     handlers = {
         "register": engine.register,
         "store": engine.store,

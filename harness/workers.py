@@ -10,7 +10,7 @@ Both scripts run with an lmcache venv's python (:func:`lmcache_venv_python`):
 ``generation="0.5.6"`` (default) or ``"0.5.7"`` picks the venv, and so lmcache's
 own wire of that generation; ``EngineWorker(server)`` takes the generation of
 the server object it is given (``RealLMCacheServer.generation``,
-``EmbeddedServer.protocol``). They speak JSON lines (see ``_worker_loop.py``); tensors travel as
+``EmbeddedServer.generation``). They speak JSON lines (see ``_worker_loop.py``); tensors travel as
 ``torch.save`` files in a private temp dir. Every request has a deadline:
 on timeout the child is killed and :class:`WorkerTimeout` raised, so a
 silent server can never hang a test. Both classes are context managers and
@@ -70,13 +70,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class _JsonLinesWorker:
-    #: The worker script: a name in this directory, or an absolute path.
+    #: The worker script, a name in this directory (it imports ``_worker_loop`` by its bare name).
     SCRIPT: str = ""
     KIND: str = ""
-    #: Directories put on the child's ``PYTHONPATH`` (``child_env`` drops the caller's): a
-    #: script outside this directory that imports ``_worker_loop`` by its bare name names
-    #: :data:`HARNESS_DIR` here.
-    IMPORT_DIRS: tuple[Path, ...] = ()
 
     def __init__(
         self,
@@ -147,17 +143,12 @@ class _JsonLinesWorker:
                 stdout=subprocess.PIPE,
                 stderr=err,
                 cwd=str(self._tmp),  # never inside an lmcache source tree
-                env=child_env(self._child_env_extra()),
+                env=child_env(),
                 start_new_session=True,
             )
         self.pid = self._proc.pid
         self._ready = False
         return self
-
-    def _child_env_extra(self) -> dict[str, str] | None:
-        if not self.IMPORT_DIRS:
-            return None
-        return {"PYTHONPATH": os.pathsep.join(str(d) for d in self.IMPORT_DIRS)}
 
     def stderr_tail(self, n: int = 40) -> str:
         if self._stderr_path is None:
@@ -267,6 +258,19 @@ class _JsonLinesWorker:
         torch.save(tensor.detach().cpu().contiguous(), path)
         return path
 
+    def _request_with_kv_file(
+        self, cmd: str, tokens: Sequence[int], kv: torch.Tensor, *, deadline: float | None, **params: Any
+    ) -> dict[str, Any]:
+        """:meth:`request` ``cmd`` with ``tokens`` and ``kv`` saved to a ``kv_file`` (removed
+        after the reply, or after the error it raises)."""
+        path = self._save(kv, cmd)
+        try:
+            return self.request(
+                cmd, deadline=deadline, tokens=[int(t) for t in tokens], kv_file=str(path), **params
+            )
+        finally:
+            path.unlink(missing_ok=True)
+
     def _load(self, path: Path) -> torch.Tensor:
         t = torch.load(path, weights_only=True)
         path.unlink(missing_ok=True)
@@ -353,7 +357,7 @@ class EngineWorker(_JsonLinesWorker):
 
     def __init__(self, url: Any, **kw: Any) -> None:
         if "generation" not in kw and "python" not in kw:
-            kw["generation"] = getattr(url, "generation", None) or getattr(url, "protocol", None)
+            kw["generation"] = getattr(url, "generation", None)
         super().__init__(**kw)
         self.url: str = str(getattr(url, "url", url))
         self.registration: dict[str, Any] = {}
@@ -431,18 +435,9 @@ class EngineWorker(_JsonLinesWorker):
         ``wait_visible`` (default) this returns only once a lookup sees all
         stored tokens, and raises WorkerError if they do not become visible.
         """
-        path = self._save(kv, "store")
-        try:
-            reply = self.request(
-                "store",
-                deadline=timeout,
-                tokens=[int(t) for t in tokens],
-                kv_file=str(path),
-                cache_salt=cache_salt,
-                wait_visible=wait_visible,
-            )
-        finally:
-            path.unlink(missing_ok=True)
+        reply = self._request_with_kv_file(
+            "store", tokens, kv, deadline=timeout, cache_salt=cache_salt, wait_visible=wait_visible
+        )
         self.last_store = reply
         stored = bool(reply["stored"])
         if stored and wait_visible and reply["visible_tokens"] < reply["stored_tokens"]:
@@ -495,6 +490,9 @@ class SDKWorker(_JsonLinesWorker):
     ...     sdk.connect(server.url, server.http_url, "m")
     ...     sdk.store(tokens, kv)            # -> bool
     ...     sdk.retrieve(tokens)             # -> tensor or None
+
+    The benchmarks' commands (``bench``, ``concurrent``, ``fresh``, ``untouched``,
+    ``remap``; see ``sdk_worker.py``) go through :meth:`request`.
     """
 
     SCRIPT = "sdk_worker.py"
@@ -510,11 +508,14 @@ class SDKWorker(_JsonLinesWorker):
         http_url: str,
         model_name: str,
         timeout: float = 30.0,
+        *,
+        geometry: Sequence[int] | None = None,
     ) -> dict[str, Any]:
         """``lmcache.sdk.kvcache.connect(url, http_url, model_name, timeout)``.
 
         ``timeout`` is the SDK's own MQ timeout; our deadline is 10 s longer.
-        Returns {instance_id, chunk_size, shm_name, transfer}.
+        ``geometry`` ``[layers, hidden]``: the shape of the random KVs that the benchmark
+        commands store. Returns {instance_id, chunk_size, shm_name, transfer}.
         """
         reply = self.request(
             "connect",
@@ -523,6 +524,7 @@ class SDKWorker(_JsonLinesWorker):
             http_url=http_url,
             model_name=model_name,
             timeout=timeout,
+            geometry=None if geometry is None else [int(g) for g in geometry],
         )
         self.connection = reply
         return reply
@@ -537,18 +539,9 @@ class SDKWorker(_JsonLinesWorker):
         timeout: float | None = None,
     ) -> bool:
         """``ctx.store(kv, tokens, cache_salt, request_configs)`` -> the SDK's bool."""
-        path = self._save(kv, "store")
-        try:
-            reply = self.request(
-                "store",
-                deadline=timeout,
-                tokens=[int(t) for t in tokens],
-                kv_file=str(path),
-                cache_salt=cache_salt,
-                request_configs=request_configs,
-            )
-        finally:
-            path.unlink(missing_ok=True)
+        reply = self._request_with_kv_file(
+            "store", tokens, kv, deadline=timeout, cache_salt=cache_salt, request_configs=request_configs
+        )
         return bool(reply["result"])
 
     def retrieve(

@@ -172,14 +172,15 @@ async def run(reps: int) -> dict[str, Any]:
             client(shm_ep, "unpinned") as unpinned,
             client(pk_ep, "pickle") as pickled,
         ):
+            from lmcache_async._cuda import copies as cuda
+
             time_copies()
             pinned_pool, unpinned_pool = pinned._session.pool, unpinned._session.pool
             assert pinned_pool is not None and unpinned_pool is not None
-            unpinned_pool.cuda_pinned = False  # as if cudaHostRegister had failed
+            cuda._pin(unpinned_pool).pinned = False  # as if cudaHostRegister had failed
             toks = Tokens(1000)
             # Warm up: CUDA context, streams, pool registration (timed), allocator.
             warm = torch.randn(GEOM.kv_shape(CS), device="cuda").to(GEOM.dtype)
-            from lmcache_async._cuda import copies as cuda
 
             t0 = time.perf_counter()
             await asyncio.to_thread(cuda.pin_pool, pinned_pool)

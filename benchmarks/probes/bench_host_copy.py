@@ -64,11 +64,14 @@ def main() -> None:
             wall = sorted(v[0] for v in vals)[len(vals) // 2]
             cpu = sorted(v[1] for v in vals)[len(vals) // 2]
             rows.append({"payload": label, "copy": who, "wall_us": round(wall, 1), "cpu_us": round(cpu, 1)})
-    fresh = []
+    fresh: list[dict[str, object]] = []
     for chunks in (1, 4, 16):
         shape = (2, 32, 256 * chunks, 1024)
         src = torch.randn(shape).to(torch.bfloat16)
-        allocs = {"torch.empty": torch.empty, "empty_host": empty_host}
+        allocs: dict[str, Callable[..., torch.Tensor]] = {
+            "torch.empty": torch.empty,
+            "empty_host": empty_host,
+        }
         for kept in (False, True):
             # kept: the tensors of a round stay alive (as a caller keeping its results
             # does), so every allocation takes memory the process has not used before.
@@ -85,15 +88,15 @@ def main() -> None:
                         held.append(dst)
                         del dst
                     del held
-            for who, vals in times.items():
-                vals.sort()
+            for who, ms in times.items():
+                ms.sort()
                 fresh.append(
                     {
                         "chunks": chunks,
                         "alloc": who,
                         "kept": kept,
-                        "ms": round(vals[len(vals) // 2], 2),
-                        "max_ms": round(vals[-1], 2),
+                        "ms": round(ms[len(ms) // 2], 2),
+                        "max_ms": round(ms[-1], 2),
                     }
                 )
     out = {"torch_threads": torch.get_num_threads(), "rows": rows, "fresh": fresh}
@@ -105,8 +108,8 @@ def main() -> None:
         print(f"{r['payload']:>8}  {r['copy']:<12} {r['wall_us']:>10.1f} µs wall {r['cpu_us']:>10.1f} µs CPU")
     print("new tensor + copy_ (32 MiB a chunk), medians (max); kept = three at a time stay alive:")
     for r in fresh:
-        kept = "kept" if r["kept"] else "freed"
-        print(f"{r['chunks']:>3} chunks  {kept:<6} {r['alloc']:<12} {r['ms']:>8.2f} ms ({r['max_ms']:.2f})")
+        life = "kept" if r["kept"] else "freed"
+        print(f"{r['chunks']:>3} chunks  {life:<6} {r['alloc']:<12} {r['ms']:>8.2f} ms ({r['max_ms']:.2f})")
 
 
 if __name__ == "__main__":

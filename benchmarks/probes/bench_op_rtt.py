@@ -277,10 +277,12 @@ def _commit_awaited(client: lmc.AsyncClient) -> Callable[[], None]:
 def _thread_launch(client: lmc.AsyncClient) -> Callable[[], None]:
     """Copies enqueued in a worker thread (the pool is still registered: only the path
     that a pool left unpinned takes is chosen)."""
+    from lmcache_async._cuda import copies as cuda
+
     pool = client._session.pool
-    if pool is None or not pool.cuda_pinned:
+    if pool is None or not cuda.pinned(pool):
         return lambda: None
-    return _patch(pool, "cuda_pinned", False)
+    return _patch(cuda._pin(pool), "pinned", False)
 
 
 def _all_off(client: lmc.AsyncClient) -> Callable[[], None]:

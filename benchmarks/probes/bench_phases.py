@@ -76,8 +76,8 @@ def _instrument(phases: dict[str, list[float]]) -> Callable[[], None]:
         saved.append((owner, attr, orig))
         setattr(owner, attr, timed)
 
-    wrap_async(ops, "call", lambda _self, _op, opcode, *_a: Op(opcode).name.lower())
-    wrap_async(ops, "pipeline", lambda _self, _op, *calls: " + ".join(Op(c[0]).name.lower() for c in calls))
+    wrap_async(ops, "call", lambda _self, _op, opcode, *_a: opcode.name.lower())  # opcode: an Op
+    wrap_async(ops, "pipeline", lambda _self, _op, *calls: " + ".join(c[0].name.lower() for c in calls))
     wrap_async(ops, "_fill_reserved", lambda *_a: "_fill_reserved")
     wrap_async(ops, "_copy_chunks", lambda *_a: "_copy_chunks")
     wrap_sync(inline, "decode_inline")

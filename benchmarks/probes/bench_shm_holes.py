@@ -41,6 +41,7 @@ import statistics
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -118,7 +119,7 @@ def main() -> None:
         def half(k: int) -> None:
             for i, src in enumerate(sources):
                 views = [
-                    memoryview(src[kv, layer].contiguous().view(torch.uint8).reshape(-1).numpy())
+                    src[kv, layer].contiguous().view(torch.uint8).reshape(-1).numpy().data
                     for kv in (0, 1)
                     for layer in range(16 * k, 16 * (k + 1))
                 ]
@@ -187,7 +188,7 @@ def main() -> None:
                 os.unlink(path)
     threads.shutdown()
     warm = statistics.median(times["warm"])
-    out = {
+    out: dict[str, dict[str, Any]] = {
         c: {
             "ms": round(statistics.median(times[c]) * 1e3, 2),
             "range_ms": [round(min(times[c]) * 1e3, 2), round(max(times[c]) * 1e3, 2)],

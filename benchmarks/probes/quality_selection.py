@@ -97,7 +97,7 @@ def _question_attention(
 
     g = hf.geometry_from_model(model)
     cache = hf.kv_to_cache(kv, g, config=model.config)
-    mods = hf_blend._decoder_layers(model)
+    mods: Any = hf_blend._decoder_layers(model)
     seen: dict[int, torch.Tensor] = {}
     last = max(layers)
 
@@ -159,7 +159,7 @@ def repair(
         # each part its share (qattn), or the same budget over all parts at once (qglob).
         layers = [int(x) for x in name[5:].split("-")] if name[5:] else [1]
         dev = _question_attention(model, toks, kv, total, layers)[exact:]
-        chosen = []
+        chosen: list[int] = []
         if name.startswith("qglob"):
             budget = sum(min(b - a, int(f * (b - a) + 0.5)) for a, b in spans)
             inside = torch.cat([torch.arange(a, b) for a, b in spans])
@@ -204,7 +204,7 @@ def repair(
     if "norm" in opts:
         per_layer = per_layer / (per_layer.mean(dim=1, keepdim=True) + 1e-9)
     dev = (per_layer[1:] if upto >= 1 else per_layer).sum(dim=0)
-    chosen: list[int] = []
+    chosen = []
     for a, b in spans:
         c = min(b - a, int(f * (b - a) + 0.5))
         forced = list(range(a, min(a + sink, b)))

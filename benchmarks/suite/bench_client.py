@@ -43,7 +43,6 @@ import torch
 
 import lmcache_async as lmc
 from benchmarks.harness import (
-    SDKBench,
     clear_l1,
     require_generation,
     sdk_call,
@@ -53,7 +52,7 @@ from benchmarks.harness import (
     workers,
 )
 from harness.real_server import RealLMCacheServer
-from harness.workers import EngineWorker
+from harness.workers import EngineWorker, SDKWorker
 
 CS = 256
 BIG = lmc.KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
@@ -132,16 +131,26 @@ async def _measure(
     with workers(
         EngineWorker(srv.url, python=python),
         EngineWorker(srv.url, python=python),
-        SDKBench(python=python, request_timeout=600),
-        SDKBench(python=python, request_timeout=600),
+        SDKWorker(python=python, request_timeout=600),
+        SDKWorker(python=python, request_timeout=600),
     ) as (eng_big, eng_tiny, sdk_big, sdk_tiny):
         eng_big.register(big_model, 32, 8, 128, block_size=16, num_blocks=32)
         eng_tiny.register(tiny_model, 1, 1, 16, block_size=16, num_blocks=32)
         sdk_big.request(
-            "connect", url=srv.url, http_url=srv.http_url, model_name=big_model, geometry=[32, 1024]
+            "connect",
+            url=srv.url,
+            http_url=srv.http_url,
+            model_name=big_model,
+            geometry=[32, 1024],
+            timeout=60.0,
         )
         sdk_tiny.request(
-            "connect", url=srv.url, http_url=srv.http_url, model_name=tiny_model, geometry=[1, 16]
+            "connect",
+            url=srv.url,
+            http_url=srv.http_url,
+            model_name=tiny_model,
+            geometry=[1, 16],
+            timeout=60.0,
         )
         async with (
             lmc.AsyncClient(srv.url, srv.http_url, big_model, timeout=300) as c_big,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import sys
 import time
@@ -36,9 +37,9 @@ from typing import Any
 import torch
 
 import lmcache_async as lmc
-from benchmarks.harness import SDKBench, clear_l1, sdk_call, server_python, settle, spread, workers
+from benchmarks.harness import clear_l1, sdk_call, server_python, settle, spread, workers
 from harness.real_server import RealLMCacheServer
-from harness.workers import EngineWorker
+from harness.workers import EngineWorker, SDKWorker
 
 CS = 256
 GEOM = lmc.KVGeometry(num_layers=2, num_kv_heads=1, head_dim=128, dtype=torch.bfloat16, block_size=16)
@@ -83,12 +84,14 @@ async def _measure(
     raw: dict[str, dict[str, list[tuple[float, float]]]] = {op: {r: [] for r in runs} for op in ops}
     kv = torch.randn(GEOM.kv_shape(CS), dtype=torch.float32).to(GEOM.dtype)
     stored = [10_000_000 + i * 1000 for i in range(prompts)]
-    with workers(EngineWorker(srv.url, python=python), SDKBench(python=python, request_timeout=600)) as (
+    with workers(EngineWorker(srv.url, python=python), SDKWorker(python=python, request_timeout=600)) as (
         eng,
         sdk,
     ):
         eng.register(MODEL, 2, 1, 128, block_size=16, num_blocks=32)
-        sdk.request("connect", url=srv.url, http_url=srv.http_url, model_name=MODEL, geometry=[2, 128])
+        sdk.request(
+            "connect", url=srv.url, http_url=srv.http_url, model_name=MODEL, geometry=[2, 128], timeout=60.0
+        )
         async with lmc.AsyncClient(srv.url, srv.http_url, MODEL, timeout=300) as client:
             assert client.geometry == GEOM, client.geometry
             assert client.transfer == srv.mode, client.transfer
@@ -137,7 +140,7 @@ async def _measure(
         for c in conc:
             tput, cpu = [], []
             for r in range(rounds):
-                sdk_best = max((f"sdk_t{t}" for t in threads), key=lambda k, r=r: 1 / data[k][r][0])
+                sdk_best = max((f"sdk_t{t}" for t in threads), key=functools.partial(_inverse_time, data, r))
                 tput.append(data[sdk_best][r][0] / data[f"ours_c{c}"][r][0])
                 cpu.append(data[f"ours_c{c}"][r][1] / data[sdk_best][r][1])
             rows.append({"op": op, "who": "ratio", "concurrency": c,
@@ -152,6 +155,11 @@ async def _measure(
         "prefault_wait_s": settled,
         "rows": rows,
     }
+
+
+def _inverse_time(data: dict[str, list[tuple[float, float]]], r: int, k: str) -> float:
+    """1 / the elapsed seconds of run ``k`` in round ``r``."""
+    return 1 / data[k][r][0]
 
 
 def section(

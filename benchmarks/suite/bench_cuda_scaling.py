@@ -119,7 +119,7 @@ class Phases:
             finally:
                 phases.record(f"rpc:{getattr(name, 'name', name)}", t0)
 
-        OperationsBase.call = timed_call  # type: ignore[method-assign]
+        OperationsBase.call = timed_call  # type: ignore[method-assign, assignment]
         launch, wait, copy = cuda._launch, cuda._wait_copies, cuda._copy
 
         def timed_launch(pairs: Any, mark: Any, keep_alive: Any) -> Any:
@@ -127,12 +127,12 @@ class Phases:
                 return launch(pairs, mark, keep_alive)
             t0 = time.perf_counter()
             st = cuda._state(mark.device)
-            start = torch.cuda.Event(enable_timing=True)
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record(st.streams[0])
             done = launch(pairs, mark, keep_alive)
             ends = []
             for s in st.streams:
-                e = torch.cuda.Event(enable_timing=True)
+                e = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
                 e.record(s)
                 ends.append(e)
             nbytes = sum(d.numel() * d.element_size() for d, _ in pairs)
@@ -157,9 +157,9 @@ class Phases:
             finally:
                 phases.record("copy(total, awaited)", t0)
 
-        cuda._launch = timed_launch  # type: ignore[assignment]
-        cuda._wait_copies = timed_wait  # type: ignore[assignment]
-        cuda._copy = timed_copy  # type: ignore[assignment]
+        cuda._launch = timed_launch
+        cuda._wait_copies = timed_wait
+        cuda._copy = timed_copy
 
     def record(self, name: str, t0: float) -> None:
         task = asyncio.current_task()

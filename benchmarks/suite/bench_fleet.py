@@ -282,11 +282,11 @@ async def _fleet_part(
             order = WAYS[rnd % 3 :] + WAYS[: rnd % 3]
             took: dict[str, float] = {}
             for w in order:
-                t = time.perf_counter()
+                t0 = time.perf_counter()
                 for i in range(prompts):
                     value = await ways[w](i)
                     assert value is not None and torch.equal(value, kvs[i]), (w, i)
-                took[w] = (time.perf_counter() - t) / prompts
+                took[w] = (time.perf_counter() - t0) / prompts
             if rnd:  # round 0 warms up
                 for w in WAYS:
                     per[w].append(took[w])

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 import lmcache_async as lmc
-from benchmarks.harness import SDKBench, sdk_call, server_python, spread, workers
+from benchmarks.harness import sdk_call, server_python, spread, workers
 from harness.real_server import RealLMCacheServer
-from harness.workers import EngineWorker
+from harness.workers import EngineWorker, SDKWorker
 
 CS = 256
 CHUNKS = 16
@@ -83,7 +83,7 @@ async def _measure(
     ours: list[dict[str, float]] = []
     sdk: list[dict[str, float]] = []
     copies: list[float] = []
-    with workers(EngineWorker(srv.url, python=python), SDKBench(python=python, request_timeout=600)) as (
+    with workers(EngineWorker(srv.url, python=python), SDKWorker(python=python, request_timeout=600)) as (
         eng,
         sdk_w,
     ):

@@ -49,9 +49,9 @@ from typing import Any
 import torch
 
 import lmcache_async as lmc
-from benchmarks.harness import BENCH_DIR, settle, workers
+from benchmarks.harness import settle, workers
 from harness.real_server import RealLMCacheServer, lmcache_venv_python
-from harness.workers import HARNESS_DIR, EngineWorker, _JsonLinesWorker
+from harness.workers import EngineWorker, SDKWorker
 
 CS = 256
 GEOMETRY = lmc.KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
@@ -63,19 +63,13 @@ CONCURRENCY = (1, 4, 16)
 ITEM_BYTES = TOKENS * GEOMETRY.bytes_per_token  # 128 MiB
 
 
-class SDKRemap(_JsonLinesWorker):
-    SCRIPT = str(BENCH_DIR / "sdk_remap_worker.py")
-    IMPORT_DIRS = (HARNESS_DIR,)  # its bare `from _worker_loop import ...`
-    KIND = "sdk-remap"
-
-
 def source_start(k: int) -> int:
     return 1_000_000 + k * 100_000
 
 
 class Bench:
     def __init__(
-        self, srv: RealLMCacheServer, client: lmc.AsyncClient, sdk: SDKRemap, pairs: int = PAIRS
+        self, srv: RealLMCacheServer, client: lmc.AsyncClient, sdk: SDKWorker, pairs: int = PAIRS
     ) -> None:
         self.pairs = pairs
         self.srv = srv
@@ -148,12 +142,12 @@ async def measure(srv: RealLMCacheServer, python: Path, rounds: int, pairs: int 
     """Every round on the running server ``srv`` (SHM, L1 >= 1 GiB + pairs x 128 MiB)."""
     times: dict[str, list[float]] = {"sdk": [], **{f"ours_c{c}": [] for c in CONCURRENCY}}
     ratios: dict[str, list[float]] = {f"ours_c{c}": [] for c in CONCURRENCY}
-    with workers(EngineWorker(srv.url, python=python), SDKRemap(python=python, request_timeout=900)) as (
+    with workers(EngineWorker(srv.url, python=python), SDKWorker(python=python, request_timeout=900)) as (
         eng,
         sdk,
     ):
         eng.register(MODEL, 32, 8, 128, block_size=16, num_blocks=32)
-        sdk.request("connect", url=srv.url, http_url=srv.http_url, model_name=MODEL)
+        sdk.request("connect", url=srv.url, http_url=srv.http_url, model_name=MODEL, timeout=120.0)
         async with lmc.AsyncClient(srv.url, srv.http_url, MODEL, timeout=300) as client:
             assert client.geometry == GEOMETRY, client.geometry  # from /status
             assert client.transfer == "shm"

@@ -46,9 +46,9 @@ from typing import Any
 import torch
 
 import lmcache_async as lmc
-from benchmarks.harness import SDKBench, clear_l1, sdk_call, server_python, spread, workers
+from benchmarks.harness import clear_l1, sdk_call, server_python, spread, workers
 from harness.real_server import RealLMCacheServer
-from harness.workers import EngineWorker
+from harness.workers import EngineWorker, SDKWorker
 
 CS = 256
 GEOM = lmc.KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
@@ -110,13 +110,25 @@ async def _measure(
     }
     with workers(
         EngineWorker(srv.url, python=python),
-        SDKBench(python=python, request_timeout=600),
-        SDKBench(python=python, request_timeout=600),
+        SDKWorker(python=python, request_timeout=600),
+        SDKWorker(python=python, request_timeout=600),
     ) as (eng, sdk_w, storer):
         eng.register(MODEL, 32, 8, 128, block_size=16, num_blocks=32)
         for w in (sdk_w, storer):
-            w.request("connect", url=srv.url, http_url=srv.http_url, model_name=MODEL, geometry=[32, 1024])
-        server = {"server": srv, "url": srv.url, "http_url": srv.http_url, "model_name": MODEL}
+            w.request(
+                "connect",
+                url=srv.url,
+                http_url=srv.http_url,
+                model_name=MODEL,
+                geometry=[32, 1024],
+                timeout=60.0,
+            )
+        server: dict[str, Any] = {
+            "server": srv,
+            "url": srv.url,
+            "http_url": srv.http_url,
+            "model_name": MODEL,
+        }
         await asyncio.to_thread(clear_l1, srv.http_url)  # a server shared with other sections
         punch_pool(segment)
         base = 100_000_000  # token ids stay below 2**32 (the server hashes them as uint32)

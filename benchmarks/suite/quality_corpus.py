@@ -10,6 +10,7 @@ the same on every run.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 PLACES = [
@@ -18,7 +19,7 @@ PLACES = [
     "Feldspar", "Oakhurst", "Pellmoor", "Riverton", "Galloway Cross", "Emberly", "Norhaven", "Thistledown",
     "Corvane", "Mistral", "Highgarth", "Selby Reach", "Ironvale",
 ]  # fmt: skip
-KINDS = [
+KINDS: list[tuple[str, Callable[[random.Random], str]]] = [
     ("the secret door code of {p}", lambda r: str(r.randint(1000, 9999))),
     ("the colour of the flag of {p}", lambda r: r.choice(["purple", "orange", "green", "yellow", "silver", "red"])),
     ("the animal on the coat of arms of {p}", lambda r: r.choice(["otter", "falcon", "badger", "heron", "lynx", "goat"])),

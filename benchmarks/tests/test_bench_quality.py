@@ -11,7 +11,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def bq() -> Any:
-    # Imported by name, not followed by mypy (benchmarks/suite is outside its files).
+    # Imported by name: the tests reach its internals through Any.
     return importlib.import_module("benchmarks.suite.bench_quality")
 
 

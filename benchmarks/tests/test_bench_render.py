@@ -12,7 +12,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def render() -> Any:
-    # Imported by name, not followed by mypy (benchmarks/ is outside its files).
+    # Imported by name: the tests reach its internals through Any.
     return importlib.import_module("benchmarks.suite.render")
 
 
@@ -153,13 +153,9 @@ def test_every_import_in_benchmarks_resolves_from_the_repo_root() -> None:
 
     root = Path(__file__).resolve().parents[2]
     missing = []
-    # The SDK workers run as scripts in the lmcache venv, with harness/ on their path.
-    lmcache_venv_scripts = {"sdk_bench_worker.py", "sdk_remap_worker.py"}
     siblings = {p.stem for p in (root / "benchmarks").rglob("*.py")}
     # (third-party imports are not checked: matplotlib is only in the bench extra)
     for path in sorted((root / "benchmarks").rglob("*.py")):
-        if path.name in lmcache_venv_scripts:
-            continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 names = [(a.name, node.lineno) for a in node.names]

@@ -81,11 +81,6 @@ _BLOB_HEAD: Final = (
 )
 
 
-def _short_unicode(s: str) -> bytes:
-    raw = s.encode()
-    return b"\x8c" + bytes([len(raw)]) + raw  # SHORT_BINUNICODE
-
-
 def _pickle_int(n: int) -> bytes:
     if 0 <= n < 256:
         return b"K" + bytes([n])  # BININT1

@@ -44,8 +44,6 @@ T = TypeVar("T")
 #: test_cli_startup.py checks they are equal), named here because importing
 #: lmcache_async.testing imports torch.
 GENERATIONS: Final = ("0.5.6", "0.5.7")
-#: The earlier name of :data:`GENERATIONS`.
-PROTOCOLS: Final = GENERATIONS
 
 DEFAULT_MODEL = "lmcache-async-demo"
 _VOCAB = 32000
@@ -73,11 +71,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--mode", choices=("shm", "pickle"), default="shm", help="transfer mode (default shm)")
     serve.add_argument(
         "--generation",
-        "--protocol",
-        dest="generation",
         choices=GENERATIONS,
         default="0.5.6",
-        help="LMCache server generation whose wire to speak (default 0.5.6; --protocol is its alias)",
+        help="LMCache server generation whose wire to speak (default 0.5.6)",
     )
     serve.add_argument(
         "--size", default="1GB", help="L1 byte budget, e.g. 1073741824, 512MB, 2GB (default 1GB)"
@@ -234,7 +230,6 @@ def _print_endpoints(server: EmbeddedServer, args: argparse.Namespace) -> None:
         "http_url": server.http_url,
         "mode": server.mode,
         "generation": server.generation,
-        "protocol": server.generation,  # the earlier name, kept for scripts that read it
         "chunk_size": server.chunk_size,
         "size_bytes": server.size_bytes,
         "shm_segment": server.shm_segment,

@@ -9,16 +9,11 @@ server generation -- ``generation="0.5.6"`` (default) or ``"0.5.7"``, one of
 :class:`Registration`, :class:`NoReply` where the real server stays silent,
 :meth:`~InProcessServer.leftovers` to check nothing is left held). See
 docs/guides/testing-your-code.md for how it differs from the real server.
-
-``Protocol`` and ``PROTOCOLS``, the earlier names of :data:`ServerGeneration` and
-:data:`GENERATIONS`, still import (``Protocol`` shadowed :class:`typing.Protocol`).
 """
 
 from lmcache_async.testing.dialect import (
     GENERATIONS,
     LMC_VERSIONS,
-    PROTOCOLS as PROTOCOLS,  # the earlier names: importable, not in __all__
-    Protocol as Protocol,
     ServerGeneration,
 )
 from lmcache_async.testing.inprocess import InProcessServer, NoReply, Registration

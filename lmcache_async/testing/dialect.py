@@ -43,18 +43,15 @@ __all__ = [
     "GENERATIONS",
     "LEGACY_OPERATION_IDS",
     "LMC_VERSIONS",
-    "PROTOCOLS",
     "BadRequest",
     "Key056",
     "Key057",
-    "Protocol",
     "Register056",
     "Register057",
     "ServerGeneration",
     "TensorEnvelope",
     "TensorFrame",
     "check_generation",
-    "check_protocol",
     "decode_argument",
     "decode_envelope",
     "decode_operation",
@@ -66,10 +63,6 @@ __all__ = [
 #: A server generation whose wire the embedded server speaks.
 ServerGeneration = Literal["0.5.6", "0.5.7"]
 GENERATIONS: Final[tuple[ServerGeneration, ...]] = ("0.5.6", "0.5.7")
-#: The earlier names of :data:`ServerGeneration` and :data:`GENERATIONS` (``Protocol``
-#: shadowed :class:`typing.Protocol`); kept as aliases.
-Protocol = ServerGeneration
-PROTOCOLS: Final = GENERATIONS
 #: What ``GET /lmc_version`` answers (the real servers' strings).
 LMC_VERSIONS: Final[dict[ServerGeneration, str]] = {"0.5.6": "0.5.6", "0.5.7": "0.5.7rc3.dev0"}
 
@@ -98,10 +91,6 @@ def check_generation(generation: str) -> ServerGeneration:
         if generation == g:
             return g
     raise ValueError(f"unknown server generation {generation!r}; known: {', '.join(GENERATIONS)}")
-
-
-#: The earlier name of :func:`check_generation`.
-check_protocol = check_generation
 
 
 def _check_salt(salt: str) -> None:

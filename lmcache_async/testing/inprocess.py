@@ -166,8 +166,6 @@ class InProcessServer:
             on 0.5.7).
         generation: ``"0.5.6"`` (default) or ``"0.5.7"``: the server generation whose
             wire and behaviour it mirrors.
-        protocol: the earlier name of ``generation`` (give one or the other, or both
-            with the same value).
         size_bytes: the L1 byte budget (and pool size).
         shm_name: segment name in SHM mode (``lmcache_l1_pool_`` prefixed if needed).
         session_ttl: seconds a session lives.
@@ -186,8 +184,7 @@ class InProcessServer:
         *,
         chunk_size: int = 256,
         mode: Mode = "shm",
-        generation: ServerGeneration | None = None,
-        protocol: ServerGeneration | None = None,
+        generation: ServerGeneration = "0.5.6",
         size_bytes: int = 1 << 30,
         shm_name: str | None = None,
         session_ttl: float = 600.0,
@@ -198,9 +195,7 @@ class InProcessServer:
     ) -> None:
         if mode not in ("shm", "pickle"):
             raise ValueError(f"mode must be 'shm' or 'pickle', got {mode!r}")
-        if generation is not None and protocol is not None and generation != protocol:
-            raise ValueError(f"generation={generation!r} and its alias protocol={protocol!r} differ")
-        self.generation: ServerGeneration = check_generation(generation or protocol or "0.5.6")
+        self.generation: ServerGeneration = check_generation(generation)
         self.chunk_size = chunk_size
         self.mode: Mode = mode
         self._arguments = ARGUMENTS[self.generation]
@@ -217,11 +212,6 @@ class InProcessServer:
         )
         for model_name, world_size, layout in layouts:
             self.engine.register_layout(model_name, world_size, layout)
-
-    @property
-    def protocol(self) -> ServerGeneration:
-        """The earlier name of :attr:`generation`."""
-        return self.generation
 
     # ------------------------------------------------------------------ requests
 

@@ -79,22 +79,6 @@ class ModelSpec:
                 raise ValueError(f"ModelSpec.{name} must be an int >= 1, got {value!r}")
         dtype_from_name(self.dtype)
 
-    @classmethod
-    def from_geometry(cls, name: str, geometry: KVGeometry, *, num_blocks: int = 2048) -> ModelSpec:
-        """The spec of a (non-MLA) :class:`KVGeometry`."""
-        if geometry.use_mla:
-            raise ValueError("ModelSpec declares split K/V layouts only")
-        return cls(
-            name,
-            geometry.num_layers,
-            geometry.num_kv_heads,
-            geometry.head_dim,
-            geometry.block_size,
-            str(geometry.dtype).removeprefix("torch."),
-            geometry.world_size,
-            num_blocks,
-        )
-
     @property
     def registration_id(self) -> int:
         """The pretended engine registration id (stable for a name and world size)."""

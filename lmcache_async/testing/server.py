@@ -106,8 +106,7 @@ class ServerOptions(TypedDict, total=False):
     write_ttl: float
     instance_id: str | None
     prefault: bool
-    generation: ServerGeneration | None
-    protocol: ServerGeneration | None
+    generation: ServerGeneration
     api_key: str | None
 
 
@@ -141,8 +140,6 @@ class EmbeddedServer:
         generation: ``"0.5.6"`` (default) or ``"0.5.7"``: the server generation whose
             wire (keys, argument frames, inline payload) and behaviour it mirrors;
             ``/lmc_version`` answers ``"0.5.6"`` or ``"0.5.7rc3.dev0"``.
-        protocol: the earlier name of ``generation`` (give one or the other, or both
-            with the same value).
         api_key: (``generation="0.5.7"`` only) require this HTTP API key on every route but
             ``/`` and ``/healthcheck`` (``Authorization: Bearer KEY`` or
             ``X-LMCache-API-Key: KEY``), else 401 with the real server's JSON body. The
@@ -168,13 +165,10 @@ class EmbeddedServer:
         write_ttl: float = 600.0,
         instance_id: str | None = None,
         prefault: bool = False,
-        generation: ServerGeneration | None = None,
-        protocol: ServerGeneration | None = None,
+        generation: ServerGeneration = "0.5.6",
         api_key: str | None = None,
     ) -> None:
-        if generation is not None and protocol is not None and generation != protocol:
-            raise ValueError(f"generation={generation!r} and its alias protocol={protocol!r} differ")
-        generation = check_generation(generation or protocol or "0.5.6")
+        generation = check_generation(generation)
         if api_key is not None and (generation != "0.5.7" or not isinstance(api_key, str) or not api_key):
             raise ValueError(
                 "api_key needs generation='0.5.7' and a non-empty string (0.5.6 has no API keys)"
@@ -286,11 +280,6 @@ class EmbeddedServer:
     @property
     def running(self) -> bool:
         return self._state == "running"
-
-    @property
-    def protocol(self) -> ServerGeneration:
-        """The earlier name of :attr:`generation`."""
-        return self.generation
 
     def __repr__(self) -> str:
         where = f"{self.url} {self.http_url}" if self._state == "running" else self._state
@@ -698,7 +687,7 @@ class EmbeddedServerThread:
     """A running :class:`EmbeddedServer` on its own loop in a daemon thread.
 
     Created by :meth:`EmbeddedServer.start_in_thread`. Attributes mirror the server's:
-    ``url``, ``http_url``, ``mode``, ``generation`` (alias ``protocol``), ``api_key``,
+    ``url``, ``http_url``, ``mode``, ``generation``, ``api_key``,
     ``chunk_size``, ``shm_name``, ``shm_segment``, ``instance_id``; ``server`` is the
     server object itself (its :meth:`~EmbeddedServer.status` and ``engine`` are
     thread-safe). Use as a context manager or call :meth:`stop`.
@@ -789,11 +778,6 @@ class EmbeddedServerThread:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
-
-    @property
-    def protocol(self) -> ServerGeneration:
-        """The earlier name of :attr:`generation`."""
-        return self.generation
 
     def __repr__(self) -> str:
         state = "stopped" if self._stopped else "running"

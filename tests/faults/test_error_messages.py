@@ -208,7 +208,7 @@ async def test_kv_of_another_geometry_names_the_model_and_geometry(
     model = unique_model("geom")
     tokens = fresh_tokens(2 * CS)
     kv = random_kv(SMALL_GEOMETRY, len(tokens))
-    async with EmbeddedServer(chunk_size=CS, mode=mode, size_bytes=1 << 20, protocol=protocol) as srv:
+    async with EmbeddedServer(chunk_size=CS, mode=mode, size_bytes=1 << 20, generation=protocol) as srv:
         async with AsyncClient(srv.url, srv.http_url, model, geometry=SMALL_GEOMETRY, timeout=10) as writer:
             assert await writer.store(kv, tokens) is True
         async with AsyncClient(srv.url, srv.http_url, model, geometry=other, timeout=10) as reader:

@@ -49,9 +49,9 @@ def gpu_server(request: pytest.FixtureRequest) -> Iterator[Any]:
         pytest.skip("needs a CUDA GPU")
     from lmcache_async.testing import EmbeddedServer
 
-    mode, _, protocol = request.param.partition("-")
+    mode, _, generation = request.param.partition("-")
     handle = EmbeddedServer.start_in_thread(
-        chunk_size=CS, mode=mode, size_bytes=2 << 30, protocol=protocol or "0.5.6"
+        chunk_size=CS, mode=mode, size_bytes=2 << 30, generation=generation or "0.5.6"
     )
     yield handle
     handle.stop()

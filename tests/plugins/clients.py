@@ -67,7 +67,7 @@ def embedded_server_pickle() -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def embedded_server_057_shm() -> Iterator[Any]:
     """A shared embedded server speaking 0.5.7 (SHM, chunk size 16)."""
-    handle = _embedded("shm", protocol="0.5.7")
+    handle = _embedded("shm", generation="0.5.7")
     yield handle
     handle.stop()
     assert handle.shm_segment is None or not os.path.exists(handle.shm_segment)
@@ -76,7 +76,7 @@ def embedded_server_057_shm() -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def embedded_server_057_pickle() -> Iterator[Any]:
     """A shared embedded server speaking 0.5.7 (inline tensor envelopes, chunk size 16)."""
-    handle = _embedded("pickle", protocol="0.5.7")
+    handle = _embedded("pickle", generation="0.5.7")
     yield handle
     handle.stop()
 
@@ -105,7 +105,7 @@ def own_server(server: Any, request: pytest.FixtureRequest) -> Iterator[Callable
         if isinstance(server, RealLMCacheServer):
             srv = request.getfixturevalue("fresh_real_server")(server.mode, generation=server.generation)
         else:
-            srv = _embedded(server.mode, protocol=server.protocol)
+            srv = _embedded(server.mode, generation=server.generation)
             made.append(srv)
         return srv
 

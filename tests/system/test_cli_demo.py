@@ -171,11 +171,11 @@ def test_serve_starts_answers_and_stops_on_a_signal_leaving_no_segment(sig: sign
             os.unlink(segment)
 
 
-def test_serve_protocol_057() -> None:
+def test_serve_generation_057() -> None:
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "lmcache_async", "serve", "--port", "0", "--http-port", "0",
-            "--chunk-size", "16", "--size", "8MB", "--mode", "pickle", "--protocol", "0.5.7", "--json",
+            "--chunk-size", "16", "--size", "8MB", "--mode", "pickle", "--generation", "0.5.7", "--json",
         ],
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -187,7 +187,8 @@ def test_serve_protocol_057() -> None:
         line = proc.stdout.readline()
         assert line, proc.stderr.read() if proc.stderr else ""
         info = json.loads(line)
-        assert (info["protocol"], info["mode"], info["shm_segment"]) == ("0.5.7", "pickle", None)
+        assert (info["generation"], info["mode"], info["shm_segment"]) == ("0.5.7", "pickle", None)
+        assert "protocol" not in info
         with urllib.request.urlopen(info["http_url"] + "/lmc_version", timeout=10) as resp:
             assert json.loads(resp.read()) == "0.5.7rc3.dev0"
         proc.send_signal(signal.SIGTERM)
@@ -201,8 +202,15 @@ def test_serve_protocol_057() -> None:
                 stream.close()
 
 
-def test_serve_refuses_an_unknown_protocol(capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_refuses_an_unknown_generation(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        main(["serve", "--protocol", "0.5.8"])
+        main(["serve", "--generation", "0.5.8"])
     assert exc.value.code == 2
     assert "invalid choice: '0.5.8' (choose from '0.5.6', '0.5.7')" in capsys.readouterr().err
+
+
+def test_serve_has_no_protocol_alias(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--protocol", "0.5.7"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --protocol 0.5.7" in capsys.readouterr().err

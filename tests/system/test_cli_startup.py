@@ -15,9 +15,10 @@ import sys
 from typing import Any
 
 import lmcache_async
+import lmcache_async.cli.demo
 from lmcache_async.cli import build_parser
-from lmcache_async.cli.demo import PROTOCOLS
-from lmcache_async.testing import PROTOCOLS as EMBEDDED_PROTOCOLS
+from lmcache_async.cli.demo import GENERATIONS
+from lmcache_async.testing import GENERATIONS as EMBEDDED_GENERATIONS
 
 #: Imports each argv's ``main`` in one fresh interpreter and prints, per argv, whether torch
 #: was imported by then (argparse's --help/--version exit through SystemExit).
@@ -101,5 +102,6 @@ def test_the_lazy_names_resolve_to_their_modules() -> None:
         raise AssertionError("no AttributeError")
 
 
-def test_demo_protocol_choices_are_the_embedded_servers() -> None:
-    assert PROTOCOLS == EMBEDDED_PROTOCOLS
+def test_demo_generation_choices_are_the_embedded_servers() -> None:
+    assert GENERATIONS == EMBEDDED_GENERATIONS
+    assert not hasattr(lmcache_async.cli.demo, "PROTOCOLS")

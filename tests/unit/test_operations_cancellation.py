@@ -141,11 +141,11 @@ class Harness:
 
 @pytest.fixture(params=list(itertools.product(["shm", "pickle"], ["0.5.6", "0.5.7"], [True, False])))
 async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
-    mode, protocol, fifo_cpu = request.param
+    mode, generation, fifo_cpu = request.param
     # (without shm_name, an SHM-mode InProcessServer has no segment to map)
     name = f"lmca_cancel_{os.getpid()}_{secrets.token_hex(4)}" if mode == "shm" else None
-    srv = InProcessServer(chunk_size=CS, mode=mode, protocol=protocol, size_bytes=16 << 20, shm_name=name)
-    h = Harness(srv, GENERATIONS[protocol], fifo_cpu)
+    srv = InProcessServer(chunk_size=CS, mode=mode, generation=generation, size_bytes=16 << 20, shm_name=name)
+    h = Harness(srv, GENERATIONS[generation], fifo_cpu)
     try:
         await h.register()
         assert (h.pool is not None) == (mode == "shm")
