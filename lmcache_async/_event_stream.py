@@ -40,7 +40,6 @@ import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
 
 from lmcache_async._connection import Connection
 from lmcache_async._event_types import (
@@ -50,6 +49,7 @@ from lmcache_async._event_types import (
     validate_cursor,
     validate_max_events,
 )
+from lmcache_async._metadata import Metadata
 from lmcache_async._reply_stream import ReplyStream, open_stream
 from lmcache_async._runner import cancel_and_wait
 from lmcache_async._wire import Op, validate_model_name
@@ -60,7 +60,7 @@ from lmcache_async.errors import (
     LMCacheTimeoutError,
 )
 
-__all__ = ["KVEventStream", "subscribe"]
+__all__ = ["KVEventStream", "refuse_embedded", "subscribe"]
 
 log = logging.getLogger(__name__)
 
@@ -342,21 +342,24 @@ class KVEventStream:
 
 
 def subscribe(
-    client: Any,
-    model_name: str | None,
+    conn: Connection,
+    model_name: str,
+    chunk_size: int,
     cursor: int = 0,
     incarnation: int | None = None,
     max_events: int = 256,
     ping_interval: float = 10.0,
     reconnect_timeout: float | None = 60.0,
 ) -> KVEventStream:
-    """A stream of the KV events of ``model_name`` (default: the client's model) on the
-    open ``client``'s server (no I/O until the first ``__anext__``): what
-    :meth:`lmcache_async.AsyncClient.kv_events` iterates.
+    """A stream of the KV events of ``model_name`` on the server of ``conn`` (an open
+    client's; no I/O until the first ``__anext__``): what
+    :meth:`lmcache_async.AsyncClient.kv_events` iterates, once it has checked its state
+    and :func:`refuse_embedded`.
 
     Args:
         model_name: the model whose events to follow (the server filters by exact name; a
             record of another model is a ProtocolError).
+        chunk_size: the server's chunk size (a stored event's tokens are whole chunks).
         cursor: resume after the records already seen (the ``seq`` of the last event
             applied, or a ``Resync`` item's ``cursor``: nothing after it is skipped); 0:
             everything the server still holds.
@@ -369,42 +372,42 @@ def subscribe(
         reconnect_timeout: seconds a lost connection may take to come back before the
             iteration raises (finite, >= 0; ``None``: for ever).
 
-    Raises (here, nothing sent): ValueError/TypeError for bad arguments; the client's
-    state errors (not open, closed, another event loop); KVEventsDisabledError for
-    lmcache_async's embedded server (it has no KV events). Iteration raises what
+    Raises (here, nothing sent): ValueError/TypeError for bad arguments. Iteration raises what
     :meth:`KVEventStream.__anext__` says; waiting for an event has no deadline (an idle
     server sends nothing: bound it with ``asyncio.timeout``, which closes the stream).
 
     Cancellation, ``aclose()``, leaving ``async with``, or dropping the stream: the
     subscription is cancelled on the server.
     """
-    name = client.model_name if model_name is None else validate_model_name(model_name)
+    name = validate_model_name(model_name)
     if "\0" in name:  # no engine registers such a name: the stream would wait for ever
         raise ValueError(f"model_name must not contain '\\x00': {name!r}")
-    stream = KVEventStream(
-        client._session.conn,
+    return KVEventStream(
+        conn,
         name,
         cursor=cursor,
         incarnation=incarnation,
         max_events=max_events,
-        chunk_size=client._session.chunk_size,
+        chunk_size=chunk_size,
         ping_interval=ping_interval,
         reconnect_timeout=reconnect_timeout,
     )
-    client._require_open()
-    client._check_loop()
-    if is_embedded(client._session.meta):
+
+
+def refuse_embedded(meta: Metadata, url: str) -> None:
+    """:class:`KVEventsDisabledError` when the server of ``meta`` (an open client's) is
+    lmcache_async's embedded server, which publishes no KV events."""
+    if is_embedded(meta):
         raise KVEventsDisabledError(
-            f"{client._session.conn.url} is lmcache_async's embedded server (lmcache_async.testing, "
+            f"{url} is lmcache_async's embedded server (lmcache_async.testing, "
             "`lmcache-async serve`, `make demo`), which publishes no KV events: follow the events "
             "of a real LMCache server (`lmcache server`, docs/guides/routing.md)"
         )
-    return stream
 
 
-def is_embedded(meta: Any) -> bool:
+def is_embedded(meta: Metadata) -> bool:
     """Whether the server's ``/status`` or ``/config`` read at connect (``meta``, the
     client's :class:`~lmcache_async._metadata.Metadata`) is the embedded server's
     (:mod:`lmcache_async.testing`: an ``lmcache_async_embedded`` section)."""
-    docs = (meta._cache["status"].value, meta._cache["config"].value)
+    docs = (meta.cached("status"), meta.cached("config"))
     return any(isinstance(doc, dict) and "lmcache_async_embedded" in doc for doc in docs)

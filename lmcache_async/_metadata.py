@@ -22,7 +22,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import aiohttp
 
@@ -101,6 +101,11 @@ class Metadata:
         self._session: aiohttp.ClientSession | None = None
         self._cache: dict[str, _Cached] = {"config": _Cached(), "status": _Cached()}
         self._config_path: str | None = None
+
+    def cached(self, name: Literal["config", "status"]) -> dict[str, Any] | None:
+        """The ``/config`` or ``/status`` document last fetched (``None`` before the first
+        fetch); no I/O, whatever its age."""
+        return self._cache[name].value
 
     async def close(self) -> None:
         """Cancel shared fetches and close the HTTP session. Idempotent."""

@@ -13,22 +13,18 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, TypeVar
 
 from lmcache_async import observe
+from lmcache_async._ops.calls import compose_record
 from lmcache_async.errors import LMCacheTimeoutError
 from lmcache_async.observe import Observer, Operation
 
 if TYPE_CHECKING:
-    import torch
-
-    from lmcache_async._ops import RemapResult
+    from lmcache_async.results import ComposeResult
 
 __all__ = [
     "current",
     "endpoint",
     "finish_batch",
-    "finish_lookup",
-    "finish_remap",
-    "finish_retrieve",
-    "finish_store",
+    "finish_compose_result",
     "observed",
 ]
 
@@ -159,47 +155,16 @@ def endpoint(url: str) -> tuple[str, int | None]:
     return host.strip("[]"), int(port)
 
 
-def finish_lookup(op: Operation, hit: int) -> None:
-    op.tokens_hit = hit
-    op.chunks = hit // op.chunk_size if op.chunk_size else 0
-    if hit == 0:
-        op.outcome = "miss"
-
-
-def finish_retrieve(op: Operation, kv: torch.Tensor | None) -> None:
-    if kv is None:
-        op.outcome = "miss"
-        return
-    finish_lookup(op, kv.shape[kv.dim() - 2])  # the token axis: [2, L, T, D] or [L, T, D]
-    op.bytes_moved += kv.numel() * kv.element_size()
-
-
-def finish_store(op: Operation, new: bool) -> None:
-    cs = op.chunk_size or 1
-    op.tokens_stored = op.tokens_asked // cs * cs
-    op.chunks = op.tokens_asked // cs
-    op.stored_new = new
-
-
-def finish_remap(op: Operation, result: RemapResult) -> None:
-    finish_lookup(op, result.retrieved_tokens)
-    op.tokens_stored = result.stored_tokens
-    op.stored_new = result.stored_new
-
-
 def finish_batch(op: Operation, result: Sized) -> None:
     op.items = len(result)
 
 
-def finish_compose(
-    op: Operation, sources: Sequence[int], cached: Sequence[int], stored: int, new: bool
-) -> None:
-    """A composition: ``sources`` the tokens each source must give, ``cached`` those found,
-    ``stored`` the target's tokens (whole chunks) stored when every source hit."""
-    hit = all(c >= n for c, n in zip(cached, sources, strict=True))
-    op.tokens_hit = sum(cached)
-    op.tokens_stored = stored if hit else 0
-    op.chunks = op.tokens_stored // op.chunk_size if op.chunk_size else 0
-    op.stored_new = new
-    if not hit:
-        op.outcome = "miss"
+def finish_compose_result(op: Operation, r: ComposeResult) -> None:
+    """The record of a composition on the inline transport, from its result."""
+    compose_record(
+        op,
+        [p.tokens for p in r.parts],
+        [p.tokens if p.hit else 0 for p in r.parts],
+        r.stored_tokens,
+        r.stored_new,
+    )

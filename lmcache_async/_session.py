@@ -19,15 +19,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
+import sys
+import threading
+import warnings
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Final, Literal, TypeVar
 
 from lmcache_async._channel import ConnectionChannel, replaced_message
 from lmcache_async._connection import Connection
+from lmcache_async._deadline import Deadline
 from lmcache_async._metadata import Metadata
 from lmcache_async._ops import LateEnds, Operations, Registration
+from lmcache_async._ops.calls import Call
 from lmcache_async._replacement import ServerWatch
 from lmcache_async._runner import OpState, cancel_and_wait
 from lmcache_async._server_config import ServerConfig, server_instance
@@ -36,8 +42,10 @@ from lmcache_async._wire import (
     GEN_0_5_6,
     Op,
     RegisterPayload,
+    Reply,
     WireGeneration,
     generation_for_version,
+    op_name,
     parse_register_response,
 )
 from lmcache_async.errors import (
@@ -52,7 +60,7 @@ from lmcache_async.errors import (
 from lmcache_async.geometry import KVGeometry, check_server_geometry, dtype_name
 from lmcache_async.results import TransferMode
 
-__all__ = ["UNREGISTER_TIMEOUT", "Session"]
+__all__ = ["EXIT_UNREGISTER_WAIT", "UNREGISTER_TIMEOUT", "Session", "collected_open"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +68,10 @@ T = TypeVar("T")
 
 #: Longest wait for the ``unregister`` reply when closing.
 UNREGISTER_TIMEOUT: Final = 2.0
+
+#: At interpreter exit, how long the release of a client collected unclosed waits for the
+#: unregister's reply (the process would end before its socket sent it otherwise).
+EXIT_UNREGISTER_WAIT: Final = 0.5
 
 
 def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -466,16 +478,46 @@ class Session:
 
     # ------------------------------------------------------------------ operations
 
-    async def run(self, name: str, op: OpState, body: Callable[[Operations, OpState], Awaitable[T]]) -> T:
-        """The session's half of running operation ``name`` (in its own task, see
-        :func:`~lmcache_async._runner.run_detached`): wait for a usable connection, check
-        for a server replaced behind it, register again if needed, then ``body`` over the
-        current :meth:`operations`; run once more on :class:`ServerReplacedError`, and mark
-        the registration stale on a timeout.
+    async def call(self, op: Op, args: tuple[Any, ...], timeout: float | None) -> Reply:
+        """One RPC that opens no server session (``noop``, ``clear``, ``get_experimental``),
+        through the gate of :meth:`run`: wait for a usable connection, check for a server
+        replaced behind it, register again if needed, then the call; once more on
+        :class:`ServerReplacedError`. ``timeout`` (checked) covers all of it.
 
-        Raises what ``body`` raises (a :class:`ServerReplacedError` the second time, or
-        when the caller left, with ``name`` and "again" in its message).
+        Raises:
+            LMCacheTimeoutError: ``timeout`` passed (at the start: nothing is sent).
+            LMCacheConnectionError: not connected (no reconnection in time), or the reader
+                stopped. ClientClosedError: the connection is closed.
+            ServerReplacedError: the server was replaced while it ran, twice.
+
+        Cancellation: the reply is dropped when it comes.
         """
+        name = op_name(op)
+        deadline = Deadline(timeout, name)
+        await self.conn.wait_usable(deadline.left())
+        if self.watch.due():
+            await self.watch.check_quietly(deadline.left())
+        for attempt in (1, 2):
+            try:
+                await self.ensure_registered(deadline.left())
+                return await self.conn.call(op, args, timeout=deadline.left())
+            except ServerReplacedError as exc:
+                if attempt == 2:
+                    raise ServerReplacedError(f"{name}: {exc} (again, after running it once more)") from exc
+                log.debug("%s: the server was replaced while it ran; running it again", name)
+        raise AssertionError("unreachable")
+
+    async def run(self, call: Call[T], op: OpState) -> T:
+        """The session's half of running ``call`` (in its own task, see
+        :func:`~lmcache_async._runner.run_detached`): wait for a usable connection, check
+        for a server replaced behind it, register again if needed, then the call's
+        sequence over the current :meth:`operations`; run once more on
+        :class:`ServerReplacedError`, and mark the registration stale on a timeout.
+
+        Raises what the sequence raises (a :class:`ServerReplacedError` the second time,
+        or when the caller left, with the call's name and "again" in its message).
+        """
+        name = call.name
         # Started while the server is away: wait briefly for the reconnection (then the
         # new server is registered with first), or fail fast with a connection error.
         await self.conn.wait_usable(op.remaining())
@@ -486,7 +528,7 @@ class Session:
                 await self.ensure_registered(op.remaining())
                 if op.abandoned:  # the caller left before anything was sent
                     raise _Abandoned
-                return await body(self.operations(), op)
+                return await call.run(self.operations(), op)
             except LMCacheTimeoutError:
                 # Unanswered prepare/commit requests are what a reaped registration looks
                 # like; re-registering an existing id is cheap, so do it before the next op.
@@ -614,3 +656,60 @@ class Session:
         self.pool = None
         self.keepalive = None
         self.watch_task = None
+
+
+def _release_collected(
+    loop: asyncio.AbstractEventLoop, session: Session, wait: float, done: threading.Event
+) -> None:
+    """Release a collected client's session (on its loop's thread, or with its loop not
+    running): background tasks cancelled, the unregister sent (its reply waited for at
+    most ``wait`` seconds), socket and HTTP session closed. Synchronous: nothing waits for
+    a loop that may never run again."""
+    try:
+        session.release_locally(loop, unregister=True, unregister_wait=wait)
+    finally:
+        done.set()
+
+
+def collected_open(loop: asyncio.AbstractEventLoop, session: Session, desc: str, pid: int) -> None:
+    """``weakref.finalize`` callback of an :class:`~lmcache_async.AsyncClient` collected
+    while open (or still open at interpreter exit): a :class:`ResourceWarning`, then the
+    release, at once (:meth:`Session.release_locally`: nothing is awaited, no event loop
+    needs to run again).
+
+    It runs on whichever thread collects the client. On the client's loop's thread, or
+    with that loop not running, it releases here; with the loop running in another thread
+    (whose reader may be using the socket) it hands the release to that thread. At
+    interpreter exit the unregister's reply is waited for (at most
+    :data:`EXIT_UNREGISTER_WAIT` seconds; a hand-over, that and a second more). A release
+    handed to a loop that stops first is done by the connection's own finalizer when it is
+    collected (the socket; the HTTP session is then aiohttp's to warn about)."""
+    if os.getpid() != pid:
+        return  # inherited across fork: the parent owns the socket and the registration
+    warnings.warn(
+        f"{desc} was never closed; closing it now (use 'async with AsyncClient(...)' or "
+        "'await client.aclose()')",
+        ResourceWarning,
+        stacklevel=2,
+    )
+    # At exit (threading has shut down: atexit handlers, weakref's among them, run next).
+    exiting = sys.is_finalizing() or not threading.main_thread().is_alive()
+    wait = EXIT_UNREGISTER_WAIT if exiting else 0.0
+    done = threading.Event()
+    if loop.is_running() and _running_loop() is not loop:
+        try:
+            loop.call_soon_threadsafe(_release_collected, loop, session, wait, done)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+        else:
+            if exiting:
+                done.wait(wait + 1.0)
+            return
+    _release_collected(loop, session, wait, done)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

@@ -10,10 +10,8 @@ chunks are committed, never some); a retrieve no longer copies into the caller's
 So a timeout or a cancellation never leaves sessions, locks or reservations behind.
 
 Layers (docs/internals/design.md): this module holds the public API, the argument checks
-and the client's lifecycle; a private session holds what the client has of the server
-(generation, configuration, registration, keep-alive, re-registration after a restart)
-and its half of running an operation; each operation's RPC sequence lives once, over a
-small channel interface; what differs between server generations is data.
+and the client's lifecycle; the operation runner it holds runs each call over the session,
+the one way to the server.
 """
 
 from __future__ import annotations
@@ -25,20 +23,21 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import AsyncGenerator, Awaitable, Iterable, Mapping, Sequence, Sized
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence, Sized
 from typing import Any, Literal, TypedDict, Unpack
 
 import torch
 
-from lmcache_async import _client_core as core, _compose, _observing as observing, bulk, management, observe
-from lmcache_async._client_core import align
+from lmcache_async import _compose, _observing as observing, bulk, management, observe
 from lmcache_async._connection import DEFAULT_MAX_IN_FLIGHT
 from lmcache_async._cuda.hooks import kv_mark, target_mark
-from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout
-from lmcache_async._event_stream import subscribe
-from lmcache_async._ops import Operations
-from lmcache_async._runner import OpState, wait_all
-from lmcache_async._session import Session
+from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
+from lmcache_async._event_stream import refuse_embedded, subscribe
+from lmcache_async._op_runner import OperationRunner, check_iterable, client_observers, weakly
+from lmcache_async._ops.calls import ComposeCall, LookupCall, RemapCall, RetrieveCall, StoreCall, align
+from lmcache_async._runner import wait_all
+from lmcache_async._session import Session, collected_open
+from lmcache_async._tensor_checks import check_kv, check_out
 from lmcache_async._urls import check_zmq_url
 from lmcache_async._wire import (
     Op,
@@ -59,6 +58,7 @@ from lmcache_async.errors import (
 )
 from lmcache_async.events import KVEvent
 from lmcache_async.geometry import KVGeometry
+from lmcache_async.hashing import chunk_hashes
 from lmcache_async.results import ComposeResult, KVPart, RemapResult, TransferMode
 from lmcache_async.rope import RopeSpec
 
@@ -113,7 +113,7 @@ async def connect(
     return client
 
 
-class AsyncClient(core.ClientCore):
+class AsyncClient:
     """An asyncio client of one LMCache MP server for one model.
 
     One ZMQ DEALER socket carries all operations, any number concurrently; one aiohttp
@@ -189,12 +189,11 @@ class AsyncClient(core.ClientCore):
             raise ValueError(f"num_kv_readers must be an int >= 1, got {num_kv_readers!r}")
         if not 0 < ping_interval <= 30:
             raise ValueError(f"ping_interval must be in (0, 30] seconds, got {ping_interval!r}")
-        #: Told of each operation (``None``: none, and nothing is recorded).
-        self._observers = core.client_observers(observers)
-        #: An observer asks for the phases of each operation.
-        self._phases = any(observe.wants_phases(o) for o in self._observers or ())
-        #: server.address and server.port of the records.
-        self._endpoint = observing.endpoint(url)
+        # Runs the operations (observed by ``observers``), tracks their tasks; the
+        # lifecycle check it calls holds this client weakly.
+        self._runner = OperationRunner(
+            model_name, observing.endpoint(url), client_observers(observers), weakly(self._live)
+        )
         self.url = url
         self.http_url = http_url
         self.model_name = model_name
@@ -202,8 +201,6 @@ class AsyncClient(core.ClientCore):
         self._state = _Lifecycle.NEW
         self._pid = os.getpid()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._ops: set[asyncio.Future[Any]] = set()  # operation tasks and cleanup replies
-        self._posted: set[asyncio.Future[Any]] = set()  # cleanup replies awaited in the background
         self._closed_event: asyncio.Event | None = None
         #: The task running the session's open steps, while open() runs.
         self._opening: asyncio.Task[None] | None = None
@@ -211,9 +208,9 @@ class AsyncClient(core.ClientCore):
         self._close_asked = False
         #: Releases the socket of a client collected while open (made by open()).
         self._finalizer: weakref.finalize[Any, Any] | None = None
-        # The session holds this client's tracking weakly: its background tasks must not
+        # The session holds the runner's tracking weakly: its background tasks must not
         # keep a dropped client alive (so that the finalizer can release the session).
-        track = core.weak_tracker(self)
+        track = self._runner.weak_tracker()
         self._session = Session(
             url,
             http_url,
@@ -229,6 +226,7 @@ class AsyncClient(core.ClientCore):
             max_in_flight=max_in_flight,
             track=track,
         )
+        self._runner.session = self._session
 
     # ------------------------------------------------------------------ properties
 
@@ -276,6 +274,18 @@ class AsyncClient(core.ClientCore):
         return self._state is _Lifecycle.CLOSED
 
     @property
+    def usable(self) -> bool:
+        """Open, and connected to the server now (no I/O: the connection's last news; a
+        server down makes the next call wait briefly for it, then fail)."""
+        return self._state is _Lifecycle.OPEN and self._session.conn.usable
+
+    @property
+    def in_flight(self) -> int:
+        """Operations of this client running now (bulk jobs and their items included;
+        the cleanup replies they left in the background not)."""
+        return self._runner.in_flight
+
+    @property
     def cleanup_grace(self) -> float:
         """Extra seconds an abandoned operation may spend cleaning up (settable)."""
         return self._session.cleanup_grace
@@ -298,7 +308,7 @@ class AsyncClient(core.ClientCore):
     def __repr__(self) -> str:
         return (
             f"<AsyncClient {self.model_name!r} at {self.url} state={self._state.value} "
-            f"transfer={self._session.transfer} in_flight={len(self._ops)}>"
+            f"transfer={self._session.transfer} in_flight={len(self._runner.ops)}>"
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -341,7 +351,8 @@ class AsyncClient(core.ClientCore):
         # The steps run in a task of their own, which aclose() can cancel without
         # cancelling the caller's task (whose CancelledError would then be a lie).
         opening = asyncio.create_task(
-            self._session.open(lambda: _remaining(deadline)), name=f"lmcache-open {self.url}"
+            self._session.open(lambda: None if deadline is None else max(deadline - time.monotonic(), 0.0)),
+            name=f"lmcache-open {self.url}",
         )
         self._opening = opening
         try:
@@ -353,7 +364,7 @@ class AsyncClient(core.ClientCore):
                 raise ClientClosedError("the client was closed while it was opening")
             self._finalizer = weakref.finalize(
                 self,
-                core.collected_open,
+                collected_open,
                 self._loop,
                 self._session,
                 f"<lmcache_async.AsyncClient {self.model_name!r} at {self.url}>",
@@ -415,13 +426,13 @@ class AsyncClient(core.ClientCore):
         self._closed_event = asyncio.Event()
         unregister = opened
         try:
-            if self._ops:
-                await wait_all(self._ops, self.cleanup_grace)
+            if self._runner.ops:
+                await wait_all(self._runner.ops, self.cleanup_grace)
         except asyncio.CancelledError:
             unregister = False
             raise
         finally:
-            left = [t for t in self._ops if not t.done()]
+            left = [t for t in self._runner.ops if not t.done()]
             if left:
                 self._session.retire_registration(
                     self._session.instance_id, f"{len(left)} operations were still running at close"
@@ -475,8 +486,7 @@ class AsyncClient(core.ClientCore):
         self._state = _Lifecycle.CLOSED
         self._detach_finalizer()
         self._session.drop_inherited()
-        self._ops = set()
-        self._posted = set()
+        self._runner.forget()
 
     def _check_loop(self) -> None:
         """Refuse a call from an event loop other than the one that opened the client."""
@@ -484,6 +494,20 @@ class AsyncClient(core.ClientCore):
             raise WrongEventLoopError(
                 "the client is used from an event loop other than the one that opened it"
             )
+
+    def _timeout(self, timeout: float | DefaultType | None) -> float | None:
+        return resolve_timeout(timeout, self.timeout)
+
+    def _live(self) -> None:
+        """The lifecycle check of every call that reaches the server: open, on its loop."""
+        self._require_open()
+        self._check_loop()
+
+    def _enter(self, timeout: float | DefaultType | None) -> float | None:
+        """A one-shot call's checks once its arguments are: its timeout, then :meth:`_live`."""
+        wait = self._timeout(timeout)
+        self._live()
+        return wait
 
     def _require_open(self) -> None:
         if self._state is not _Lifecycle.OPEN:
@@ -523,17 +547,7 @@ class AsyncClient(core.ClientCore):
         configs = validate_request_configs(request_configs)
         timeout = self._timeout(timeout)
         self._require_open()
-
-        # Aligned with the chunk size of the registration the operation runs under (a
-        # server restarted with another chunk size is registered with first).
-        return await self._run(
-            "lookup",
-            timeout,
-            lambda ops, op: ops.lookup(op, toks, align(len(toks), ops.reg.chunk_size), cache_salt, configs),
-            observing.finish_lookup,
-            len(toks),
-            cache_salt,
-        )
+        return await self._runner.run(LookupCall(toks, cache_salt, configs), timeout)
 
     async def retrieve(
         self,
@@ -586,22 +600,14 @@ class AsyncClient(core.ClientCore):
         configs = validate_request_configs(request_configs)
         timeout = self._timeout(timeout)
         self._require_open()
-        end = self._aligned(len(toks))
+        end = align(len(toks), self._session.chunk_size)
         if out is not None:
-            core.check_out(self.geometry, out, end)
+            check_out(self.geometry, out, end)
         axis = self.geometry.token_axis
         mark = target_mark(out, device)  # None unless the KV goes to a GPU
-
         if self._session.cannot_retrieve is not None:  # before anything is sent: never a silent miss
             raise TransferError(self._session.cannot_retrieve)
-
-        def body(ops: Operations, op: OpState) -> Awaitable[torch.Tensor | None]:
-            n = align(len(toks), ops.reg.chunk_size)
-            if out is not None:  # a new chunk size may align further than ``out`` reaches
-                n = min(n, align(out.shape[axis], ops.reg.chunk_size))
-            return ops.retrieve(op, toks, n, cache_salt, configs, out, mark=mark)
-
-        return await self._run("retrieve", timeout, body, observing.finish_retrieve, len(toks), cache_salt)
+        return await self._runner.run(RetrieveCall(toks, cache_salt, configs, out, axis, mark), timeout)
 
     async def store(
         self,
@@ -641,20 +647,10 @@ class AsyncClient(core.ClientCore):
         configs = validate_request_configs(request_configs)
         timeout = self._timeout(timeout)
         self._require_open()
-        kv, toks = core.check_kv(self.geometry, kv, toks)
+        kv, toks = check_kv(self.geometry, kv, toks)
         # A CUDA kv: the bytes stored are kv as seen from the caller's current stream, now.
         mark = kv_mark(kv)
-
-        return await self._run(
-            "store",
-            timeout,
-            lambda ops, op: ops.store(
-                op, kv, toks, align(len(toks), ops.reg.chunk_size), cache_salt, configs, mark=mark
-            ),
-            observing.finish_store,
-            len(toks),
-            cache_salt,
-        )
+        return await self._runner.run(StoreCall(kv, toks, cache_salt, configs, mark), timeout)
 
     async def remap(
         self,
@@ -684,25 +680,16 @@ class AsyncClient(core.ClientCore):
         )
         timeout = self._timeout(timeout)
         self._require_open()
-        if self._session.pool is not None:
-            # The target takes no more than its whole chunks (of the live chunk size).
-            return await self._run(
-                "remap",
-                timeout,
-                lambda ops, op: ops.remap(
-                    op, src, dst, align(min(len(src), len(dst)), ops.reg.chunk_size), cache_salt, tsalt
-                ),
-                observing.finish_remap,
-                len(src),
-                cache_salt,
-            )
-        if self._observers is None:
+        call = RemapCall(src, dst, cache_salt, tsalt)
+        if self._session.pool is not None:  # in the pool, as far as the target's whole chunks take
+            return await self._runner.run(call, timeout)
+        if self._runner.observers is None:
             return await _compose.remap_inline(self, src, dst, cache_salt, tsalt, timeout)
-        return await self._observe(
+        return await self._runner.observe(  # a recipe over retrieve and store, their parent
             "remap",
             lambda: _compose.remap_inline(self, src, dst, cache_salt, tsalt, timeout),
-            observing.finish_remap,
-            len(src),
+            call.finish,
+            call.asked,
             cache_salt,
         )
 
@@ -748,12 +735,12 @@ class AsyncClient(core.ClientCore):
         """
         self._require_open()
         if self._session.pool is None:  # a recipe over retrieve and store, their parent
-            return await self._observe(
+            return await self._runner.observe(
                 "compose",
                 lambda: _compose.compose_inline(
                     self, target_tokens, parts, rope, cache_salt, self._timeout(timeout)
                 ),
-                core.finish_compose,
+                observing.finish_compose_result,
                 len(target_tokens) if isinstance(target_tokens, Sized) else 0,
                 cache_salt,
             )
@@ -762,26 +749,20 @@ class AsyncClient(core.ClientCore):
         the_plan = _compose.plan(target_tokens, parts, rope, cache_salt, self.geometry, self.chunk_size)
         reads = _compose.pool_sources(the_plan)
         fill = _compose.slot_filler(the_plan, self.geometry, self.chunk_size, reads.index)
-        target, stored, salt = list(the_plan.target[: the_plan.stored]), the_plan.stored, the_plan.salt
-        needed = [read for _, read, _ in reads.sources]
-        cached, new = await self._run(
-            "compose",
-            deadline,
-            lambda ops, op: ops.compose_in_pool(op, reads.sources, target, stored, salt, fill),
-            lambda o, r: observing.finish_compose(o, needed, r[0], stored, r[1]),
-            len(target),
-            salt,
+        call = ComposeCall(
+            reads.sources, list(the_plan.target[: the_plan.stored]), the_plan.stored, the_plan.salt, fill
         )
+        cached, new = await self._runner.run(call, deadline)
         return _compose.pool_result(the_plan, reads, cached, new)
 
     # ------------------------------------------------------------------ misc
 
     async def noop(self, *, timeout: float | DefaultType | None = DEFAULT) -> float:
         """Round-trip a ``noop``; returns the round-trip time in seconds."""
-        self._require_open()
-        self._check_loop()
+        self._live()
+        wait = self._timeout(timeout)
         t0 = time.perf_counter()
-        reply = await self._session.conn.call(Op.NOOP, (), timeout=self._timeout(timeout))
+        reply = await self._session.call(Op.NOOP, (), wait)
         if reply.value() != "OK":
             raise ProtocolError(f"noop answered {reply.value()!r}")
         return time.perf_counter() - t0
@@ -800,9 +781,9 @@ class AsyncClient(core.ClientCore):
         self._require_open()
         self._check_loop()
         timeout = self._timeout(timeout)
-        if self._posted:
+        if self._runner.posted:
             start = time.monotonic()
-            await wait_all(self._posted, timeout)  # replies may post follow-ups: a loop
+            await wait_all(self._runner.posted, timeout)  # replies may post follow-ups: a loop
             if timeout is not None:
                 timeout = max(timeout - (time.monotonic() - start), 0.0)
         return await self._session.meta.status(max_age=max_age, timeout=timeout)
@@ -829,36 +810,70 @@ class AsyncClient(core.ClientCore):
         """
         timeout = self._timeout(timeout)
         self._check_loop()
-        return await wait_all(self._ops, timeout)
+        return await wait_all(self._runner.ops, timeout)
 
-    async def kv_events(self, model_name: str | None = None, *, cursor: int = 0,
-                        incarnation: int | None = None, max_events: int = 256, ping_interval: float = 10.0,
-                        reconnect_timeout: float | None = 60.0) -> AsyncGenerator[KVEvent]:  # fmt: skip
+    async def kv_events(
+        self,
+        model_name: str | None = None,
+        *,
+        cursor: int = 0,
+        incarnation: int | None = None,
+        max_events: int = 256,
+        ping_interval: float = 10.0,
+        reconnect_timeout: float | None = 60.0,
+    ) -> AsyncGenerator[KVEvent]:
         """The server's KV events of ``model_name`` (default: this client's) as they come: arguments, errors,
-        cancellation: :func:`lmcache_async.events.subscribe`; what they see: docs/guides/routing.md."""
-        async with subscribe(self, model_name, cursor, incarnation, max_events, ping_interval,
-                             reconnect_timeout) as stream:  # fmt: skip
+        cancellation: :class:`lmcache_async.events.KVEventStream`; what they see: docs/guides/routing.md.
+        At the first step, before anything is sent, also the client's state errors, and
+        ``KVEventsDisabledError`` for lmcache_async's embedded server."""
+        s = self._session
+        name = self.model_name if model_name is None else model_name
+        stream = subscribe(
+            s.conn, name, s.chunk_size, cursor, incarnation, max_events, ping_interval, reconnect_timeout
+        )
+        self._live()
+        refuse_embedded(s.meta, self.url)
+        async with stream:
             async for event in stream:
                 yield event
 
     async def experimental(self, *, timeout: float | DefaultType | None = DEFAULT) -> frozenset[str]:
         """The server's advertised experimental features: :func:`lmcache_async.management.experimental`."""
-        return await management.experimental(self, timeout)
+        return await management.experimental(self._session.call, self._enter(timeout))
 
     async def clear(self, *, force: bool, timeout: float | DefaultType | None = DEFAULT) -> None:
         """DANGER: empties L1 for EVERY model and salt: see :func:`lmcache_async.management.clear`."""
-        await management.clear(self, force, timeout)
+        management.check_force(force)
+        await management.clear(self._session.call, force, self._enter(timeout))
 
-    async def warm(self, tokens: Sequence[int], cache_salt: str = "", *,
-                   timeout: float | DefaultType | None = DEFAULT) -> management.WarmResult:  # fmt: skip
+    async def warm(
+        self, tokens: Sequence[int], cache_salt: str = "", *, timeout: float | DefaultType | None = DEFAULT
+    ) -> management.WarmResult:
         """Loads ``tokens``' chunks from L2 into L1, left there: see :func:`lmcache_async.management.warm`."""
-        return await management.warm(self, tokens, cache_salt, timeout)
+        toks = validate_tokens(tokens)
+        validate_cache_salt(cache_salt)
+        wait = self._enter(timeout)
+        world = self.geometry.world_size
+        return await management.warm(self._session.meta, self.model_name, world, toks, cache_salt, wait)
 
-    async def delete(self, tokens: Sequence[int], cache_salt: str = "", *, start: int = 0,
-                     tier: management.Tier = "l1", force: bool = False,
-                     timeout: float | DefaultType | None = DEFAULT) -> management.DeleteResult:  # fmt: skip
+    async def delete(
+        self,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        *,
+        start: int = 0,
+        tier: management.Tier = "l1",
+        force: bool = False,
+        timeout: float | DefaultType | None = DEFAULT,
+    ) -> management.DeleteResult:
         """DANGER: deletes chunks for all the model's clients: see :func:`lmcache_async.management.delete`."""
-        return await management.delete(self, tokens, cache_salt, start, tier, force, timeout)
+        toks = validate_tokens(tokens)
+        validate_cache_salt(cache_salt)
+        management.check_delete(tier, force)
+        wait = self._enter(timeout)
+        hashes = chunk_hashes(toks, self, start=start)
+        keys = management.object_keys(hashes, self.model_name, self.geometry.world_size, cache_salt)
+        return await management.delete(self._session.meta, keys, tier, force, wait)
 
     # ---- bulk operations (lmcache_async.bulk) ----
 
@@ -879,8 +894,8 @@ class AsyncClient(core.ClientCore):
         Cancellation: every in-flight item is cancelled and releases its server session,
         locks and reservations in the background; ``CancelledError`` is re-raised.
         """
-        core.check_iterable(pairs, "pairs")
-        return await self._job("remap_many", options, lambda: bulk.remap_many(self, pairs, **options))
+        check_iterable(pairs, "pairs")
+        return await self._runner.job("remap_many", options, lambda: bulk.remap_many(self, pairs, **options))
 
     async def store_many(
         self, items: Iterable[StoreItem | Sequence[Any]], **options: Unpack[BatchOptions]
@@ -890,8 +905,10 @@ class AsyncClient(core.ClientCore):
 
         Cancellation/timeout: as for :meth:`store`, per item; ``CancelledError`` is re-raised.
         """
-        core.check_iterable(items, "items")
-        return await self._job("store_many", options, lambda: bulk.store_many(self, items, **options), True)
+        check_iterable(items, "items")
+        return await self._runner.job(
+            "store_many", options, lambda: bulk.store_many(self, items, **options), True
+        )
 
     async def retrieve_many(
         self,
@@ -908,9 +925,9 @@ class AsyncClient(core.ClientCore):
         Cancellation/timeout: as for :meth:`retrieve`, per item; ``CancelledError`` is
         re-raised.
         """
-        core.check_iterable(token_lists, "token_lists")
+        check_iterable(token_lists, "token_lists")
         target_mark(None, device)  # a bad device= is refused before anything is sent
-        return await self._job(
+        return await self._runner.job(
             "retrieve_many",
             options,
             lambda: bulk.retrieve_many(self, token_lists, device=device, **options),
@@ -931,11 +948,7 @@ class AsyncClient(core.ClientCore):
         Cancellation/timeout: as for :meth:`compose`, per item; ``CancelledError`` is
         re-raised.
         """
-        core.check_iterable(items, "items")
-        return await self._job(
+        check_iterable(items, "items")
+        return await self._runner.job(
             "compose_many", options, lambda: bulk.compose_many(self, items, rope=rope, **options)
         )
-
-
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(deadline - time.monotonic(), 0.0)

@@ -1,6 +1,7 @@
 """KV events of an LMCache MP server: the typed items of ``AsyncClient.kv_events()``
 (:class:`StoredEvent`, :class:`RemovedEvent`, :class:`Resync`) and the stream that yields
-them (:class:`KVEventStream`, made by :func:`subscribe`).
+them (:class:`KVEventStream`, made by :meth:`AsyncClient.kv_events
+<lmcache_async.client.AsyncClient.kv_events>`).
 
 The server (0.5.6 and 0.5.7) streams a *batch* per credit over the string-only
 streaming RPC ``subscribe_kv_events(instance_id, model_name, cursor, max_events)``; a
@@ -18,7 +19,7 @@ What the events can see (docs/guides/routing.md has the whole list):
 
 from __future__ import annotations
 
-from lmcache_async._event_stream import KVEventStream as KVEventStream, subscribe as subscribe
+from lmcache_async._event_stream import KVEventStream as KVEventStream
 from lmcache_async._event_types import (
     MAX_BATCH_HASHES as MAX_BATCH_HASHES,
     MAX_EVENTS_LIMIT as MAX_EVENTS_LIMIT,
@@ -44,7 +45,6 @@ __all__ = [
     "StoredEvent",
     "batch_size_limit",
     "decode_batch",
-    "subscribe",
     "validate_cursor",
     "validate_max_events",
 ]

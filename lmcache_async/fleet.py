@@ -42,7 +42,6 @@ from typing import Any, Final, Generic, TypeVar, Unpack
 import blake3
 import torch
 
-from lmcache_async._event_stream import subscribe
 from lmcache_async._runner import cancel_and_wait
 from lmcache_async._wire import validate_cache_salt, validate_tokens
 from lmcache_async.client import AsyncClient, ClientOptions
@@ -332,7 +331,7 @@ class Fleet:
         index = self.index
         while True:
             try:
-                async with subscribe(client, None, reconnect_timeout=None) as stream:
+                async with contextlib.aclosing(client.kv_events(reconnect_timeout=None)) as stream:
                     async for ev in stream:
                         if isinstance(ev, StoredEvent):
                             index.add(server, (ev.block_hash,))
@@ -355,13 +354,12 @@ class Fleet:
     def load(self, server: int) -> int:
         """Requests the fleet routed to ``server`` still in flight, plus the client's
         own operations in flight (not counting background cleanup replies)."""
-        c = self.clients[server]
-        return self._routed[server] + max(len(c._ops) - len(c._posted), 0)
+        return self._routed[server] + self.clients[server].in_flight
 
     def _up(self) -> int:
         mask = 0
         for i, c in enumerate(self.clients):
-            if not c.closed and c._session.conn.usable:
+            if c.usable:
                 mask |= 1 << i
         return mask
 

@@ -2,7 +2,9 @@
 chunks, clear L1, list capabilities. The ``AsyncClient`` methods
 (:meth:`~lmcache_async.AsyncClient.warm`, :meth:`~lmcache_async.AsyncClient.delete`,
 :meth:`~lmcache_async.AsyncClient.clear`, :meth:`~lmcache_async.AsyncClient.experimental`;
-the blocking ``Client``'s twins) call the functions of the same names here, given the client.
+the blocking ``Client``'s twins) check their arguments and the client's state, then call
+the functions of the same names here with what each needs (the session's RPC, the HTTP
+metadata, the model name): nothing here sees a client.
 
 Each is a server-wide action with effects beyond the caller's own data; the danger of
 each is written on its method (docs/guides/routing.md, "Management calls").
@@ -11,28 +13,30 @@ each is written on its method (docs/guides/routing.md, "Management calls").
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 from urllib.parse import quote
 
 from lmcache_async._deadline import Deadline
-from lmcache_async._defaults import DefaultType
 from lmcache_async._metadata import Metadata, decode_json, excerpt
-from lmcache_async._wire import Op, validate_cache_salt, validate_tokens
+from lmcache_async._wire import Op, Reply
 from lmcache_async.errors import (
     HTTPStatusError,
     LMCacheTimeoutError,
     ProtocolError,
     ServerError,
 )
-from lmcache_async.hashing import DEFAULT_HASH_ALGORITHM, chunk_hashes, hash_algorithm_of
+from lmcache_async.hashing import DEFAULT_HASH_ALGORITHM, hash_algorithm_of
 
 __all__ = [
     "MAX_DELETE_KEYS",
+    "RPC",
     "DeleteResult",
     "Tier",
     "WarmResult",
+    "check_delete",
+    "check_force",
     "clear",
     "delete",
     "experimental",
@@ -248,17 +252,21 @@ async def _delete_keys(
 
 
 # --------------------------------------------------------------------------- the client's calls
-# ``client`` is an open AsyncClient (typed Any: this module sits below lmcache_async.client).
+# Each is given what it needs by the ``AsyncClient`` method of the same name, which checks
+# the arguments, the timeout and the client's state first (nothing is sent before).
+
+#: A one-shot RPC through the client's session (:meth:`Session.call
+#: <lmcache_async._session.Session.call>`): ``(op, args, timeout) -> reply``.
+RPC = Callable[[Op, tuple[Any, ...], float | None], Awaitable[Reply]]
 
 
 def hash_algorithm(meta: Metadata) -> str:
     """The server's hash algorithm from its ``/status`` or ``/config`` read at connect
     (``"blake3"``, the default, when neither says: an older build)."""
-    config, status = meta._cache["config"].value, meta._cache["status"].value
-    return hash_algorithm_of(config, status) or DEFAULT_HASH_ALGORITHM
+    return hash_algorithm_of(meta.cached("config"), meta.cached("status")) or DEFAULT_HASH_ALGORITHM
 
 
-async def experimental(client: Any, timeout: float | DefaultType | None) -> frozenset[str]:
+async def experimental(call: RPC, timeout: float | None) -> frozenset[str]:
     """The experimental features the server advertises (``get_experimental``): 0.5.6 says
     ``"kv_event_stream"`` when its event channel is on; 0.5.7 lists only features its
     modules add (``"transfer_query"``), and an empty set is usual.
@@ -268,17 +276,19 @@ async def experimental(client: Any, timeout: float | DefaultType | None) -> froz
 
     Cancellation: the reply is dropped when it comes.
     """
-    wait = client._timeout(timeout)
-    client._require_open()
-    client._check_loop()
-    reply = await client._session.conn.call(Op.GET_EXPERIMENTAL, (), timeout=wait)
-    value = reply.value()
+    value = (await call(Op.GET_EXPERIMENTAL, (), timeout)).value()
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ProtocolError(f"get_experimental answered {value!r}")
     return frozenset(value)
 
 
-async def clear(client: Any, force: bool, timeout: float | DefaultType | None) -> None:
+def check_force(force: object) -> None:
+    """``TypeError`` unless ``force`` is a bool."""
+    if not isinstance(force, bool):
+        raise TypeError(f"force must be a bool, got {type(force).__name__}")
+
+
+async def clear(call: RPC, force: bool, timeout: float | None) -> None:
     """DANGER: empty the server's L1 cache for EVERY model and EVERY cache salt, not only
     the client's (the ``clear`` RPC; L2 is untouched).
 
@@ -294,16 +304,16 @@ async def clear(client: Any, force: bool, timeout: float | DefaultType | None) -
 
     Cancellation: the clear may still run on the server.
     """
-    if not isinstance(force, bool):
-        raise TypeError(f"force must be a bool, got {type(force).__name__}")
-    wait = client._timeout(timeout)
-    client._require_open()
-    client._check_loop()
-    await client._session.conn.call(Op.CLEAR, (force,), timeout=wait)
+    await call(Op.CLEAR, (force,), timeout)
 
 
 async def warm(
-    client: Any, tokens: Sequence[int], cache_salt: str, timeout: float | DefaultType | None
+    meta: Metadata,
+    model_name: str,
+    world_size: int,
+    tokens: list[int],
+    cache_salt: str,
+    timeout: float | None,
 ) -> WarmResult:
     """Load the chunks of ``tokens`` (the client's model, ``cache_salt``, every rank) from
     the server's L2 into its L1 and leave them there (``POST /cache/prefetches``, polled
@@ -321,35 +331,25 @@ async def warm(
 
     Cancellation: the polling stops; the server's prefetch goes on.
     """
-    toks = validate_tokens(tokens)
-    validate_cache_salt(cache_salt)
-    wait = client._timeout(timeout)
-    client._require_open()
-    client._check_loop()
     return await _warm_prefetch(
-        client._session.meta,
-        client.model_name,
-        client.geometry.world_size,
-        toks,
-        cache_salt,
-        wait,
-        WARM_POLL_INTERVAL_S,
+        meta, model_name, world_size, tokens, cache_salt, timeout, WARM_POLL_INTERVAL_S
     )
 
 
+def check_delete(tier: object, force: object) -> None:
+    """``ValueError``/``TypeError`` for a ``tier`` or ``force`` :func:`delete` does not take."""
+    if tier not in ("l1", "l2", "all"):
+        raise ValueError(f"tier must be 'l1', 'l2' or 'all', got {tier!r}")
+    check_force(force)
+
+
 async def delete(
-    client: Any,
-    tokens: Sequence[int],
-    cache_salt: str,
-    start: int,
-    tier: Tier,
-    force: bool,
-    timeout: float | DefaultType | None,
+    meta: Metadata, keys: list[dict[str, Any]], tier: Tier, force: bool, timeout: float | None
 ) -> DeleteResult:
     """Delete the chunks of ``tokens`` from ``start`` (a multiple of the chunk size) to
     the last whole chunk, for the client's model and ``cache_salt``, on every rank
-    (``DELETE /cache/objects`` with keys computed here, at most :data:`MAX_DELETE_KEYS` a
-    request).
+    (``DELETE /cache/objects`` with ``keys``, :func:`object_keys` of the chunks' hashes
+    computed by the client, at most :data:`MAX_DELETE_KEYS` a request).
 
     DANGER: the chunks go for every client of this model and salt, and a prompt sharing
     the prefix loses it too (chunks are named by the whole prefix up to them). With
@@ -369,17 +369,6 @@ async def delete(
 
     Cancellation: a request already sent may still delete its keys.
     """
-    toks = validate_tokens(tokens)
-    validate_cache_salt(cache_salt)
-    if tier not in ("l1", "l2", "all"):
-        raise ValueError(f"tier must be 'l1', 'l2' or 'all', got {tier!r}")
-    if not isinstance(force, bool):
-        raise TypeError(f"force must be a bool, got {type(force).__name__}")
-    wait = client._timeout(timeout)
-    client._require_open()
-    client._check_loop()
-    hashes = chunk_hashes(toks, client, start=start)
-    keys = object_keys(hashes, client.model_name, client.geometry.world_size, cache_salt)
     if not keys:
         return DeleteResult(0, 0)
-    return await _delete_keys(client._session.meta, keys, tier, force, wait)
+    return await _delete_keys(meta, keys, tier, force, timeout)

@@ -74,7 +74,7 @@ from lmcache_async._sync_methods import SyncMethods
 from lmcache_async.client import AsyncClient, ClientOptions
 from lmcache_async.errors import ClientClosedError, ForkedSyncClientError, LMCacheTimeoutError
 
-__all__ = ["FACADE", "LOOP_THREAD_NAME", "Client", "Twin"]
+__all__ = ["LOOP_THREAD_NAME", "Client"]
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +82,9 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
-class Twin:
+class _Twin:
     """How the blocking twin of one :class:`~lmcache_async.AsyncClient` method differs
-    from it (a :data:`FACADE` row; ``tools/gen_sync_client.py`` writes the twin).
+    from it (a :data:`_FACADE` row; ``tools/gen_sync_client.py`` writes the twin).
 
     Attributes:
         bound: the caller waits at most the call's ``timeout`` plus ``cleanup_grace``
@@ -103,43 +103,34 @@ class Twin:
     note: str = ""
 
 
-#: The blocking twin of each public ``AsyncClient`` method: the one table the generator
+#: How the blocking twin of a public ``AsyncClient`` method differs from it, for the
+#: methods whose twin is not the default ``_Twin()``: the one table the generator
 #: (``tools/gen_sync_client.py``, checked by ``make lint``) reads, with ``AsyncClient``'s
 #: signatures and docstrings, to write :mod:`lmcache_async._sync_methods`.
-FACADE: Final = {
-    "lookup": Twin(),
-    "retrieve": Twin(
+_FACADE: Final = {
+    "retrieve": _Twin(
         cuda=("out", "device"),
         device="device",
         note="A CUDA ``out``/``device`` is ordered after this thread's current stream, captured "
         "before the call is handed over; on timeout or KeyboardInterrupt nothing more is copied "
         "into ``out`` once the call has returned, except a large copy already running.",
     ),
-    "store": Twin(
+    "store": _Twin(
         cuda=("kv",),
         note="A CUDA ``kv`` is read as seen from this thread's current stream when the call is "
         "made; a store whose slots were reserved is completed on the loop after a timeout or "
         "KeyboardInterrupt: ``kv`` must not be modified until then.",
     ),
-    "remap": Twin(),
-    "compose": Twin(),
-    "noop": Twin(note="The time is measured on the loop, without the facade's own hand-over."),
-    "status": Twin(),
-    "config": Twin(),
-    "drain": Twin(),
-    "remap_many": Twin(bound=False),
-    "store_many": Twin(bound=False, cuda=()),
-    "retrieve_many": Twin(bound=False, cuda=(), device="device"),
-    "compose_many": Twin(bound=False),
-    "kv_events": Twin(
+    "noop": _Twin(note="The time is measured on the loop, without the facade's own hand-over."),
+    "remap_many": _Twin(bound=False),
+    "store_many": _Twin(bound=False, cuda=()),
+    "retrieve_many": _Twin(bound=False, cuda=(), device="device"),
+    "compose_many": _Twin(bound=False),
+    "kv_events": _Twin(
         bound=False,
         note="Each step waits for the next event without a deadline (an idle server sends nothing); "
         "bad arguments raise at the first step, before anything is sent.",
     ),
-    "experimental": Twin(),
-    "clear": Twin(),
-    "warm": Twin(),
-    "delete": Twin(),
 }
 
 

@@ -23,6 +23,7 @@ import torch
 
 from lmcache_async import AsyncClient, Client, KVGeometry
 from lmcache_async._connection import Connection
+from lmcache_async._event_stream import KVEventStream, subscribe
 from lmcache_async._loop_thread import LoopThread
 from lmcache_async._replacement import ServerWatch
 from lmcache_async._session import Session
@@ -75,7 +76,7 @@ class ClientView:
     @property
     def in_flight_ops(self) -> set[asyncio.Future[Any]]:
         """The operations and background cleanup replies the client still tracks."""
-        return self._client._ops
+        return self._client._runner.ops
 
     @property
     def pool(self) -> ShmPool | None:
@@ -143,7 +144,13 @@ class ClientView:
 
     def track(self, future: asyncio.Future[Any]) -> None:
         """Tracks ``future`` as the client tracks an operation or a cleanup reply."""
-        self._client._track(future)
+        self._client._runner.track(future)
+
+    def event_stream(self, **kw: Any) -> KVEventStream:
+        """The stream ``kv_events(**kw)`` iterates, of the client's model (its cursor and
+        counters readable; the client open)."""
+        s = self._session
+        return subscribe(s.conn, self._client.model_name, s.chunk_size, **kw)
 
     def replace_keepalive(self, task: asyncio.Task[None]) -> None:
         """Makes ``task`` the client's keep-alive task (what its close cancels and awaits)."""

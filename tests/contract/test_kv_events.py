@@ -34,13 +34,13 @@ import pytest
 
 import lmcache_async as lmc
 from lmcache_async import AsyncClient
-from lmcache_async._event_stream import KVEventStream, subscribe
+from lmcache_async._event_stream import KVEventStream
 from lmcache_async._reply_stream import open_streams
 from lmcache_async.errors import UnsupportedHashAlgorithmError
 from lmcache_async.events import RemovedEvent, Resync, StoredEvent
 from lmcache_async.hashing import NONE_HASH, chunk_hashes
 from lmcache_async.management import DeleteResult, WarmResult
-from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
+from tests.helpers import SMALL_GEOMETRY, fresh_tokens, peek, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio
 
@@ -66,7 +66,7 @@ def _client(server: Any, model: str) -> AsyncClient:
 
 def _stream(c: AsyncClient, **kw: Any) -> KVEventStream:
     """The stream ``c.kv_events(**kw)`` iterates (its cursor and counters readable)."""
-    return subscribe(c, None, **kw)
+    return peek(c).event_stream(**kw)
 
 
 @GENERATIONS

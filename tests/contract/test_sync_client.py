@@ -44,7 +44,7 @@ from lmcache_async import (
 )
 from lmcache_async.client import ClientOptions
 from lmcache_async.errors import LoopThreadCallError, SyncUsageError
-from lmcache_async.sync_client import FACADE, LOOP_THREAD_NAME, Client
+from lmcache_async.sync_client import _FACADE, LOOP_THREAD_NAME, Client
 from tests.helpers import peek, shared_loop_thread
 from tools import gen_sync_client
 
@@ -220,10 +220,11 @@ def test_the_parity_check_catches_a_new_unwrapped_method() -> None:
 
 def test_the_twins_are_what_the_generator_writes() -> None:
     """``_sync_methods.py`` is ``tools/gen_sync_client.py``'s output for the current
-    ``AsyncClient`` and ``FACADE`` (what ``make lint`` checks with ``--check``)."""
+    ``AsyncClient`` and ``_FACADE`` (what ``make lint`` checks with ``--check``); every
+    row names a public async method."""
     assert gen_sync_client.OUTPUT.read_text() == gen_sync_client.generate()
     assert gen_sync_client.main(["--check"]) == 0
-    assert set(FACADE) == {
+    assert set(_FACADE) <= {
         name
         for name, member in inspect.getmembers_static(AsyncClient)
         if not name.startswith("_")
@@ -232,37 +233,40 @@ def test_the_twins_are_what_the_generator_writes() -> None:
     }
 
 
-def _grown(method: str, row: str = "Twin()", imports: str = "") -> tuple[str, str]:
+def _grown(method: str, row: str = "_Twin()", imports: str = "") -> tuple[str, str]:
     """client.py with ``method`` added to AsyncClient (and ``imports``), and sync_client.py
-    with ``row`` as its FACADE row (``""``: none)."""
+    with ``row`` as its _FACADE row (``""``: none)."""
     client = gen_sync_client.CLIENT.read_text()
-    client = client.replace("\nclass AsyncClient(", f"\n{imports}\n\nclass AsyncClient(", 1)
+    assert "\nclass AsyncClient" in client
+    client = client.replace("\nclass AsyncClient", f"\n{imports}\n\nclass AsyncClient", 1)
     client = client.replace(
         "    async def noop(", f"{textwrap.indent(textwrap.dedent(method), '    ')}\n    async def noop(", 1
     )
     sync = gen_sync_client.SYNC_CLIENT.read_text()
     if row:
         name = method.split("def ", 1)[1].split("(", 1)[0]
-        sync = sync.replace('    "drain": Twin(),', f'    "drain": Twin(),\n    "{name}": {row},', 1)
+        sync = sync.replace("_FACADE: Final = {", f'_FACADE: Final = {{\n    "{name}": {row},', 1)
     return client, sync
 
 
-def test_the_generator_refuses_a_method_without_a_row_and_a_row_without_a_method() -> None:
-    client, sync = _grown("async def compact(self, tokens: list[int]) -> int:\n    return 0\n", row="")
-    with pytest.raises(gen_sync_client.GenerationError, match="AsyncClient.compact has no FACADE row"):
-        gen_sync_client.generate(client, sync)
-    sync = gen_sync_client.SYNC_CLIENT.read_text().replace(
-        '    "drain": Twin(),', '    "drain": Twin(),\n    "gone": Twin(),'
+def test_a_method_without_a_row_gets_the_default_twin_and_a_row_without_a_method_is_refused() -> None:
+    timed = "async def compact(self, *, timeout: float | None = 1.0) -> int:\n    return 0\n"
+    client, sync = _grown(timed, row="")
+    assert "    def compact(self, *, timeout: float | None = 1.0) -> int:" in gen_sync_client.generate(
+        client, sync
     )
-    with pytest.raises(
-        gen_sync_client.GenerationError, match="FACADE rows without an AsyncClient method: gone"
-    ):
-        gen_sync_client.generate(None, sync)
-    client, sync = _grown("async def compact(self, tokens: list[int]) -> int:\n    return 0\n")
+    client, sync = _grown("async def compact(self, tokens: list[int]) -> int:\n    return 0\n", row="")
     with pytest.raises(
         gen_sync_client.GenerationError, match="compact: a bounded twin needs a timeout parameter"
     ):
-        gen_sync_client.generate(client, sync)
+        gen_sync_client.generate(client, sync)  # the default twin is bounded
+    sync = gen_sync_client.SYNC_CLIENT.read_text().replace(
+        "_FACADE: Final = {", '_FACADE: Final = {\n    "gone": _Twin(),'
+    )
+    with pytest.raises(
+        gen_sync_client.GenerationError, match="_FACADE rows without an AsyncClient method: gone"
+    ):
+        gen_sync_client.generate(None, sync)
 
 
 _TICKS = """
@@ -276,7 +280,7 @@ async def ticks(self, n: int, *, timeout: float | DefaultType | None = DEFAULT) 
 def _ticking_client_class(method: str = _TICKS) -> type[Client]:
     """A Client whose generated twins include one of ``method``, an async iterator."""
     client, sync = _grown(
-        method, "Twin(bound=False)", imports="from collections.abc import AsyncIterator  # noqa: E402"
+        method, "_Twin(bound=False)", imports="from collections.abc import AsyncIterator  # noqa: E402"
     )
     source = gen_sync_client.generate(client, sync)
     module = types.ModuleType("generated_sync_methods")
@@ -329,7 +333,7 @@ async def stream(self, n: int) -> AsyncIterator[int]:
     \"\"\"A stream made by a coroutine.\"\"\"
     return self._numbers(n)
 """
-    client, sync = _grown(method, "Twin(bound=False)", imports="from collections.abc import AsyncIterator")
+    client, sync = _grown(method, "_Twin(bound=False)", imports="from collections.abc import AsyncIterator")
     source = gen_sync_client.generate(client, sync)
     twin = source.split("    def stream(", 1)[1].split("\n\n    def ", 1)[0]
     assert 'return self._iterate("stream", None, lambda: self._async.stream(n))' in twin

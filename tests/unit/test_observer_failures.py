@@ -5,7 +5,9 @@ observation wrapper (``_observing.observed``), no server needed."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
+import re
 import time
 
 import pytest
@@ -13,6 +15,7 @@ import pytest
 import lmcache_async
 from lmcache_async import observe, otel
 from lmcache_async._observing import observed
+from lmcache_async._ops.calls import CALLS
 from lmcache_async.observe import Operation
 
 LOGGER = "lmcache_async._observing"
@@ -104,3 +107,11 @@ def test_removal_is_top_level() -> None:
     assert quiet in observe.observers()
     lmcache_async.remove_observer(quiet)
     assert quiet not in observe.observers()
+
+
+def test_the_documented_operation_names_are_the_call_classes_and_the_bulk_jobs() -> None:
+    """``Operation.name``'s documented names: one per call class, and the bulk jobs."""
+    doc = inspect.getdoc(Operation) or ""
+    text = doc[doc.index("name:") : doc.index("server_address:")]
+    bulk = {n for n, _ in inspect.getmembers(lmcache_async.AsyncClient) if n.endswith("_many")}
+    assert sorted(re.findall(r'``"(\w+)"``', text)) == sorted({c.name for c in CALLS} | bulk)

@@ -23,6 +23,7 @@ import torch
 
 from lmcache_async._compose import KVPart, plan, slot_filler
 from lmcache_async._ops import Operations, Registration, RemapResult
+from lmcache_async._ops.calls import CALLS, ComposeCall, LookupCall, RemapCall, RetrieveCall, StoreCall
 from lmcache_async._runner import OpState, run_detached
 from lmcache_async._shm import ShmPool
 from lmcache_async._wire import (
@@ -163,9 +164,7 @@ async def _store(h: Harness, toks: list[int], kv: torch.Tensor) -> None:
     assert h.srv.leftovers().is_clean()
 
 
-def _compose(
-    h: Harness, toks: list[int], kv: torch.Tensor
-) -> Callable[[Operations, OpState], Awaitable[Any]]:
+def _compose(h: Harness, toks: list[int], kv: torch.Tensor) -> ComposeCall:
     """The in-pool composition of two parts of one source, the first moved (keys rotated)."""
     rope = RopeSpec(head_dim=SMALL_GEOMETRY.head_dim, theta=10000.0)
     target = h.tokens()
@@ -173,26 +172,34 @@ def _compose(
     reads = the_plan.reads()
     sources = [(list(src[:n]), n, salt) for (src, salt), n in reads.items()]
     fill = slot_filler(the_plan, SMALL_GEOMETRY, CS, {key: i for i, key in enumerate(reads)})
-    return lambda ops, op: ops.compose_in_pool(op, sources, target[:END], END, "", fill)
+    return ComposeCall(sources, target[:END], END, "", fill)
 
 
-CASES: dict[
-    str, Callable[[Harness, list[int], torch.Tensor], Callable[[Operations, OpState], Awaitable[Any]]]
-] = {
-    "lookup": lambda h, toks, kv: lambda ops, op: ops.lookup(op, toks, END, ""),
-    "retrieve": lambda h, toks, kv: lambda ops, op: ops.retrieve(op, toks, END, ""),
-    "retrieve-into-out": lambda h, toks, kv: (
-        lambda ops, op: ops.retrieve(op, toks, END, "", None, torch.zeros_like(kv))
-    ),
-    "store": lambda h, toks, kv: lambda ops, op: ops.store(op, kv, h.tokens(), END, ""),
-    "store-partly-cached": lambda h, toks, kv: (
-        lambda ops, op: ops.store(
-            op, torch.cat([kv, kv[:, :, :CS]], dim=2), [*toks, *range(7, 7 + CS)], END + CS, ""
-        )
-    ),
-    "remap": lambda h, toks, kv: lambda ops, op: ops.remap(op, toks, h.tokens(), END, "", ""),
-    "compose-in-pool": _compose,
+#: Each call class (:data:`lmcache_async._ops.calls.CALLS`, one per operation sequence)
+#: and its samples: the calls each case runs, given the harness, a stored prompt and its KV.
+Sample = Callable[[Harness, list[int], torch.Tensor], Any]
+SAMPLES: dict[type[Any], dict[str, Sample]] = {
+    LookupCall: {"lookup": lambda h, toks, kv: LookupCall(toks)},
+    RetrieveCall: {
+        "retrieve": lambda h, toks, kv: RetrieveCall(toks),
+        "retrieve-into-out": lambda h, toks, kv: RetrieveCall(toks, out=torch.zeros_like(kv)),
+    },
+    StoreCall: {
+        "store": lambda h, toks, kv: StoreCall(kv, h.tokens()),
+        "store-partly-cached": lambda h, toks, kv: StoreCall(
+            torch.cat([kv, kv[:, :, :CS]], dim=2), [*toks, *range(7, 7 + CS)]
+        ),
+    },
+    RemapCall: {"remap": lambda h, toks, kv: RemapCall(toks, h.tokens())},
+    ComposeCall: {"compose-in-pool": _compose},
 }
+CASES: dict[str, Sample] = {name: make for cls in CALLS for name, make in SAMPLES.get(cls, {}).items()}
+
+
+def test_every_call_class_has_a_sample() -> None:
+    """A new operation sequence (its call class in ``CALLS``) cannot skip the matrix below."""
+    assert [cls.__name__ for cls in CALLS if not SAMPLES.get(cls)] == []
+    assert set(SAMPLES) == set(CALLS)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -203,7 +210,7 @@ async def test_cancel_at_every_rpc_leaves_the_engine_clean(harness: Harness, cas
     # One uncancelled run counts the requests (and checks the result).
     toks, kv = h.tokens(), h.kv()
     await _store(h, toks, kv)
-    result = await h.run(CASES[case](h, toks, kv), None)
+    result = await h.run(CASES[case](h, toks, kv).run, None)
     if case == "lookup":
         assert result == END
     elif case.startswith("retrieve"):
@@ -219,7 +226,7 @@ async def test_cancel_at_every_rpc_leaves_the_engine_clean(harness: Harness, cas
     for k in range(1, n_requests + 1):
         toks, kv = h.tokens(), h.kv()
         await _store(h, toks, kv)
-        result = await h.run(CASES[case](h, toks, kv), cancel_at=k)
+        result = await h.run(CASES[case](h, toks, kv).run, cancel_at=k)
         assert isinstance(result, asyncio.CancelledError), f"request {k} of {n_requests}: not cancelled"
         left = h.srv.leftovers()
         assert left.is_clean(), f"{case}: cancelled at request {k} ({h.channel.sent[k - 1].name}): {left}"
