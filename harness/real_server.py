@@ -25,10 +25,12 @@ segment ``/dev/shm/lmcache_l1_pool_<name>`` if the server left it behind.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -177,6 +179,130 @@ def lmcache_venv_python(*, generation: Generation = "0.5.6", timeout: float = 18
             )
         _venv_pythons[generation] = python
         return python
+
+
+#: ``LMCACHE_ASYNC_TEST_LAUNCHER=0`` starts every server as its own interpreter (Popen)
+#: instead of forking it from a launcher that has imported lmcache already.
+LAUNCHER_ENV = "LMCACHE_ASYNC_TEST_LAUNCHER"
+LAUNCHER_SCRIPT = Path(__file__).resolve().with_name("lmcache_launcher.py")
+
+
+class _Forked:
+    """What :class:`RealLMCacheServer` uses of a ``Popen``, for a server forked by a
+    :class:`_Launcher`: the launcher reaps it and writes its exit code to a file."""
+
+    def __init__(self, pid: int, rc_path: Path, args: list[str], launcher: _Launcher) -> None:
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+        self._rc_path = rc_path
+        self._launcher = launcher
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                self.returncode = int(self._rc_path.read_text())
+            except (FileNotFoundError, ValueError):
+                if not self._launcher.alive() and not pid_alive(self.pid):
+                    self.returncode = -1  # exited after its launcher: the code is lost
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Launcher:
+    """One ``harness/lmcache_launcher.py`` per lmcache venv and test process, started on
+    the first server of that venv: it forks servers from an interpreter that has
+    imported lmcache (most of a server's start), see the script's docstring."""
+
+    _all: dict[Path, _Launcher] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, python: Path) -> None:
+        self.rc_dir = Path(tempfile.mkdtemp(prefix="lmcache_launcher_"))
+        self._stderr = open(self.rc_dir / "launcher.log", "ab")  # noqa: SIM115 - for its life
+        self.proc = subprocess.Popen(
+            [str(python), str(LAUNCHER_SCRIPT), str(self.rc_dir)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            cwd=str(self.rc_dir),
+            env=child_env(),
+            start_new_session=True,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        ready = self.proc.stdout.readline()
+        if not ready:
+            raise LMCacheServerError(f"the lmcache launcher of {python} did not start: {self.log_tail()}")
+        self._request_lock = threading.Lock()
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """End the launcher (its stdin closed; killed after 5 s) and remove its files;
+        servers it forked are not touched."""
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self._stderr.close()
+        shutil.rmtree(self.rc_dir, ignore_errors=True)
+
+    @classmethod
+    def get(cls, python: Path) -> _Launcher:
+        with cls._lock:
+            launcher = cls._all.get(python)
+            if launcher is None or not launcher.alive() or launcher.pid_owner != os.getpid():
+                launcher = cls._all[python] = cls(python)
+                launcher.pid_owner = os.getpid()
+            return launcher
+
+    pid_owner = 0
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self) -> str:
+        try:
+            return (self.rc_dir / "launcher.log").read_text()[-3000:]
+        except OSError:
+            return ""
+
+    def spawn(self, args: list[str], log: Path, cwd: Path, env: dict[str, str]) -> _Forked:
+        request = json.dumps({"args": args, "log": str(log), "cwd": str(cwd), "env": env}) + "\n"
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        with self._request_lock:
+            self.proc.stdin.write(request.encode())
+            self.proc.stdin.flush()
+            answer = self.proc.stdout.readline()
+        if not answer:
+            raise LMCacheServerError(f"the lmcache launcher exited: {self.log_tail()}")
+        pid = int(json.loads(answer)["pid"])
+        return _Forked(pid, self.rc_dir / f"{pid}.rc", args, self)
+
+
+def _use_launcher() -> bool:
+    return os.environ.get(LAUNCHER_ENV, "1") != "0"
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -350,7 +476,7 @@ class RealLMCacheServer:
             fd = os.open(self._api_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(api_key + "\n")
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | _Forked | None = None
         self._started_pids: list[int] = []
         self._children: list[tuple[int, str]] = []
         self._sigterm_sent = False
@@ -478,15 +604,19 @@ class RealLMCacheServer:
         with open(self._log_path, "ab") as log:
             log.write(f"\n===== {time.strftime('%H:%M:%S')} start: {cmd!r}\n".encode())
             log.flush()
-            self._proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=str(self._log_dir),  # never inside an lmcache source tree
-                env=child_env(),
-                start_new_session=True,  # no terminal signals; we signal the pid
-            )
+            if _use_launcher():  # a fork of an interpreter that imported lmcache already
+                launcher = _Launcher.get(exe.parent / "python")
+                self._proc = launcher.spawn(cmd[1:], self._log_path, self._log_dir, child_env())
+            else:
+                self._proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=str(self._log_dir),  # never inside an lmcache source tree
+                    env=child_env(),
+                    start_new_session=True,  # no terminal signals; we signal the pid
+                )
         self._sigterm_sent = False
         self._started_pids.append(self._proc.pid)
         deadline = time.monotonic() + timeout

@@ -28,9 +28,11 @@ import pytest
 import torch
 
 from harness.real_server import (
+    LAUNCHER_ENV,
     LMC_VERSIONS,
     LMCacheServerError,
     RealLMCacheServer,
+    _Launcher,
     pid_alive,
     venv_generation,
 )
@@ -217,6 +219,42 @@ def test_stop_and_restart_leave_nothing_behind(
     assert not os.path.exists(seg)
     assert srv.leftovers() == []
     srv.stop()  # idempotent
+
+
+@pytest.mark.skipif(
+    os.environ.get(LAUNCHER_ENV) == "0", reason="servers started by Popen (LMCACHE_ASYNC_TEST_LAUNCHER=0)"
+)
+@pytest.mark.parametrize("generation", ["0.5.6", "0.5.7"])
+def test_a_server_is_forked_by_its_venvs_launcher_as_popen_would_start_it(
+    fresh_real_server: Callable[..., RealLMCacheServer], generation: str
+) -> None:
+    """Servers are forked from a launcher that imported lmcache once per venv
+    (harness/lmcache_launcher.py): each is still a process of its own session, reading
+    /dev/null, writing its log, with the child environment; its exit code (a signal's
+    as ``-signum``) reaches ``stop()``; ``LMCACHE_ASYNC_TEST_LAUNCHER=0`` is Popen."""
+    srv, other = fresh_real_server.together(  # type: ignore[attr-defined]
+        {"mode": "pickle", "generation": generation}, {"mode": "pickle", "generation": generation}
+    )
+    pid = srv.pid
+    assert pid is not None and other.pid is not None
+    launcher = _Launcher._all[Path(srv.command[0]).parent / "python"]
+    assert launcher.alive() and launcher.pid_owner == os.getpid()
+    parents = {
+        int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]) for p in (pid, other.pid)
+    }
+    assert parents == {launcher.proc.pid}
+    assert os.getsid(pid) == pid
+    assert os.readlink(f"/proc/{pid}/fd/0") == "/dev/null"
+    assert os.readlink(f"/proc/{pid}/fd/1") == os.readlink(f"/proc/{pid}/fd/2") == str(srv.log_path)
+    environ = dict(
+        item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item
+    )
+    assert "PYTHONPATH" not in environ and environ["LMCACHE_DISABLE_BANNER"] == "1"
+    assert srv.get_json("/lmc_version") == LMC_VERSIONS[generation]  # type: ignore[index]
+    os.kill(pid, 9)
+    assert srv._proc is not None and srv._proc.wait(10) == -9
+    assert not srv.is_running() and srv.stop() == -9
+    assert other.stop() == -15  # SIGTERM, as a Popen'd server ends
 
 
 # --------------------------------------------------------------------------- worker deadlines
