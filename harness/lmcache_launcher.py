@@ -56,8 +56,10 @@ def _reap(rc_dir: str) -> None:
 def _become(request: dict[str, Any]) -> int:
     """In the forked child: set up as Popen would, run lmcache's command line."""
     os.setsid()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE, signal.SIGHUP):
-        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    # What a new interpreter has (SIGPIPE and SIGXFSZ stay ignored, as Python sets them).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)

@@ -237,6 +237,7 @@ class _Launcher:
 
     def __init__(self, python: Path) -> None:
         self.rc_dir = Path(tempfile.mkdtemp(prefix="lmcache_launcher_"))
+        self.env = child_env(source=_IMPORT_ENVIRON)
         self._stderr = open(self.rc_dir / "launcher.log", "ab")  # noqa: SIM115 - for its life
         self.proc = subprocess.Popen(
             [str(python), str(LAUNCHER_SCRIPT), str(self.rc_dir)],
@@ -244,7 +245,7 @@ class _Launcher:
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             cwd=str(self.rc_dir),
-            env=child_env(),
+            env=self.env,
             start_new_session=True,
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -282,6 +283,17 @@ class _Launcher:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def serves(self, env: dict[str, str]) -> bool:
+        """Whether a server with ``env`` can be forked from this launcher: lmcache reads
+        some variables when it is imported (``LMCACHE_LOG_LEVEL``), so any difference
+        from the launcher's own environment (pytest's per-test ``PYTEST_*`` aside) takes
+        a new interpreter instead."""
+
+        def relevant(e: dict[str, str]) -> dict[str, str]:
+            return {k: v for k, v in e.items() if not k.startswith("PYTEST_")}
+
+        return relevant(env) == relevant(self.env)
+
     def log_tail(self) -> str:
         try:
             return (self.rc_dir / "launcher.log").read_text()[-3000:]
@@ -305,7 +317,12 @@ def _use_launcher() -> bool:
     return os.environ.get(LAUNCHER_ENV, "1") != "0"
 
 
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+#: The environment when this module was imported (before any test changed it): what a
+#: launcher runs with (:class:`_Launcher`).
+_IMPORT_ENVIRON = dict(os.environ)
+
+
+def child_env(extra: dict[str, str] | None = None, source: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for a process of the lmcache venv.
 
     Drops variables that would leak the caller's interpreter setup into the
@@ -320,7 +337,7 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         "PYTHONSAFEPATH",
         *LMCACHE_API_KEY_ENV,
     )
-    env = {k: v for k, v in os.environ.items() if k not in dropped}
+    env = {k: v for k, v in (os.environ if source is None else source).items() if k not in dropped}
     env.update(LMCACHE_QUIET_ENV)
     env["PYTHONUNBUFFERED"] = "1"
     if extra:
@@ -478,6 +495,7 @@ class RealLMCacheServer:
                 f.write(api_key + "\n")
         self._proc: subprocess.Popen[bytes] | _Forked | None = None
         self._started_pids: list[int] = []
+        self._start_times: dict[int, str] = {}  # pid: its /proc start time, read at start
         self._children: list[tuple[int, str]] = []
         self._sigterm_sent = False
 
@@ -604,9 +622,12 @@ class RealLMCacheServer:
         with open(self._log_path, "ab") as log:
             log.write(f"\n===== {time.strftime('%H:%M:%S')} start: {cmd!r}\n".encode())
             log.flush()
-            if _use_launcher():  # a fork of an interpreter that imported lmcache already
-                launcher = _Launcher.get(exe.parent / "python")
-                self._proc = launcher.spawn(cmd[1:], self._log_path, self._log_dir, child_env())
+            env = child_env()
+            launcher = _Launcher.get(exe.parent / "python") if _use_launcher() else None
+            if launcher is not None and launcher.serves(
+                env
+            ):  # a fork of an interpreter that imported lmcache
+                self._proc = launcher.spawn(cmd[1:], self._log_path, self._log_dir, env)
             else:
                 self._proc = subprocess.Popen(
                     cmd,
@@ -614,11 +635,14 @@ class RealLMCacheServer:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     cwd=str(self._log_dir),  # never inside an lmcache source tree
-                    env=child_env(),
+                    env=env,
                     start_new_session=True,  # no terminal signals; we signal the pid
                 )
         self._sigterm_sent = False
         self._started_pids.append(self._proc.pid)
+        stat = _proc_stat(self._proc.pid)
+        if stat is not None:
+            self._start_times[self._proc.pid] = stat[19]
         deadline = time.monotonic() + timeout
         url = f"{self.http_url}/healthcheck"
         while True:
@@ -782,7 +806,10 @@ class RealLMCacheServer:
         return dict(self.get_json("/status"))
 
     def _is_our_server(self, pid: int) -> bool:
-        # A reaped pid may be reused by an unrelated process: also match the port.
+        # A reaped pid may be reused by an unrelated process: match its start time (a
+        # forked server's command line is its launcher's), else the port.
+        if pid in self._start_times:
+            return _same_process_alive(pid, self._start_times[pid])
         if not pid_alive(pid):
             return False
         try:

@@ -250,9 +250,22 @@ def test_a_server_is_forked_by_its_venvs_launcher_as_popen_would_start_it(
         item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item
     )
     assert "PYTHONPATH" not in environ and environ["LMCACHE_DISABLE_BANNER"] == "1"
+    ignored = int(Path(f"/proc/{pid}/status").read_text().split("SigIgn:")[1].split()[0], 16)
+    assert ignored & (
+        1 << (13 - 1)
+    )  # SIGPIPE ignored, as in any Python: a closed peer is an error, not death
     assert srv.get_json("/lmc_version") == LMC_VERSIONS[generation]  # type: ignore[index]
     os.kill(pid, 9)
     assert srv._proc is not None and srv._proc.wait(10) == -9
+    # lmcache reads some variables on import: another environment takes a new interpreter
+    os.environ["LMCACHE_LOG_LEVEL"] = "DEBUG"
+    try:
+        own = fresh_real_server("pickle", generation)
+    finally:
+        del os.environ["LMCACHE_LOG_LEVEL"]
+    assert own.pid is not None
+    assert int(Path(f"/proc/{own.pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid()
+    assert own.stop() == -15
     assert not srv.is_running() and srv.stop() == -9
     assert other.stop() == -15  # SIGTERM, as a Popen'd server ends
 
