@@ -285,12 +285,13 @@ class _Launcher:
 
     def serves(self, env: dict[str, str]) -> bool:
         """Whether a server with ``env`` can be forked from this launcher: lmcache reads
-        some variables when it is imported (``LMCACHE_LOG_LEVEL``), so any difference
-        from the launcher's own environment (pytest's per-test ``PYTEST_*`` aside) takes
-        a new interpreter instead."""
+        some variables when it is imported (``LMCACHE_LOG_LEVEL``), so a difference from
+        the launcher's own environment in a variable lmcache, Python or torch may read
+        (:data:`_IMPORT_READ`) takes a new interpreter instead. (Others change under the
+        suite: importing ray sets ``RAY_CLIENT_MODE``, pytest ``PYTEST_CURRENT_TEST``.)"""
 
         def relevant(e: dict[str, str]) -> dict[str, str]:
-            return {k: v for k, v in e.items() if not k.startswith("PYTEST_")}
+            return {k: v for k, v in e.items() if k.startswith(_IMPORT_READ)}
 
         return relevant(env) == relevant(self.env)
 
@@ -317,6 +318,8 @@ def _use_launcher() -> bool:
     return os.environ.get(LAUNCHER_ENV, "1") != "0"
 
 
+#: The prefixes of the variables a server may read when lmcache is imported.
+_IMPORT_READ = ("LMCACHE", "PYTHON", "VLLM", "OTEL", "PROMETHEUS", "TORCH", "CUDA", "OMP_", "MKL_", "LD_")
 #: The environment when this module was imported (before any test changed it): what a
 #: launcher runs with (:class:`_Launcher`).
 _IMPORT_ENVIRON = dict(os.environ)
