@@ -30,7 +30,16 @@ from typing import Any, Final
 
 import torch
 
-__all__ = ["BLOCK_QUERIES", "BLOCK_SPAN", "DEVICES", "attend_up_to", "blocks", "run", "usable"]
+__all__ = [
+    "BLOCK_QUERIES",
+    "BLOCK_SPAN",
+    "DEVICES",
+    "attend_up_to",
+    "blocks",
+    "forward_params",
+    "run",
+    "usable",
+]
 
 #: The most queries one block holds, and the longest range of positions it spans.
 BLOCK_QUERIES: Final = 256
@@ -248,7 +257,7 @@ def run(
         # 4D: transformers takes it as given (no mask is built); this attention ignores it
         "attention_mask": torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),
     }
-    if "logits_to_keep" in _params(type(model)):
+    if "logits_to_keep" in forward_params(type(model)):
         kwargs["logits_to_keep"] = 1  # the pass is for its KV: no logits over the vocabulary
 
     class _Stop(Exception):
@@ -273,7 +282,8 @@ def run(
 _PARAMS: dict[Any, frozenset[str]] = {}
 
 
-def _params(cls: Any) -> frozenset[str]:
+def forward_params(cls: Any) -> frozenset[str]:
+    """The parameter names of ``cls.forward`` (looked up once per model class)."""
     params = _PARAMS.get(cls)
     if params is None:
         params = _PARAMS[cls] = frozenset(inspect.signature(cls.forward).parameters)

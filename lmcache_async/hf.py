@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import inspect
 import logging
 import threading
 import time
@@ -390,15 +389,7 @@ class Generation:
     decode_ms: float = 0.0
 
 
-_PARAMS: dict[Any, frozenset[str]] = {}
-
-
-def _forward_params(cls: Any) -> frozenset[str]:
-    """The parameter names of ``cls.forward`` (looked up once per model class)."""
-    params = _PARAMS.get(cls)
-    if params is None:
-        params = _PARAMS[cls] = frozenset(inspect.signature(cls.forward).parameters)
-    return params
+_forward_params = _hf_recompute.forward_params
 
 
 def _cache_kwarg(params: frozenset[str]) -> str:

@@ -136,22 +136,8 @@ async def _measure(
     ) as (eng_big, eng_tiny, sdk_big, sdk_tiny):
         eng_big.register(big_model, 32, 8, 128, block_size=16, num_blocks=32)
         eng_tiny.register(tiny_model, 1, 1, 16, block_size=16, num_blocks=32)
-        sdk_big.request(
-            "connect",
-            url=srv.url,
-            http_url=srv.http_url,
-            model_name=big_model,
-            geometry=[32, 1024],
-            timeout=60.0,
-        )
-        sdk_tiny.request(
-            "connect",
-            url=srv.url,
-            http_url=srv.http_url,
-            model_name=tiny_model,
-            geometry=[1, 16],
-            timeout=60.0,
-        )
+        sdk_big.connect(srv.url, srv.http_url, big_model, 60.0, geometry=[32, 1024])
+        sdk_tiny.connect(srv.url, srv.http_url, tiny_model, 60.0, geometry=[1, 16])
         async with (
             lmc.AsyncClient(srv.url, srv.http_url, big_model, timeout=300) as c_big,
             lmc.AsyncClient(srv.url, srv.http_url, tiny_model, timeout=300) as c_tiny,

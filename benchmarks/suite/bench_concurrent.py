@@ -89,9 +89,7 @@ async def _measure(
         sdk,
     ):
         eng.register(MODEL, 2, 1, 128, block_size=16, num_blocks=32)
-        sdk.request(
-            "connect", url=srv.url, http_url=srv.http_url, model_name=MODEL, geometry=[2, 128], timeout=60.0
-        )
+        sdk.connect(srv.url, srv.http_url, MODEL, 60.0, geometry=[2, 128])
         async with lmc.AsyncClient(srv.url, srv.http_url, MODEL, timeout=300) as client:
             assert client.geometry == GEOM, client.geometry
             assert client.transfer == srv.mode, client.transfer

@@ -147,7 +147,7 @@ async def measure(srv: RealLMCacheServer, python: Path, rounds: int, pairs: int 
         sdk,
     ):
         eng.register(MODEL, 32, 8, 128, block_size=16, num_blocks=32)
-        sdk.request("connect", url=srv.url, http_url=srv.http_url, model_name=MODEL, timeout=120.0)
+        sdk.connect(srv.url, srv.http_url, MODEL, 120.0)
         async with lmc.AsyncClient(srv.url, srv.http_url, MODEL, timeout=300) as client:
             assert client.geometry == GEOMETRY, client.geometry  # from /status
             assert client.transfer == "shm"

@@ -115,14 +115,7 @@ async def _measure(
     ) as (eng, sdk_w, storer):
         eng.register(MODEL, 32, 8, 128, block_size=16, num_blocks=32)
         for w in (sdk_w, storer):
-            w.request(
-                "connect",
-                url=srv.url,
-                http_url=srv.http_url,
-                model_name=MODEL,
-                geometry=[32, 1024],
-                timeout=60.0,
-            )
+            w.connect(srv.url, srv.http_url, MODEL, 60.0, geometry=[32, 1024])
         server: dict[str, Any] = {
             "server": srv,
             "url": srv.url,
