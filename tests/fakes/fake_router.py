@@ -47,6 +47,7 @@ class FakeRouter:
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
+        self._acting: set[asyncio.Task[None]] = set()  # the running scripts, cancelled on stop
 
     @property
     def url(self) -> str:
@@ -82,7 +83,9 @@ class FakeRouter:
             except Exception:
                 continue
             self.requests.append(request)
-            asyncio.create_task(self._act(sock, ident, request, self.handler(request)))
+            task = asyncio.create_task(self._act(sock, ident, request, self.handler(request)))
+            self._acting.add(task)
+            task.add_done_callback(self._acting.discard)
 
     async def _act(
         self, sock: zmq.asyncio.Socket, ident: bytes, request: server_wire.Request, actions: list[Action]
@@ -96,10 +99,19 @@ class FakeRouter:
             elif kind == "sleep":
                 await asyncio.sleep(action[1])
             elif kind == "drop":
+                self._acting.discard(asyncio.current_task())  # type: ignore[arg-type]
                 await self.stop()
                 return
 
     async def stop(self) -> None:
+        # A script still sending (a flood) must end before its socket closes: a send on a
+        # closed socket raises in its task, which the test's runner reports as the test's error.
+        acting, self._acting = list(self._acting), set()
+        for task in acting:
+            task.cancel()
+        for task in acting:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
