@@ -62,7 +62,7 @@ from zmq.utils.monitor import parse_monitor_message
 from lmcache_async import _trace
 from lmcache_async._deadline import async_timeout, check_left, zmq_poll_ms
 from lmcache_async._pending import OnLate, PendingTable
-from lmcache_async._runner import Expired, cancel_and_wait, expire
+from lmcache_async._tasks import Expired, cancel_and_wait, expire
 from lmcache_async._urls import check_zmq_url, is_ip_address
 from lmcache_async._wire import GEN_0_5_6, Op, Reply, WireGeneration, decode_reply, encode_request, op_name
 from lmcache_async._zmq_context import monitor_address, process_context

@@ -51,7 +51,7 @@ from lmcache_async._event_types import (
 )
 from lmcache_async._metadata import Metadata
 from lmcache_async._reply_stream import ReplyStream, open_stream
-from lmcache_async._runner import cancel_and_wait
+from lmcache_async._tasks import cancel_and_wait
 from lmcache_async._wire import Op, validate_model_name
 from lmcache_async.errors import (
     ClientClosedError,

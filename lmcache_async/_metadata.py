@@ -27,7 +27,7 @@ from typing import Any, Final, Literal
 import aiohttp
 
 from lmcache_async._deadline import Deadline, async_timeout, http_timeout
-from lmcache_async._runner import cancel_and_wait
+from lmcache_async._tasks import cancel_and_wait
 from lmcache_async.errors import (
     AuthenticationError,
     HTTPStatusError,

@@ -10,23 +10,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterable, Sequence, Sized
+from typing import Any, TypeVar
 
-from lmcache_async import _observing as observing, bulk, observe
+from lmcache_async import _observing as observing, observe
 from lmcache_async._cuda.hooks import caller_order
 from lmcache_async._ops.calls import Call
 from lmcache_async._runner import OpState, run_detached
 from lmcache_async._session import Session
-
-if TYPE_CHECKING:
-    from lmcache_async.bulk import BatchOptions, BatchResult
 
 __all__ = ["OperationRunner", "check_iterable", "client_observers", "weakly"]
 
 log = logging.getLogger("lmcache_async.client")
 
 T = TypeVar("T")
+SizedT = TypeVar("SizedT", bound=Sized)
 
 
 def weakly(method: Callable[[], None]) -> Callable[[], None]:
@@ -133,16 +131,10 @@ class OperationRunner:
             return await run()
         return await observing.observed(self.observers, self.record(name, asked, salt), run, finish)
 
-    async def job(
-        self,
-        name: str,
-        options: BatchOptions,
-        run: Callable[[], Awaitable[BatchResult]],
-        ordered: bool = False,
-    ) -> BatchResult:
-        """Bulk job ``name`` as an observed operation (the parent of its items'); with
-        ``ordered``, GPU tensors are ordered after the caller's current streams, now."""
-        bulk.check_options(name, options)
+    async def job(self, name: str, run: Callable[[], Awaitable[SizedT]], ordered: bool = False) -> SizedT:
+        """Bulk job ``name`` as an observed operation (the parent of its items'; its result's
+        length is the record's item count); with ``ordered``, GPU tensors are ordered after
+        the caller's current streams, now. The caller has checked the job's options."""
         self.check()
         if not ordered:
             return await self.observe(name, run, observing.finish_batch)

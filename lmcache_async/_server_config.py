@@ -19,10 +19,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from lmcache_async._shm_segment import POOL_PREFIX
 from lmcache_async.errors import ProtocolError, ServerError
 
-__all__ = ["ServerConfig", "expected_pool", "mp_section", "server_instance"]
+__all__ = ["POOL_PREFIX", "ServerConfig", "expected_pool", "mp_section", "server_instance"]
+
+#: The prefix of the LMCache server's pool segment: ``--shm-name NAME`` is
+#: ``/dev/shm/lmcache_l1_pool_NAME``.
+POOL_PREFIX = "lmcache_l1_pool_"
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,9 +35,10 @@ from lmcache_async._metadata import Metadata
 from lmcache_async._ops import LateEnds, Operations, Registration
 from lmcache_async._ops.calls import Call
 from lmcache_async._replacement import ServerWatch
-from lmcache_async._runner import OpState, cancel_and_wait
+from lmcache_async._runner import OpState
 from lmcache_async._server_config import ServerConfig, server_instance
 from lmcache_async._shm import ShmPool
+from lmcache_async._tasks import cancel_and_wait
 from lmcache_async._wire import (
     GEN_0_5_6,
     Op,

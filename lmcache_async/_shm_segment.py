@@ -9,11 +9,7 @@ import os
 
 from lmcache_async.errors import TransferError
 
-__all__ = ["POOL_PREFIX", "map_segment", "open_segment"]
-
-#: The prefix of the LMCache server's pool segment: ``--shm-name NAME`` is
-#: ``/dev/shm/lmcache_l1_pool_NAME``.
-POOL_PREFIX = "lmcache_l1_pool_"
+__all__ = ["map_segment", "open_segment"]
 
 
 def map_segment(shm_name: str, pool_size: int) -> tuple[str, mmap.mmap]:

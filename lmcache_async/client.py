@@ -35,8 +35,8 @@ from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve
 from lmcache_async._event_stream import refuse_embedded, subscribe
 from lmcache_async._op_runner import OperationRunner, check_iterable, client_observers, weakly
 from lmcache_async._ops.calls import ComposeCall, LookupCall, RemapCall, RetrieveCall, StoreCall, align
-from lmcache_async._runner import wait_all
 from lmcache_async._session import Session, collected_open
+from lmcache_async._tasks import wait_all
 from lmcache_async._tensor_checks import check_kv, check_out
 from lmcache_async._urls import check_zmq_url
 from lmcache_async._wire import (
@@ -895,7 +895,8 @@ class AsyncClient:
         locks and reservations in the background; ``CancelledError`` is re-raised.
         """
         check_iterable(pairs, "pairs")
-        return await self._runner.job("remap_many", options, lambda: bulk.remap_many(self, pairs, **options))
+        bulk.check_options("remap_many", options)
+        return await self._runner.job("remap_many", lambda: bulk.remap_many(self, pairs, **options))
 
     async def store_many(
         self, items: Iterable[StoreItem | Sequence[Any]], **options: Unpack[BatchOptions]
@@ -906,9 +907,8 @@ class AsyncClient:
         Cancellation/timeout: as for :meth:`store`, per item; ``CancelledError`` is re-raised.
         """
         check_iterable(items, "items")
-        return await self._runner.job(
-            "store_many", options, lambda: bulk.store_many(self, items, **options), True
-        )
+        bulk.check_options("store_many", options)
+        return await self._runner.job("store_many", lambda: bulk.store_many(self, items, **options), True)
 
     async def retrieve_many(
         self,
@@ -927,9 +927,9 @@ class AsyncClient:
         """
         check_iterable(token_lists, "token_lists")
         target_mark(None, device)  # a bad device= is refused before anything is sent
+        bulk.check_options("retrieve_many", options)
         return await self._runner.job(
             "retrieve_many",
-            options,
             lambda: bulk.retrieve_many(self, token_lists, device=device, **options),
             True,
         )
@@ -949,6 +949,7 @@ class AsyncClient:
         re-raised.
         """
         check_iterable(items, "items")
+        bulk.check_options("compose_many", options)
         return await self._runner.job(
-            "compose_many", options, lambda: bulk.compose_many(self, items, rope=rope, **options)
+            "compose_many", lambda: bulk.compose_many(self, items, rope=rope, **options)
         )
