@@ -33,8 +33,8 @@ import zmq
 
 from harness.real_server import LMCacheServerError, RealLMCacheServer, lmcache_venv_python
 from harness.workers import _JsonLinesWorker
-from lmcache_async import _wire as wire
-from lmcache_async._wire import Op
+from lmcache_async._protocol import wire as wire
+from lmcache_async._protocol.wire import Op
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -66,10 +66,10 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, Unpack
 
 import torch
 
-from lmcache_async._batching import Abort, BufferPool, ByteBudget, scrub
-from lmcache_async._compose import ComposeClient
-from lmcache_async._defaults import DEFAULT, DefaultType, resolve_timeout
-from lmcache_async._wire import validate_cache_salt, validate_tokens
+from lmcache_async._base.timeouts import DEFAULT, DefaultType, resolve_timeout
+from lmcache_async._engine.batching import Abort, BufferPool, ByteBudget, scrub
+from lmcache_async._engine.compose import ComposeClient
+from lmcache_async._protocol.wire import validate_cache_salt, validate_tokens
 
 if TYPE_CHECKING:
     from lmcache_async.results import ComposeResult, KVPart, RemapResult

@@ -28,24 +28,25 @@ from typing import Any, Literal, TypedDict, Unpack
 
 import torch
 
-from lmcache_async import _compose, _observing as observing, bulk, management, observe
-from lmcache_async._connection import DEFAULT_MAX_IN_FLIGHT
-from lmcache_async._cuda.hooks import kv_mark, target_mark
-from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
-from lmcache_async._event_stream import refuse_embedded, subscribe
-from lmcache_async._op_runner import OperationRunner, check_iterable, client_observers, weakly
-from lmcache_async._ops.calls import ComposeCall, LookupCall, RemapCall, RetrieveCall, StoreCall, align
-from lmcache_async._session import Session, collected_open
-from lmcache_async._tasks import wait_all
-from lmcache_async._tensor_checks import check_kv, check_out
-from lmcache_async._urls import check_zmq_url
-from lmcache_async._wire import (
+from lmcache_async import bulk, management, observe
+from lmcache_async._base.tasks import wait_all
+from lmcache_async._base.timeouts import DEFAULT, DefaultType, check_timeout, resolve_timeout
+from lmcache_async._engine import compose as _compose, observing as observing
+from lmcache_async._engine.cuda.hooks import kv_mark, target_mark
+from lmcache_async._engine.event_stream import refuse_embedded, subscribe
+from lmcache_async._engine.op_runner import OperationRunner, check_iterable, client_observers, weakly
+from lmcache_async._engine.ops.calls import ComposeCall, LookupCall, RemapCall, RetrieveCall, StoreCall, align
+from lmcache_async._engine.session import Session, collected_open
+from lmcache_async._engine.tensor_checks import check_kv, check_out
+from lmcache_async._protocol.urls import check_zmq_url
+from lmcache_async._protocol.wire import (
     Op,
     validate_cache_salt,
     validate_model_name,
     validate_request_configs,
     validate_tokens,
 )
+from lmcache_async._transport.connection import DEFAULT_MAX_IN_FLIGHT
 from lmcache_async.bulk import BatchOptions, BatchResult, ComposeItem, RemapPair, RetrieveItem, StoreItem
 from lmcache_async.errors import (
     ClientClosedError,
@@ -390,7 +391,8 @@ class AsyncClient:
         ``cleanup_grace`` seconds (those left are cancelled, and the registration is then
         retired rather than unregistered: a cancelled store may hold reserved slots that
         unregistering would admit); the keep-alive task's end; the ``unregister`` reply,
-        at most :data:`~lmcache_async._session.UNREGISTER_TIMEOUT` seconds (skipped while disconnected);
+        at most :data:`~lmcache_async._engine.session.UNREGISTER_TIMEOUT` seconds (skipped while
+        disconnected);
         the server's end of each open ``kv_events()`` subscription, cancelled there, at most 1 s.
 
         Called while :meth:`open` runs, it stops the open (which raises

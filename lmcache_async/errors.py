@@ -38,7 +38,7 @@ after ``close()``, from the wrong event loop or thread, or after a fork); nothin
 sent to the server in any of these cases.
 
 Argument errors are plain :class:`ValueError` / :class:`TypeError` raised before anything
-is sent (a bad ``timeout``: :func:`lmcache_async._defaults.check_timeout`). No raw zmq,
+is sent (a bad ``timeout``: :func:`lmcache_async._base.timeouts.check_timeout`). No raw zmq,
 aiohttp or msgpack exception escapes the public API: they are chained as ``__cause__``.
 All exceptions pickle (their ``__reduce__`` keeps the attributes).
 """

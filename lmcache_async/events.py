@@ -19,8 +19,8 @@ What the events can see (docs/guides/routing.md has the whole list):
 
 from __future__ import annotations
 
-from lmcache_async._event_stream import KVEventStream as KVEventStream
-from lmcache_async._event_types import (
+from lmcache_async._engine.event_stream import KVEventStream as KVEventStream
+from lmcache_async._protocol.event_types import (
     MAX_BATCH_HASHES as MAX_BATCH_HASHES,
     MAX_EVENTS_LIMIT as MAX_EVENTS_LIMIT,
     KVEvent as KVEvent,

@@ -42,8 +42,8 @@ from typing import Any, Final, Generic, TypeVar, Unpack
 import blake3
 import torch
 
-from lmcache_async._tasks import cancel_and_wait
-from lmcache_async._wire import validate_cache_salt, validate_tokens
+from lmcache_async._base.tasks import cancel_and_wait
+from lmcache_async._protocol.wire import validate_cache_salt, validate_tokens
 from lmcache_async.client import AsyncClient, ClientOptions
 from lmcache_async.errors import ClientClosedError, LMCacheConnectionError, LMCacheError, LMCacheTimeoutError
 from lmcache_async.events import RemovedEvent, Resync, StoredEvent

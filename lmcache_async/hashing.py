@@ -77,7 +77,7 @@ def chunk_hashes(
 
     Args:
         tokens: token ids (ints in ``[0, 2**32)``; a list, tuple, or anything
-            :func:`~lmcache_async._wire.validate_tokens` accepts).
+            :func:`~lmcache_async._protocol.wire.validate_tokens` accepts).
         chunk_size: the server's chunk size (``AsyncClient.chunk_size``), or an open client.
         start: a token position (a multiple of ``chunk_size``): only the hashes of the
             chunks from there on are returned (the chain is still computed from the
@@ -95,7 +95,7 @@ def chunk_hashes(
             >= 1 (a bool, float, str or ``None`` included) nor a client, or unaligned
             bounds.
     """
-    from lmcache_async._wire import validate_tokens
+    from lmcache_async._protocol.wire import validate_tokens
 
     if not isinstance(chunk_size, int) and hasattr(chunk_size, "hash_algorithm"):
         # a client: its server's chunk size, if blake3

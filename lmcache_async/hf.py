@@ -53,10 +53,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from lmcache_async import _compose, _hf_recompute
-from lmcache_async._compose import ComposeResult, KVPart
-from lmcache_async._defaults import DEFAULT, DefaultType, resolve_timeout
-from lmcache_async._wire import validate_cache_salt, validate_tokens
+from lmcache_async._base.timeouts import DEFAULT, DefaultType, resolve_timeout
+from lmcache_async._engine import compose as _compose, hf_recompute as _hf_recompute
+from lmcache_async._engine.compose import ComposeResult, KVPart
+from lmcache_async._protocol.wire import validate_cache_salt, validate_tokens
 from lmcache_async.geometry import KVGeometry, dtype_from_name
 from lmcache_async.rope import RopeSpec
 

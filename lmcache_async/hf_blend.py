@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import DynamicCache
 
-from lmcache_async import _compose, _hf_recompute
-from lmcache_async._compose import KVPart
-from lmcache_async._defaults import DEFAULT, DefaultType
-from lmcache_async._wire import validate_cache_salt
+from lmcache_async._base.timeouts import DEFAULT, DefaultType
+from lmcache_async._engine import compose as _compose, hf_recompute as _hf_recompute
+from lmcache_async._engine.compose import KVPart
+from lmcache_async._protocol.wire import validate_cache_salt
 from lmcache_async.hf import (
     ComposedPrompt,
     _cache_layers,

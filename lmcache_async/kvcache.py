@@ -74,7 +74,7 @@ from typing import Any
 
 import torch
 
-from lmcache_async._defaults import DEFAULT, DefaultType
+from lmcache_async._base.timeouts import DEFAULT, DefaultType
 from lmcache_async.geometry import KVGeometry
 from lmcache_async.sync_client import Client
 
@@ -141,7 +141,7 @@ def connect(
         model_name: the model whose KV is stored.
         timeout: deadline in seconds of every call made with this context (``None``:
             none; checked as every ``timeout`` of the library, see
-            :func:`lmcache_async._defaults.check_timeout`).
+            :func:`lmcache_async._base.timeouts.check_timeout`).
         geometry: the KV layout; when omitted it is read from ``/status``, which
             requires an inference engine to have registered ``model_name``.
         api_key: HTTP API key (servers started with one answer 401 without it);

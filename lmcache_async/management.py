@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 from urllib.parse import quote
 
-from lmcache_async._deadline import Deadline
-from lmcache_async._metadata import Metadata, decode_json, excerpt
-from lmcache_async._wire import Op, Reply
+from lmcache_async._base.deadline import Deadline
+from lmcache_async._protocol.wire import Op, Reply
+from lmcache_async._transport.metadata import Metadata, decode_json, excerpt
 from lmcache_async.errors import (
     HTTPStatusError,
     LMCacheTimeoutError,
@@ -119,7 +119,7 @@ async def _http_json(
         LMCacheTimeoutError: named ``deadline.what``, the deadline passed (before the
             request: nothing sent).
         ProtocolError: a 2xx answer that is not JSON, or nested too deeply; a body longer
-        than :data:`~lmcache_async._metadata.MAX_HTTP_BODY_BYTES`.
+        than :data:`~lmcache_async._transport.metadata.MAX_HTTP_BODY_BYTES`.
     """
     try:
         status, raw = await meta.request(method, path, deadline.left(), json_body=body)
@@ -256,7 +256,7 @@ async def _delete_keys(
 # the arguments, the timeout and the client's state first (nothing is sent before).
 
 #: A one-shot RPC through the client's session (:meth:`Session.call
-#: <lmcache_async._session.Session.call>`): ``(op, args, timeout) -> reply``.
+#: <lmcache_async._engine.session.Session.call>`): ``(op, args, timeout) -> reply``.
 RPC = Callable[[Op, tuple[Any, ...], float | None], Awaitable[Reply]]
 
 

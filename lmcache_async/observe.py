@@ -39,7 +39,7 @@ more. Both callbacks run on the event loop, in the caller's task (``operation_st
 before the first request is sent, ``operation_ended`` when the caller gets its result or
 error); they must not block. An exception a callback raises never reaches the caller: an
 observer's first failure is logged with its traceback (``WARNING``, logger
-``lmcache_async._observing``), its later ones at ``DEBUG`` only, and all are counted
+``lmcache_async._engine.observing``), its later ones at ``DEBUG`` only, and all are counted
 (:func:`observer_failures`). A callback that takes longer than :data:`SLOW_CALLBACK_S`
 (5 ms) gets one ``WARNING`` per observer, naming it.
 
@@ -58,7 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from lmcache_async import _trace
+from lmcache_async._base import trace as _trace
 
 __all__ = [
     "SLOW_CALLBACK_S",

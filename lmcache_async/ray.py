@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from lmcache_async._pair_key import pair_key
+from lmcache_async._base.pair_key import pair_key
 from lmcache_async.bulk import RemapPair
 from lmcache_async.client import ClientOptions
 from lmcache_async.sync_client import Client

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from lmcache_async._wire import validate_cache_salt, validate_tokens
+from lmcache_async._protocol.wire import validate_cache_salt, validate_tokens
 
 __all__ = ["ComposeResult", "KVPart", "PartResult", "RemapResult", "TransferMode"]
 

@@ -58,8 +58,8 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar, Unpack
 
-from lmcache_async._defaults import DefaultType, check_timeout, resolve_timeout
-from lmcache_async._loop_thread import (
+from lmcache_async._base.timeouts import DefaultType, check_timeout, resolve_timeout
+from lmcache_async._blocking.loop_thread import (
     CLOSE_EXTRA,
     EXIT_WAIT,
     INTERRUPT_CLOSE,
@@ -70,7 +70,7 @@ from lmcache_async._loop_thread import (
     refuse_on_loop_thread,
     tls,
 )
-from lmcache_async._sync_methods import SyncMethods
+from lmcache_async._blocking.sync_methods import SyncMethods
 from lmcache_async.client import AsyncClient, ClientOptions
 from lmcache_async.errors import ClientClosedError, ForkedSyncClientError, LMCacheTimeoutError
 
@@ -106,7 +106,7 @@ class _Twin:
 #: How the blocking twin of a public ``AsyncClient`` method differs from it, for the
 #: methods whose twin is not the default ``_Twin()``: the one table the generator
 #: (``tools/gen_sync_client.py``, checked by ``make lint``) reads, with ``AsyncClient``'s
-#: signatures and docstrings, to write :mod:`lmcache_async._sync_methods`.
+#: signatures and docstrings, to write :mod:`lmcache_async._blocking.sync_methods`.
 _FACADE: Final = {
     "retrieve": _Twin(
         cuda=("out", "device"),

@@ -22,12 +22,12 @@ import aiohttp
 import torch
 
 from lmcache_async import AsyncClient, Client, KVGeometry
-from lmcache_async._connection import Connection
-from lmcache_async._event_stream import KVEventStream, subscribe
-from lmcache_async._loop_thread import LoopThread
-from lmcache_async._replacement import ServerWatch
-from lmcache_async._session import Session
-from lmcache_async._shm import ShmPool
+from lmcache_async._blocking.loop_thread import LoopThread
+from lmcache_async._engine.event_stream import KVEventStream, subscribe
+from lmcache_async._engine.session import Session
+from lmcache_async._transport.connection import Connection
+from lmcache_async._transport.replacement import ServerWatch
+from lmcache_async._transport.shm import ShmPool
 
 #: Chunk size of the shared session servers (tokens). Small on purpose.
 SESSION_CHUNK_SIZE = 16
@@ -114,7 +114,7 @@ class ClientView:
     @property
     def late_ends(self) -> Any:
         """The counts of ``end_session`` requests held back for late replies
-        (``deferred``, ``unordered``, ``unsent``: :class:`lmcache_async._ops.base.LateEnds`)."""
+        (``deferred``, ``unordered``, ``unsent``: :class:`lmcache_async._engine.ops.base.LateEnds`)."""
         return self._session.late_ends
 
     @property

@@ -1,4 +1,4 @@
-"""Write ``lmcache_async/_sync_methods.py``: the blocking twins of ``AsyncClient``.
+"""Write ``lmcache_async/_blocking/sync_methods.py``: the blocking twins of ``AsyncClient``.
 
 The blocking :class:`~lmcache_async.Client` is a portal onto the event-loop thread (one
 implementation, the asyncio one). Its methods differ from ``AsyncClient``'s only in three
@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = ROOT / "lmcache_async" / "client.py"
 SYNC_CLIENT = ROOT / "lmcache_async" / "sync_client.py"
-OUTPUT = ROOT / "lmcache_async" / "_sync_methods.py"
+OUTPUT = ROOT / "lmcache_async" / "_blocking" / "sync_methods.py"
 
 #: AsyncClient's public members with no generated twin: the lifecycle, which ``Client``
 #: writes itself (a ``Client`` opens in its constructor).
@@ -272,10 +272,10 @@ def method(fn: ast.AsyncFunctionDef, twin: Twin, out: Output) -> None:
         lines.append("        deadline = self._deadline(timeout)")
     elif options is not None:
         lines.append(f'        {options}["timeout"] = self._deadline({options}.get("timeout", DEFAULT))')
-        out.runtime["DEFAULT"] = "lmcache_async._defaults"
+        out.runtime["DEFAULT"] = "lmcache_async._base.timeouts"
     if twin.device:
         lines.append(f"        {twin.device} = caller_device({twin.device})")
-        out.runtime["caller_device"] = "lmcache_async._cuda.hooks"
+        out.runtime["caller_device"] = "lmcache_async._engine.cuda.hooks"
 
     def passed(name: str) -> str:
         return "deadline" if name == "timeout" else name
@@ -289,7 +289,7 @@ def method(fn: ast.AsyncFunctionDef, twin: Twin, out: Output) -> None:
     factory = f"lambda: self._async.{fn.name}({', '.join(args)})"
     if item is not None and _yields(fn):
         factory = f"lambda: ready(self._async.{fn.name}({', '.join(args)}))"
-        out.runtime["ready"] = "lmcache_async._loop_thread"
+        out.runtime["ready"] = "lmcache_async._blocking.loop_thread"
     if twin.cuda is not None:
         if twin.cuda:
             tensors = f"[{', '.join(twin.cuda)}]"
@@ -298,7 +298,7 @@ def method(fn: ast.AsyncFunctionDef, twin: Twin, out: Output) -> None:
         else:
             tensors = "None"
         factory = f"on_caller_streams({factory}, {tensors})"
-        out.runtime["on_caller_streams"] = "lmcache_async._cuda.hooks"
+        out.runtime["on_caller_streams"] = "lmcache_async._engine.cuda.hooks"
     bound = "self._bound(deadline)" if twin.bound else "None"
     portal = "_iterate" if kind == "iterate" else "_run"
     lines.append(f'        return self.{portal}("{fn.name}", {bound}, {factory})')
@@ -392,7 +392,7 @@ def generate(client_source: str | None = None, sync_source: str | None = None) -
         {"AsyncIterator", "Callable", "Coroutine", "Iterator"}
     )
     typing_only.setdefault("typing", set()).add("Any")
-    typing_only.setdefault("lmcache_async._defaults", set()).add("DefaultType")
+    typing_only.setdefault("lmcache_async._base.timeouts", set()).add("DefaultType")
     runtime: dict[str, set[str]] = {"typing": {"TYPE_CHECKING", "TypeVar"}}
     for name, module in out.runtime.items():
         runtime.setdefault(module, set()).add(name)

@@ -25,7 +25,7 @@ raw copies and the SDK path are synchronised). GB/s = bytes / median time (1 GB 
 
 Internals it reaches: the client's SHM pool (``client._session.pool``: pinned by hand,
 marked unpinned, read raw), and the copy functions and stream count of
-``lmcache_async._cuda.copies`` (wrapped by timers, called alone).
+``lmcache_async._engine.cuda.copies`` (wrapped by timers, called alone).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from typing import Any
 import torch
 
 import lmcache_async as lmc
-from lmcache_async._payload.pickle_tensors import encode_tensor_list
-from lmcache_async._wire import GEN_0_5_6
+from lmcache_async._protocol.payload.pickle_tensors import encode_tensor_list
+from lmcache_async._protocol.wire import GEN_0_5_6
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,8 +84,8 @@ def copy_time() -> float:
 
 
 def time_copies() -> None:
-    """Wrap the worker-thread copy functions of lmcache_async._cuda.copies with timers."""
-    from lmcache_async._cuda import copies as cuda
+    """Wrap the worker-thread copy functions of lmcache_async._engine.cuda.copies with timers."""
+    from lmcache_async._engine.cuda import copies as cuda
 
     def timed_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kw: Any) -> Any:
@@ -117,8 +117,8 @@ def time_copies() -> None:
 def own_pinned_shm(nbytes: int) -> tuple[Any, str]:
     """A /dev/shm segment of our own, mapped and registered as the client maps and pins
     the server's pool: raw copies into it show the registered-tmpfs limit both ways."""
-    from lmcache_async._cuda import copies as cuda
-    from lmcache_async._shm import ShmPool
+    from lmcache_async._engine.cuda import copies as cuda
+    from lmcache_async._transport.shm import ShmPool
 
     name = f"lmca_bench_{os.getpid()}"
     path = f"/dev/shm/{name}"
@@ -172,7 +172,7 @@ async def run(reps: int) -> dict[str, Any]:
             client(shm_ep, "unpinned") as unpinned,
             client(pk_ep, "pickle") as pickled,
         ):
-            from lmcache_async._cuda import copies as cuda
+            from lmcache_async._engine.cuda import copies as cuda
 
             time_copies()
             pinned_pool, unpinned_pool = pinned._session.pool, unpinned._session.pool
@@ -252,7 +252,7 @@ async def bench_chunks(
         add(name, await timed(fn))
         add(f"{name}__copy_part", copy_time())
 
-    from lmcache_async._cuda import copies as cuda
+    from lmcache_async._engine.cuda import copies as cuda
 
     slot_shape = GEOM.kv_shape(CS)
     slot_bytes = kv_bytes.numel() // chunks

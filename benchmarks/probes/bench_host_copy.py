@@ -1,4 +1,4 @@
-"""Host copies: ``Tensor.copy_`` (torch's intra-op pool) vs ``lmcache_async._host_copy.copy_into``.
+"""Host copies: ``Tensor.copy_`` (torch's intra-op pool) vs ``lmcache_async._base.host_copy.copy_into``.
 
     .venv/bin/python -m benchmarks.probes.bench_host_copy [--json]
 
@@ -10,7 +10,7 @@ the pool's threads wait for each other. The bytes copied are compared after each
 
 Then a retrieve into a new tensor: allocate a ``[2, 32, 256 x chunks, 1024]`` bf16 tensor
 (1, 4, 16 chunks) and copy one warm source into it (``Tensor.copy_``), with ``torch.empty``
-(4 KiB pages) and with ``lmcache_async._host_copy.empty_host`` (transparent huge pages where
+(4 KiB pages) and with ``lmcache_async._base.host_copy.empty_host`` (transparent huge pages where
 the kernel offers them); every allocation is fresh, so its first touch is timed. Each is
 run twice: freed after each copy (the allocator hands the same memory back next time), and
 kept three at a time (each allocation is memory the process has not touched before).
@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from lmcache_async._host_copy import copy_into, empty_host
+from lmcache_async._base.host_copy import copy_into, empty_host
 
 CASES = [(2, 128, "256 KiB"), (8, 512, "4 MiB"), (32, 1024, "32 MiB")]
 

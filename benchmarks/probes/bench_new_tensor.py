@@ -7,11 +7,11 @@ returns and copies the slots into it: the copy is the first touch of that memory
 repetition, in alternating order, allocates it with
 
 * ``torch.empty`` (what the official SDK's ``torch.cat`` does: 4 KiB pages),
-* ``empty_host`` (``lmcache_async._host_copy``: what the client allocates),
+* ``empty_host`` (``lmcache_async._base.host_copy``: what the client allocates),
 * ``huge``: ``torch.empty`` advised ``MADV_HUGEPAGE``, as ``empty_host`` did before,
 
 and copies a warm source into it per chunk, as the client's retrieve does
-(``lmcache_async._copies.copy_chunks_out``). Per call: the time, the process's minor
+(``lmcache_async._engine.copies.copy_chunks_out``). Per call: the time, the process's minor
 faults, and the changes of the kernel's counters in ``/proc/vmstat`` over the call
 (``thp_fault_alloc``: huge pages mapped on a fault; ``thp_fault_fallback``: a huge page was
 wanted and none was free; ``compact_stall``: the fault waited for memory compaction). The
@@ -30,8 +30,8 @@ from collections.abc import Callable
 
 import torch
 
-from lmcache_async._copies import copy_chunks_out
-from lmcache_async._host_copy import HUGE_PAGE, empty_host, madvise
+from lmcache_async._base.host_copy import HUGE_PAGE, empty_host, madvise
+from lmcache_async._engine.copies import copy_chunks_out
 
 COUNTERS = ("thp_fault_alloc", "thp_fault_fallback", "compact_stall", "pgfault")
 

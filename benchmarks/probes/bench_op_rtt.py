@@ -21,8 +21,8 @@ SHM, chunk 256, 4 GB pool, prefaulted), geometry 32 layers x 1024 hidden bf16 (o
 
 Nothing in the library's files is changed; for the run, the client's channel
 (``client._session.channel``) is wrapped by a tracing one, the copy functions of
-``lmcache_async._cuda.copies`` / ``lmcache_async._copies`` by timers, and the variants
-replace ``lmcache_async._ops.shm.store_groups``, a retrieve's background commit and the
+``lmcache_async._engine.cuda.copies`` / ``lmcache_async._engine.copies`` by timers, and the variants
+replace ``lmcache_async._engine.ops.shm.store_groups``, a retrieve's background commit and the
 pool's pinned flag.
 """
 
@@ -45,7 +45,7 @@ import torch
 import lmcache_async as lmc
 from benchmarks.harness import bare_dealer_rtt, raw_call
 from benchmarks.probes.bench_cuda import Tokens
-from lmcache_async._wire import Op
+from lmcache_async._protocol.wire import Op
 
 ROOT = Path(__file__).resolve().parents[2]
 CS = 256
@@ -129,12 +129,12 @@ def timed_fn(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def time_copies() -> None:
-    from lmcache_async import _copies as copies
+    from lmcache_async._engine import copies as copies
 
     for name in CPU_COPY_FUNCS:
         setattr(copies, name, timed_fn(f"copy:{name}", getattr(copies, name)))
     if torch.cuda.is_available():
-        from lmcache_async._cuda import copies as cuda
+        from lmcache_async._engine.cuda import copies as cuda
 
         for name in CUDA_COPY_FUNCS:
             if hasattr(cuda, name):
@@ -262,14 +262,14 @@ def _patch(obj: Any, name: str, value: Any) -> Callable[[], None]:
 
 def _ungrouped(client: lmc.AsyncClient) -> Callable[[], None]:
     """A CUDA store in one group (one prepare_store, one commit_store)."""
-    from lmcache_async._ops import shm
+    from lmcache_async._engine.ops import shm
 
     return _patch(shm, "store_groups", lambda n: [(0, n)])
 
 
 def _commit_awaited(client: lmc.AsyncClient) -> Callable[[], None]:
     """A CUDA retrieve waits for its commit_retrieve's answer."""
-    from lmcache_async._ops import Operations
+    from lmcache_async._engine.ops import Operations
 
     return _patch(Operations, "_commit_retrieve_later", lambda self, *a: False)
 
@@ -277,7 +277,7 @@ def _commit_awaited(client: lmc.AsyncClient) -> Callable[[], None]:
 def _thread_launch(client: lmc.AsyncClient) -> Callable[[], None]:
     """Copies enqueued in a worker thread (the pool is still registered: only the path
     that a pool left unpinned takes is chosen)."""
-    from lmcache_async._cuda import copies as cuda
+    from lmcache_async._engine.cuda import copies as cuda
 
     pool = client._session.pool
     if pool is None or not cuda.pinned(pool):
@@ -299,7 +299,7 @@ def _plan(sizes: Sequence[int]) -> Callable[[lmc.AsyncClient], Callable[[], None
     """Another split of a CUDA store (group sizes in chunks; for 16 chunks)."""
 
     def switch(client: lmc.AsyncClient) -> Callable[[], None]:
-        from lmcache_async._ops import shm
+        from lmcache_async._engine.ops import shm
 
         bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
         plan = [(bounds[k], bounds[k + 1]) for k in range(len(sizes))]

@@ -18,7 +18,7 @@ back: from handing it to the connection to its reply)
 and of the copy steps (``_fill_reserved``: the store's copy including the hand-over to a
 worker thread; ``decode_inline``: the inline payload's decoder; ``_copy_chunks``: copying
 chunks into the result). The first 5 calls are a warm-up. Nothing in the library's files is
-changed: those functions of ``lmcache_async._ops`` are wrapped by timers for the run, and
+changed: those functions of ``lmcache_async._engine.ops`` are wrapped by timers for the run, and
 a store's L1 is cleared through the client's connection (``client._session.conn``).
 """
 
@@ -37,8 +37,8 @@ import torch
 import lmcache_async as lmc
 from benchmarks.harness import server_python
 from harness.real_server import RealLMCacheServer
-from lmcache_async._ops import Operations, inline
-from lmcache_async._wire import Op
+from lmcache_async._engine.ops import Operations, inline
+from lmcache_async._protocol.wire import Op
 
 CS = 256
 GEOM = lmc.KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)

@@ -21,8 +21,8 @@ fresh ``/dev/shm`` segment, mapped afresh, in each of these ways:
   and copied by a thread of its own; ``split_read``: the same with ``MADV_POPULATE_READ``;
 * ``pwritev``: no page mapped at all, the bytes written through the segment's descriptor
   (``os.pwritev``, one iovec per contiguous run of the source) by two threads;
-* ``client``: the client's own store copy (``lmcache_async._copies.fill_slots`` over an
-  ``lmcache_async._shm.ShmPool`` of the segment).
+* ``client``: the client's own store copy (``lmcache_async._engine.copies.fill_slots`` over an
+  ``lmcache_async._transport.shm.ShmPool`` of the segment).
 
 Each case reports its median time, the share of its phases (the preparation, the copy),
 and the minor faults of the process during it (``getrusage``). The cases alternate within
@@ -45,8 +45,9 @@ from typing import Any
 
 import torch
 
-from lmcache_async import _copies as copies, _host_copy as host_copy
-from lmcache_async._shm import ShmPool
+from lmcache_async._base import host_copy as host_copy
+from lmcache_async._engine import copies as copies
+from lmcache_async._transport.shm import ShmPool
 
 MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23

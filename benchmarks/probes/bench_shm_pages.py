@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.probes.bench_shm_pages [--mib 512] [--rounds 5] [--json]
 
 A client maps the server's SHM pool; the first time its process touches a page of it,
-the kernel maps that page (a fault). ``lmcache_async._shm.ShmPool.populate`` can map the
+the kernel maps that page (a fault). ``lmcache_async._transport.shm.ShmPool.populate`` can map the
 pages of a range in one ``madvise(MADV_POPULATE_READ)`` before a copy instead. Which is
 cheaper depends on the direction, and this measures it: a ``/dev/shm`` segment of
 ``--mib`` MiB (filled once, as a server's pool is), mapped afresh for every copy; the
@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from lmcache_async import _host_copy as host_copy
+from lmcache_async._base import host_copy as host_copy
 
 MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23

@@ -104,8 +104,8 @@ class Phases:
         self.gpu: list[tuple[torch.cuda.Event, list[torch.cuda.Event], int]] = []
 
     def install(self) -> None:
-        from lmcache_async._cuda import copies as cuda
-        from lmcache_async._ops.base import OperationsBase
+        from lmcache_async._engine.cuda import copies as cuda
+        from lmcache_async._engine.ops.base import OperationsBase
 
         phases = self
         call = OperationsBase.call

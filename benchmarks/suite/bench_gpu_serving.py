@@ -22,7 +22,7 @@ between two ``torch.cuda.synchronize()``; the median of ``--reps`` after one war
   ``deviation`` and ``query`` selections, each serving the first token from the composed
   KV (``max_new_tokens=1``) while the target's store runs (awaited after the timing).
   ``--fractions`` and ``--selections`` narrow them; ``--masked`` times each repair again
-  through the 4D-mask pass that the in-place one (``lmcache_async._hf_recompute``)
+  through the 4D-mask pass that the in-place one (``lmcache_async._engine.hf_recompute``)
   replaced on GPUs, in the same run.
 
 The JSON names the card (``torch.cuda.get_device_name``); figures from another card
@@ -50,7 +50,8 @@ import torch
 
 import lmcache_async as lmc
 from benchmarks.probes.bench_cuda import ROOT, start_server
-from lmcache_async import KVPart, _hf_recompute, hf, hf_blend
+from lmcache_async import KVPart, hf, hf_blend
+from lmcache_async._engine import hf_recompute as _hf_recompute
 
 CS = 256
 TAIL = 16

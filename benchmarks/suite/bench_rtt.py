@@ -24,7 +24,7 @@ from typing import Any
 import lmcache_async as lmc
 from benchmarks.harness import bare_dealer_rtt, raw_call, settle, spread
 from harness.real_server import RealLMCacheServer, lmcache_venv_python
-from lmcache_async._wire import Op
+from lmcache_async._protocol.wire import Op
 
 CASES: tuple[tuple[Op, tuple[Any, ...]], ...] = ((Op.NOOP, ()), (Op.END_SESSION, ("bench-rtt",)))
 

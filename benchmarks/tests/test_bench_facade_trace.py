@@ -8,7 +8,7 @@ import importlib
 from typing import Any
 
 from harness.real_server import RealLMCacheServer
-from lmcache_async import _trace
+from lmcache_async._base import trace as _trace
 
 
 def test_trace_times_every_phase_and_turns_the_hook_off(real_server_shm: RealLMCacheServer) -> None:

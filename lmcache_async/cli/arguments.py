@@ -19,8 +19,8 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
-from lmcache_async._defaults import check_timeout
-from lmcache_async._wire import (
+from lmcache_async._base.timeouts import check_timeout
+from lmcache_async._protocol.wire import (
     MAX_TOKEN,
     MAX_TOKENS,
     validate_cache_salt,
@@ -59,7 +59,7 @@ PACKAGE_DTYPES: Final = ("float32", "float16", "bfloat16")
 #: ``--token-start`` with ``--num-tokens`` (or make-package's chunks), a side of a
 #: ``remap-batch`` line given as ``{"start", "count"}`` or a ``SPEC``. Checked before the
 #: list is built (2**22 ids are about 150 MB as a list; a lookup of that many peaks at
-#: about 400 MB of memory). The library's own bound (:data:`lmcache_async._wire.MAX_TOKENS`),
+#: about 400 MB of memory). The library's own bound (:data:`lmcache_async._protocol.wire.MAX_TOKENS`),
 #: so the command line refuses exactly what the library would.
 
 _RANGE: Final = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
@@ -68,7 +68,7 @@ _SIZE: Final = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNOR
 
 def _check_ids(start: int, end: int) -> None:
     """Refuse ``range(start, end)`` if it holds an id at or past 2**32, naming the first
-    such id (as :func:`~lmcache_async._wire.validate_tokens` would)."""
+    such id (as :func:`~lmcache_async._protocol.wire.validate_tokens` would)."""
     if end > start and end > MAX_TOKEN:
         raise ValueError(f"token id {max(start, MAX_TOKEN)} is outside [0, 2**32)")
 
@@ -180,7 +180,7 @@ def timeout_seconds(text: str) -> float | None:
     """``type=`` of ``--timeout``: seconds > 0, or ``none``/``inf`` for no deadline.
 
     The value is checked by the library's one timeout validator
-    (:func:`lmcache_async._defaults.check_timeout`); 0, which would fail every call at
+    (:func:`lmcache_async._base.timeouts.check_timeout`); 0, which would fail every call at
     once, is refused here too.
     """
     if text.strip().lower() in ("none", "inf"):

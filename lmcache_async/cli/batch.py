@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final
 
-from lmcache_async._pair_key import pair_key, text_key
+from lmcache_async._base.pair_key import pair_key, text_key
 from lmcache_async.cli.arguments import (
     byte_size,
     checked_model,

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lmcache_async._metadata import Metadata
+from lmcache_async._transport.metadata import Metadata
 from lmcache_async.cli.arguments import (
     PACKAGE_DTYPES,
     add_token_args,

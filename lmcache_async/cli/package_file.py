@@ -22,7 +22,7 @@ from typing import Final
 import torch
 from torch.serialization import MAGIC_NUMBER
 
-from lmcache_async._wire import validate_cache_salt, validate_model_name, validate_tokens
+from lmcache_async._protocol.wire import validate_cache_salt, validate_model_name, validate_tokens
 from lmcache_async.cli.runner import CommandError, one_line
 
 __all__ = ["PACKAGE_FORMAT", "Package", "check_output", "load_package", "save_package"]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import aiohttp
 
-from lmcache_async._urls import check_zmq_url
+from lmcache_async._protocol.urls import check_zmq_url
 from lmcache_async.errors import (
     LMCacheConnectionError,
     LMCacheError,

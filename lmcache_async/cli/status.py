@@ -16,11 +16,11 @@ import json
 import time
 from typing import Any, Final
 
-from lmcache_async._connection import Connection
-from lmcache_async._metadata import Metadata
-from lmcache_async._server_config import POOL_PREFIX, expected_pool, mp_section
-from lmcache_async._shm_segment import map_segment
-from lmcache_async._wire import Op
+from lmcache_async._protocol.server_config import POOL_PREFIX, expected_pool, mp_section
+from lmcache_async._protocol.wire import Op
+from lmcache_async._transport.connection import Connection
+from lmcache_async._transport.metadata import Metadata
+from lmcache_async._transport.shm_segment import map_segment
 from lmcache_async.cli.arguments import server_parent
 from lmcache_async.cli.runner import command, connect_client, emit, one_line, run_async, table
 from lmcache_async.errors import HybridLayoutError, LMCacheError, ProtocolError, TransferError

@@ -18,7 +18,7 @@ mirror the real server's types field for field:
 :data:`ARGUMENTS` is the arity table: per generation, per operation name, the declared
 type of each argument frame. The real server requires exactly that many frames.
 
-This module repeats, on purpose, facts the client keeps in :mod:`lmcache_async._wire` (the
+This module repeats, on purpose, facts the client keeps in :mod:`lmcache_async._protocol.wire` (the
 key and envelope schemas, the legacy operation ids, the argument counts): the embedded
 server is an independent oracle, written from the real server's source and not from the
 client's, so that one bug cannot pass both sides. ``tests/unit/test_op_table.py`` proves
@@ -36,7 +36,7 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 import torch
 
-from lmcache_async._payload.pickle_tensors import decode_tensor_list, encode_tensor_list
+from lmcache_async._protocol.payload.pickle_tensors import decode_tensor_list, encode_tensor_list
 
 __all__ = [
     "ARGUMENTS",

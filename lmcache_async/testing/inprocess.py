@@ -37,7 +37,7 @@ from typing import Any, Final, Literal
 
 import torch
 
-from lmcache_async._wire import (
+from lmcache_async._protocol.wire import (
     GENERATIONS,
     PreEncoded,
     RegisterPayload,

@@ -49,8 +49,8 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
+from lmcache_async._base.zmq_context import process_context
 from lmcache_async._version import __version__
-from lmcache_async._zmq_context import process_context
 from lmcache_async.testing.dialect import (
     LMC_VERSIONS,
     BadRequest,
@@ -356,7 +356,7 @@ class EmbeddedServer:
                 self._core = make_core()
             self._send_lock = asyncio.Lock()
             # A shadow of the process's context, never terminated (as the clients' own:
-            # lmcache_async._zmq_context): a server dropped unstopped cannot hang the
+            # lmcache_async._base.zmq_context): a server dropped unstopped cannot hang the
             # process when the collector finds its context.
             self._ctx = zmq.asyncio.Context.shadow(process_context())
             sock = self._ctx.socket(zmq.ROUTER)

@@ -22,7 +22,7 @@ import torch
 
 import lmcache_async as lmc
 from lmcache_async import AsyncClient, KVGeometry
-from lmcache_async._wire import Op
+from lmcache_async._protocol.wire import Op
 from tests.helpers import SMALL_GEOMETRY, fresh_tokens, peek, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio
@@ -382,7 +382,7 @@ async def test_end_session_goes_in_the_background_and_drain_waits_for_it(
     """store and retrieve return once their last answer is in; their ``end_session`` is
     sent at once without being waited for (one round trip less), and ``drain()`` and
     ``status()`` wait for it, so the server's sessions are back at the baseline."""
-    from lmcache_async._connection import Connection
+    from lmcache_async._transport.connection import Connection
 
     posted: list[Op] = []
     real = Connection.send_nowait

@@ -100,7 +100,7 @@ async def test_no_lmc_version_route_is_talked_to_as_0_5_6_with_a_logged_warning(
     fake: FakeHTTP, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake.routes["/config"] = (500, "boom")
-    with caplog.at_level(logging.WARNING, logger="lmcache_async._session"):
+    with caplog.at_level(logging.WARNING, logger="lmcache_async._engine.session"):
         with pytest.raises(lmc.HTTPStatusError) as ei:
             await _client(fake).open()
     assert ei.value.status == 500

@@ -34,8 +34,8 @@ import pytest
 
 import lmcache_async as lmc
 from lmcache_async import AsyncClient
-from lmcache_async._event_stream import KVEventStream
-from lmcache_async._reply_stream import open_streams
+from lmcache_async._engine.event_stream import KVEventStream
+from lmcache_async._transport.reply_stream import open_streams
 from lmcache_async.errors import UnsupportedHashAlgorithmError
 from lmcache_async.events import RemovedEvent, Resync, StoredEvent
 from lmcache_async.hashing import NONE_HASH, chunk_hashes

@@ -39,9 +39,9 @@ from lmcache_async import (
     LMCacheError,
     LMCacheTimeoutError,
     RemapResult,
-    _loop_thread,
     connect,
 )
+from lmcache_async._blocking import loop_thread as _loop_thread
 from lmcache_async.client import ClientOptions
 from lmcache_async.errors import LoopThreadCallError, SyncUsageError
 from lmcache_async.sync_client import _FACADE, LOOP_THREAD_NAME, Client

@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from lmcache_async import _wire as wire
+from lmcache_async._protocol import wire as wire
 from tests.fakes import server_wire
 
 Action = tuple[Any, ...]
@@ -99,7 +99,9 @@ class FakeRouter:
             elif kind == "sleep":
                 await asyncio.sleep(action[1])
             elif kind == "drop":
-                self._acting.discard(asyncio.current_task())  # type: ignore[arg-type]
+                current = asyncio.current_task()
+                if current is not None:
+                    self._acting.discard(current)
                 await self.stop()
                 return
 

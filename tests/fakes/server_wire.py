@@ -1,6 +1,6 @@
 """The server side of the wire, for the tests' scripted fake ROUTER (``fake_router.py``).
 
-The library is a client: it encodes requests and decodes replies (``lmcache_async._wire``).
+The library is a client: it encodes requests and decodes replies (``lmcache_async._protocol.wire``).
 The scripted fake server needs the other two directions, which only the tests use, so
 they live here: decode a request as a ROUTER sees it, and echo its uid and op frames in a
 reply.
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from lmcache_async._wire import Op, PreEncoded, packb, unpackb
+from lmcache_async._protocol.wire import Op, PreEncoded, packb, unpackb
 from lmcache_async.errors import ProtocolError
 
 __all__ = ["NO_PAYLOAD", "Request", "decode_request", "encode_reply"]

@@ -23,9 +23,9 @@ from aiohttp import web
 from aiohttp.helpers import ceil_timeout
 
 import lmcache_async as lmc
-from lmcache_async import _deadline
-from lmcache_async._metadata import MAX_HTTP_BODY_BYTES, Metadata
-from lmcache_async._wire import Op
+from lmcache_async._base import deadline as _deadline
+from lmcache_async._protocol.wire import Op
+from lmcache_async._transport.metadata import MAX_HTTP_BODY_BYTES, Metadata
 from tests.fakes import server_wire
 from tests.fakes.fake_router import FakeRouter
 from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model

@@ -28,14 +28,13 @@ from lmcache_async import (
     LMCacheTimeoutError,
     ProtocolError,
     TransferError,
-    _copies as copies,
 )
-from lmcache_async._metadata import Metadata
-from lmcache_async._ops import Operations, Registration
-from lmcache_async._ops.base import l1_memory
-from lmcache_async._runner import run_detached
-from lmcache_async._shm import ShmPool
-from lmcache_async._wire import (
+from lmcache_async._base.zmq_context import process_context
+from lmcache_async._engine import copies as copies
+from lmcache_async._engine.ops import Operations, Registration
+from lmcache_async._engine.ops.base import l1_memory
+from lmcache_async._engine.runner import run_detached
+from lmcache_async._protocol.wire import (
     GEN_0_5_6,
     CacheKey,
     Op,
@@ -43,7 +42,8 @@ from lmcache_async._wire import (
     parse_prepare_store,
     parse_register_response,
 )
-from lmcache_async._zmq_context import process_context
+from lmcache_async._transport.metadata import Metadata
+from lmcache_async._transport.shm import ShmPool
 from lmcache_async.errors import LayoutMismatchError
 from lmcache_async.testing import EmbeddedServer, NoReply
 from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model

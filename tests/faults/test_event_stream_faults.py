@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 import lmcache_async as lmc
-from lmcache_async._reply_stream import open_streams
-from lmcache_async._wire import Op, packb
+from lmcache_async._protocol.wire import Op, packb
+from lmcache_async._transport.reply_stream import open_streams
 from tests.fakes import server_wire
 from tests.fakes.fake_router import FakeRouter, json_http_server
 from tests.helpers import SMALL_GEOMETRY

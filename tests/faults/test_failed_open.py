@@ -19,8 +19,8 @@ import zmq
 import lmcache_async as lmc
 from harness.real_server import REPO_ROOT
 from lmcache_async import kvcache
-from lmcache_async._connection import Connection
-from lmcache_async._urls import check_zmq_url
+from lmcache_async._protocol.urls import check_zmq_url
+from lmcache_async._transport.connection import Connection
 from lmcache_async.testing import EmbeddedServer
 
 SCRIPT = Path(__file__).with_name("failed_open_script.py")

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import lmcache_async as lmc
-from lmcache_async import _wire as wire
-from lmcache_async._metadata import Metadata
-from lmcache_async._payload.tensor_envelope import decode_tensor_envelope, encode_tensor_envelope
-from lmcache_async._wire import Op
+from lmcache_async._protocol import wire as wire
+from lmcache_async._protocol.payload.tensor_envelope import decode_tensor_envelope, encode_tensor_envelope
+from lmcache_async._protocol.wire import Op
+from lmcache_async._transport.metadata import Metadata
 from tests.fakes import server_wire
 from tests.fakes.fake_router import FakeRouter, json_http_server
 from tests.helpers import SMALL_GEOMETRY

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import lmcache_async as lmc
-from lmcache_async._wire import Op
+from lmcache_async._protocol.wire import Op
 from tests.fakes import server_wire
 from tests.fakes.fake_router import FakeRouter, json_http_server
 from tests.helpers import SMALL_GEOMETRY, peek

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 import lmcache_async as lmc
-from lmcache_async._wire import CacheKey, Op
+from lmcache_async._protocol.wire import CacheKey, Op
 from tests.helpers import SESSION_CHUNK_SIZE, SMALL_GEOMETRY, fresh_tokens, peek, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import lmcache_async as lmc
-from lmcache_async import AsyncClient, _copies as copies
+from lmcache_async import AsyncClient
+from lmcache_async._engine import copies as copies
 from lmcache_async.errors import UnfilledReservationError
 from tests.helpers import SMALL_GEOMETRY, fresh_tokens, peek, random_kv, unique_model
 

@@ -98,7 +98,7 @@ def copy_streams_idle() -> bool | None:
     """Whether the client's copy streams have nothing pending (None: no such module, as
     before the fix, when copies ran on the worker thread's default stream)."""
     try:
-        from lmcache_async._cuda import copies as cuda
+        from lmcache_async._engine.cuda import copies as cuda
     except ImportError:
         return None
     st = cuda._state(torch.device("cuda", torch.cuda.current_device()))
@@ -386,7 +386,7 @@ async def test_shm_pool_is_pinned_once_and_unregistered_before_unmap(
 ) -> None:
     if gpu_server.mode != "shm":
         pytest.skip("SHM only")
-    from lmcache_async._cuda import copies as cuda
+    from lmcache_async._engine.cuda import copies as cuda
 
     calls: list[tuple[str, int]] = []
     real_reg, real_unreg = cuda._host_register, cuda._host_unregister
@@ -428,7 +428,7 @@ async def test_unpinnable_pool_falls_back_with_a_warning(
 ) -> None:
     if gpu_server.mode != "shm":
         pytest.skip("SHM only")
-    from lmcache_async._cuda import copies as cuda
+    from lmcache_async._engine.cuda import copies as cuda
 
     unregistered: list[int] = []
     monkeypatch.setattr(cuda, "_host_register", lambda address, nbytes: 1)  # cudaErrorInvalidValue
@@ -439,7 +439,7 @@ async def test_unpinnable_pool_falls_back_with_a_warning(
 
     monkeypatch.setattr(cuda, "_host_unregister", unregister)
     geom = geometry()
-    caplog.set_level(logging.WARNING, logger="lmcache_async._cuda.copies")
+    caplog.set_level(logging.WARNING, logger="lmcache_async._engine.cuda.copies")
     async with aclient(gpu_server, geom) as c:
         tokens = fresh_tokens(2 * CS)
         kv = rand_kv(geom, len(tokens))
@@ -448,7 +448,7 @@ async def test_unpinnable_pool_falls_back_with_a_warning(
         assert got is not None and torch.equal(got, kv)
         pool = peek(c).pool
         assert pool is not None and cuda.pinned(pool) is False
-    warnings = [r.getMessage() for r in caplog.records if r.name == "lmcache_async._cuda.copies"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "lmcache_async._engine.cuda.copies"]
     assert len(warnings) == 1
     assert "cannot pin the SHM pool" in warnings[0] and "cudaHostRegister error 1" in warnings[0]
     assert unregistered == []
@@ -460,7 +460,7 @@ async def test_unpinnable_pool_falls_back_with_a_warning(
 async def test_pickle_staging_buffer_is_pinned_and_reused(gpu_server: Any) -> None:
     if gpu_server.mode != "pickle":
         pytest.skip("pickle only")
-    from lmcache_async._cuda import copies as cuda
+    from lmcache_async._engine.cuda import copies as cuda
 
     geom = geometry()
     async with aclient(gpu_server, geom) as c:
@@ -486,7 +486,7 @@ async def test_pickle_staging_buffer_is_pinned_and_reused(gpu_server: Any) -> No
 async def test_cancel_in_the_middle_of_a_gpu_store_still_commits_all_chunks(
     gpu_server: Any, busy: Busy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lmcache_async._cuda import copies as cuda
+    from lmcache_async._engine.cuda import copies as cuda
 
     started = asyncio.Event()
     name = "to_host" if gpu_server.mode == "shm" else "encode_inline"
@@ -526,7 +526,7 @@ async def test_cancel_in_the_middle_of_a_gpu_store_still_commits_all_chunks(
 async def test_cancel_in_the_middle_of_a_gpu_retrieve_releases_everything(
     gpu_server: Any, busy: Busy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lmcache_async._cuda import copies as cuda
+    from lmcache_async._engine.cuda import copies as cuda
 
     started = asyncio.Event()
     real = cuda.to_device
@@ -583,7 +583,7 @@ def test_cpu_only_use_never_imports_the_cuda_module() -> None:
                         res = await c.store_many([(kv, list(range(100, 132)))])
                         assert res.summary.failures == 0
         asyncio.run(main())
-        print("cuda module loaded:", "lmcache_async._cuda.copies" in sys.modules)
+        print("cuda module loaded:", "lmcache_async._engine.cuda.copies" in sys.modules)
         """
     )
     proc = subprocess.run(

@@ -118,7 +118,7 @@ async def test_cancelling_one_of_several_in_flight_stores_leaves_nothing_half_st
     cancelled: it raises CancelledError, and afterwards each of the four targets is whole
     and bitwise its own KV (a store whose slots were reserved is completed), no session
     is left."""
-    from lmcache_async._cuda import copies as cuda
+    from lmcache_async._engine.cuda import copies as cuda
 
     name = "to_host" if gpu_server.mode == "shm" else "encode_inline"
     real = getattr(cuda, name)
@@ -170,8 +170,8 @@ async def test_a_cuda_store_is_one_reservation_and_one_commit_whatever_its_size(
     commit and a session per group, and was no faster)."""
     if gpu_server.mode != "shm":
         pytest.skip("SHM only")
-    from lmcache_async._ops.base import OperationsBase
-    from lmcache_async._wire import Op
+    from lmcache_async._engine.ops.base import OperationsBase
+    from lmcache_async._protocol.wire import Op
 
     real = OperationsBase.call
     sent: list[Op] = []

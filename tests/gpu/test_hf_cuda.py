@@ -141,7 +141,7 @@ def test_the_in_place_pass_is_the_masked_pass_on_the_gpu(dtype: torch.dtype) -> 
     gives the same KV within the dtype's rounding, and only the chosen tokens change."""
     import random
 
-    from lmcache_async import _hf_recompute
+    from lmcache_async._engine import hf_recompute as _hf_recompute
 
     model = tiny_llama(dtype).to("cuda")
     geometry = hf.geometry_from_model(model)

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_async import AsyncClient, LMCacheTimeoutError, _batching, bulk
+from lmcache_async import AsyncClient, LMCacheTimeoutError, bulk
+from lmcache_async._engine import batching as _batching
 from lmcache_async.bulk import BatchProgress, RemapPair, RetrieveItem, StoreItem
 from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import zmq
 
-from lmcache_async._wire import Op, packb
+from lmcache_async._protocol.wire import Op, packb
 from lmcache_async.cli import main
 from lmcache_async.testing import EmbeddedServer
 

@@ -108,8 +108,8 @@ async def test_two_sources_that_share_the_chunks_read(
     """Two prompts with one cached prefix and different tails, each giving that prefix:
     on SHM the chunks are read once, in the pool (two pending reads of one key by one
     client would share one entry on the server, which keys them by client and key)."""
-    from lmcache_async._ops.base import OperationsBase
-    from lmcache_async._wire import Op
+    from lmcache_async._engine.ops.base import OperationsBase
+    from lmcache_async._protocol.wire import Op
 
     real = OperationsBase.call
     sent: list[Op] = []

@@ -46,7 +46,7 @@ import torch
 from harness.real_server import REPO_ROOT, RealLMCacheServer
 from harness.redis_server import RedisServer
 from lmcache_async import AsyncClient, KVGeometry, RemapResult, TransferError
-from lmcache_async._shm import ShmPool
+from lmcache_async._transport.shm import ShmPool
 from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio
@@ -335,9 +335,9 @@ async def test_remote_client_of_an_shm_server_is_told_at_connect_and_retrieve_fa
         "client on the server's host, or start the server with --shm-name '' to serve KV over TCP. "
         "store and lookup work."
     )
-    with caplog.at_level(logging.WARNING, logger="lmcache_async._session"):
+    with caplog.at_level(logging.WARNING, logger="lmcache_async._engine.session"):
         async with client_of(cluster.a, model) as remote_a:
-            assert [r.getMessage() for r in caplog.records if r.name == "lmcache_async._session"] == [
+            assert [r.getMessage() for r in caplog.records if r.name == "lmcache_async._engine.session"] == [
                 expected
             ]
             assert remote_a.transfer == "pickle"
@@ -680,7 +680,7 @@ async def test_ray_job_equals_one_process_remap_many(cluster: Cluster, ray_node:
         assert (by_id[i]["status"], by_id[i]["error_type"]) == ("error", "ValueError")
         assert by_id[i]["error"] == ("source_tokens: token id -1 is outside [0, 2**32)")
     # The row key is remap-batch's key of the same pair.
-    from lmcache_async._pair_key import pair_key
+    from lmcache_async._base.pair_key import pair_key
 
     assert [by_id[i]["key"] for i in range(n)] == [
         pair_key(sources[i], targets[i], "", None) for i in range(n)

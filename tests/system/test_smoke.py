@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from lmcache_async import KVGeometry
-from lmcache_async._connection import Connection
-from lmcache_async._metadata import Metadata
-from lmcache_async._server_config import mp_section
-from lmcache_async._wire import Op
+from lmcache_async._protocol.server_config import mp_section
+from lmcache_async._protocol.wire import Op
+from lmcache_async._transport.connection import Connection
+from lmcache_async._transport.metadata import Metadata
 from tests.helpers import SESSION_CHUNK_SIZE, unique_model
 
 pytestmark = pytest.mark.anyio

@@ -44,7 +44,7 @@ import torch
 
 import lmcache_async as lmc
 from lmcache_async import AsyncClient
-from lmcache_async._wire import Op
+from lmcache_async._protocol.wire import Op
 from tests.helpers import SMALL_GEOMETRY, fresh_tokens, peek, random_kv, unique_model
 
 pytestmark = pytest.mark.anyio

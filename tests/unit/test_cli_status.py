@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from lmcache_async._server_config import ServerConfig, expected_pool
+from lmcache_async._protocol.server_config import ServerConfig, expected_pool
 from lmcache_async.cli.status import _predict_transport
 
 SIZE = 1 << 16

@@ -9,10 +9,10 @@ import msgpack
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from lmcache_async import _wire as wire
-from lmcache_async._connection import Connection
-from lmcache_async._pending import PendingTable
-from lmcache_async._wire import Op, Reply
+from lmcache_async._protocol import wire as wire
+from lmcache_async._protocol.wire import Op, Reply
+from lmcache_async._transport.connection import Connection
+from lmcache_async._transport.pending import PendingTable
 from lmcache_async.errors import ClientClosedError, LMCacheConnectionError, LMCacheTimeoutError
 from tests.fakes import server_wire
 from tests.fakes.fake_router import Action, FakeRouter

@@ -12,10 +12,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from lmcache_async import _copies as copies, _host_copy as host_copy
-from lmcache_async._host_copy import copy_in_parts
-from lmcache_async._shm import ShmPool
-from lmcache_async._wire import SlotDescriptor
+from lmcache_async._base import host_copy as host_copy
+from lmcache_async._base.host_copy import copy_in_parts
+from lmcache_async._engine import copies as copies
+from lmcache_async._protocol.wire import SlotDescriptor
+from lmcache_async._transport.shm import ShmPool
 from tests.plugins.hypothesis_budget import examples
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.float8_e4m3fn]

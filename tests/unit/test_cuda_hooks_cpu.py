@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from lmcache_async import AsyncClient
-from lmcache_async._payload.inline import decode_inline, encode_inline
-from lmcache_async._wire import GEN_0_5_6, GEN_0_5_7, WireGeneration
+from lmcache_async._protocol.payload.inline import decode_inline, encode_inline
+from lmcache_async._protocol.wire import GEN_0_5_6, GEN_0_5_7, WireGeneration
 from tests.helpers import SMALL_GEOMETRY, fresh_tokens, peek, unique_model
 
 

@@ -27,10 +27,8 @@ def tree() -> set[str]:
     return modules | packages
 
 
-def table() -> list[tuple[str, list[str]]]:
-    """The map's rows: (first column, the module names of the second), in order."""
-    text = DESIGN.read_text()
-    head = text[: text.index("\n## ")]
+def rows_of(head: str) -> list[tuple[str, list[str]]]:
+    """A table's rows: (first column, the module names of the second), in order."""
     rows = []
     for line in head.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -38,6 +36,26 @@ def table() -> list[tuple[str, list[str]]]:
             continue
         rows.append((cells[0], re.findall(r"`([^`]+)`", cells[1])))
     return rows
+
+
+def table() -> list[tuple[str, list[str]]]:
+    """The map's rows (the first table of the page, above the tiers' own)."""
+    text = DESIGN.read_text()
+    return rows_of(text[: text.index("\n### ")])
+
+
+def tier_tables() -> dict[str, list[tuple[str, list[str]]]]:
+    """Each private tier's table (``### `_engine/` ``, ...), by the tier's name."""
+    text = DESIGN.read_text()
+    head = text[text.index("\n### ") : text.index("\n## ")]
+    parts = re.split(r"^### `([^`]+)/`$", head, flags=re.MULTILINE)
+    return {name: rows_of(body) for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+def tier_tree(tier: str) -> set[str]:
+    folder = PACKAGE / tier
+    modules = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    return modules | {f"{p.name}/" for p in folder.iterdir() if (p / "__init__.py").is_file()}
 
 
 def contract_layers() -> list[set[str]]:
@@ -52,6 +70,30 @@ def contract_layers() -> list[set[str]]:
             row.add(f"{name}/" if f"{name}/" in names else name)
         layers.append(row)
     return layers
+
+
+def test_each_tier_table_is_its_contract_top_to_bottom() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    contracts = {
+        c["containers"][0].removeprefix("lmcache_async."): c["layers"]
+        for c in config["tool"]["importlinter"]["contracts"]
+        if "containers" in c
+    }
+    tables = tier_tables()
+    assert (
+        sorted(tables)
+        == sorted(contracts)
+        == sorted(n.rstrip("/") for n in tree() if n.startswith("_") and n.endswith("/"))
+    )
+    for tier, rows in tables.items():
+        names = tier_tree(tier)
+        expected = [
+            {f"{m.strip()}/" if f"{m.strip()}/" in names else m.strip() for m in layer.split("|")}
+            for layer in contracts[tier]
+        ]
+        assert [first for first, _ in rows] == [str(i) for i in range(1, len(rows) + 1)], tier
+        assert [set(listed) for _, listed in rows] == expected, tier
+        assert set().union(*expected) == names, tier
 
 
 def test_the_map_has_rows() -> None:

@@ -31,8 +31,8 @@ import zmq
 import zmq.asyncio
 
 from harness.workers import EngineWorker, SDKWorker
-from lmcache_async._payload.pickle_tensors import encode_tensor_list
-from lmcache_async._wire import Op
+from lmcache_async._protocol.payload.pickle_tensors import encode_tensor_list
+from lmcache_async._protocol.wire import Op
 from lmcache_async.testing import EmbeddedServer, InProcessServer, ModelSpec, NoReply, ServerGeneration
 
 pytestmark = pytest.mark.anyio

@@ -25,9 +25,10 @@ import torch
 import zmq
 import zmq.asyncio
 
-from lmcache_async import AsyncClient, KVGeometry, _wire as wire
-from lmcache_async._payload.pickle_tensors import decode_tensor_list, encode_tensor_list
-from lmcache_async._wire import Op, packb
+from lmcache_async import AsyncClient, KVGeometry
+from lmcache_async._protocol import wire as wire
+from lmcache_async._protocol.payload.pickle_tensors import decode_tensor_list, encode_tensor_list
+from lmcache_async._protocol.wire import Op, packb
 from lmcache_async.testing import EmbeddedServer, ModelSpec
 
 pytestmark = pytest.mark.anyio

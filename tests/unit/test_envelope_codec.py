@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from harness.real_server import LMCACHE_QUIET_ENV
-from lmcache_async._payload.tensor_envelope import (
+from lmcache_async._protocol.payload.tensor_envelope import (
     MAX_RANK,
     MAX_TENSORS,
     decode_tensor_envelope,

@@ -1,5 +1,5 @@
 """The error tree (lmcache_async/errors.py), the DEFAULT sentinel and the timeout validator
-(lmcache_async/_defaults.py). No server needed."""
+(lmcache_async/_base/timeouts.py). No server needed."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 import lmcache_async as lmc
 from lmcache_async import bulk, errors
-from lmcache_async._defaults import DEFAULT, DefaultType, check_timeout, resolve_timeout
+from lmcache_async._base.timeouts import DEFAULT, DefaultType, check_timeout, resolve_timeout
 
 
 def _drawn_tree() -> dict[str, set[str]]:

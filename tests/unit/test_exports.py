@@ -21,7 +21,8 @@ def test_all_matches_the_namespace() -> None:
 
 
 def test_every_error_and_the_default_sentinel_are_exported() -> None:
-    from lmcache_async import _defaults, errors
+    from lmcache_async import errors
+    from lmcache_async._base import timeouts as _defaults
 
     assert set(errors.__all__) <= set(lmcache_async.__all__)
     assert all(getattr(lmcache_async, name) is getattr(errors, name) for name in errors.__all__)

@@ -1,9 +1,9 @@
 """Fuzzing of everything that parses what a server sends.
 
-The reply decoders of :mod:`lmcache_async._wire` (frames, the register / prepare_store /
+The reply decoders of :mod:`lmcache_async._protocol.wire` (frames, the register / prepare_store /
 prepare_retrieve replies, SHM slot descriptors) and the inline tensor payload decoders of
 both server generations (the restricted unpickler of 0.5.6, the msgpack ``TensorEnvelope``
-of 0.5.7, reached through :func:`lmcache_async._payload.inline.decode_inline` as the client
+of 0.5.7, reached through :func:`lmcache_async._protocol.payload.inline.decode_inline` as the client
 does): any bytes, any msgpack-shaped object and any mutation of a VALID payload (sizes,
 dtypes, shapes, strides, offsets, lengths, memo indices) give a result or a
 :class:`ProtocolError` (its subclass :class:`UnsafePayloadError` for a hostile pickle),
@@ -34,14 +34,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from lmcache_async import _wire as wire
-from lmcache_async._ops import Operations, Registration, RemapResult
-from lmcache_async._payload import pickle_tensors as pickle_codec
-from lmcache_async._payload.inline import decode_inline
-from lmcache_async._payload.pickle_tensors import decode_tensor_list, encode_tensor_list
-from lmcache_async._payload.tensor_envelope import encode_tensor_envelope
-from lmcache_async._runner import OpState
-from lmcache_async._shm import ShmPool
+from lmcache_async._engine.ops import Operations, Registration, RemapResult
+from lmcache_async._engine.runner import OpState
+from lmcache_async._protocol import wire as wire
+from lmcache_async._protocol.payload import pickle_tensors as pickle_codec
+from lmcache_async._protocol.payload.inline import decode_inline
+from lmcache_async._protocol.payload.pickle_tensors import decode_tensor_list, encode_tensor_list
+from lmcache_async._protocol.payload.tensor_envelope import encode_tensor_envelope
+from lmcache_async._transport.shm import ShmPool
 from lmcache_async.errors import LMCacheError, LMCacheTimeoutError, ProtocolError, UnsafePayloadError
 from lmcache_async.testing import InProcessServer, NoReply, ServerGeneration
 from tests.helpers import SMALL_GEOMETRY

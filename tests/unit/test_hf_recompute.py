@@ -1,4 +1,4 @@
-"""The repairs' in-place pass (``lmcache_async._hf_recompute``), run on the CPU here by
+"""The repairs' in-place pass (``lmcache_async._engine.hf_recompute``), run on the CPU here by
 adding it to ``DEVICES`` (on the GPU it is the default; ``tests/gpu/test_hf_cuda.py``
 runs it there against the CPU path): the attention cut by position against a masked
 reference, the blocks, and the repairs' results against the 4D-mask path they replace,
@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_async import _hf_recompute, hf, hf_blend
-from lmcache_async._hf_recompute import BLOCK_QUERIES, BLOCK_SPAN, attend_up_to, blocks
+from lmcache_async import hf, hf_blend
+from lmcache_async._engine import hf_recompute as _hf_recompute
+from lmcache_async._engine.hf_recompute import BLOCK_QUERIES, BLOCK_SPAN, attend_up_to, blocks
 from lmcache_async.testing.tiny_llama import tiny_llama
 
 pytestmark = pytest.mark.xdist_group("transformers")

@@ -1,4 +1,4 @@
-"""lmcache_async._host_copy: the same bytes as ``Tensor.copy_``, on one thread."""
+"""lmcache_async._base.host_copy: the same bytes as ``Tensor.copy_``, on one thread."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from lmcache_async import _host_copy as host_copy, _host_memory as host_memory
-from lmcache_async._host_copy import copy_into
+from lmcache_async._base import host_copy as host_copy, host_memory as host_memory
+from lmcache_async._base.host_copy import copy_into
 from tests.plugins.hypothesis_budget import examples
 
 DTYPES = [

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from lmcache_async import _host_copy as host_copy, _host_memory as host_memory
-from lmcache_async._host_memory import MIN_BYTES, host_buffer
+from lmcache_async._base import host_copy as host_copy, host_memory as host_memory
+from lmcache_async._base.host_memory import MIN_BYTES, host_buffer
 
 SHAPE = (2, 4, 256, 1024)  # 4 MiB of bf16: the smallest size that is kept
 

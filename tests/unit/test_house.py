@@ -3,7 +3,7 @@
 * (a) no module of ``lmcache_async`` over :data:`MAX_LINES` physical lines, and no
   ``# fmt: skip`` but the listed ones;
 * (b) no read of an ``AsyncClient`` private attribute outside the client's own modules, and
-  no ``Metadata._cache`` outside ``_metadata.py``, but the listed ones;
+  no ``Metadata._cache`` outside ``_transport/metadata.py``, but the listed ones;
 * (c) the import contracts on the embedded server (``pyproject.toml``) are derived from the
   tree, and the embedded server imports only its allow-list of the library;
 * (d) ``CHANGELOG.md``'s sentence on the public modules and ``CONTRIBUTING.md``'s run-time
@@ -35,10 +35,10 @@ MAX_LINES = 1000
 
 #: ``# fmt: skip`` lines kept on purpose: (file, the line stripped) -> why.
 ALLOWED_FMT_SKIPS: dict[tuple[str, str], str] = {
-    ("_session.py", ")  # fmt: skip"): "the eleven parts of a registration, read as one tuple",
-    ("_loop_thread.py", ")  # fmt: skip"): "__slots__: ten names, read as one list",
+    ("_engine/session.py", ")  # fmt: skip"): "the eleven parts of a registration, read as one tuple",
+    ("_blocking/loop_thread.py", ")  # fmt: skip"): "__slots__: ten names, read as one list",
     ("hf_blend.py", ") -> list[int]:  # fmt: skip"): "select_and_recompute's nine parameters in three lines",
-    ("_event_types.py", ")  # fmt: skip"): "a StoredEvent's seven fields in their order, one record",
+    ("_protocol/event_types.py", ")  # fmt: skip"): "a StoredEvent's seven fields in their order, one record",
 }
 
 #: Signatures squeezed onto single lines to hold a file's size: none (client.py's went in
@@ -72,14 +72,14 @@ def test_fmt_skip_only_where_listed() -> None:
 # --------------------------------------------------------------------------- (b) private reaches
 
 #: The modules that are the client itself: they may use its private attributes.
-CLIENT_MODULES = {"client.py", "_op_runner.py", "_runner.py", "_session.py"}
+CLIENT_MODULES = {"client.py", "_engine/op_runner.py", "_engine/runner.py", "_engine/session.py"}
 
 #: Receivers that hold something else than an AsyncClient whose attribute is also a name of
 #: AsyncClient's: (file, receiver as written, attribute) -> what the receiver is.
 NOT_A_CLIENT: dict[tuple[str, str, str], str] = {
-    ("_metadata.py", "connector", "_loop"): "an aiohttp TCPConnector",
-    ("_reply_stream.py", "conn", "_loop"): "a _connection.Connection",
-    ("_reply_stream.py", "self._conn", "_loop"): "a _connection.Connection",
+    ("_transport/metadata.py", "connector", "_loop"): "an aiohttp TCPConnector",
+    ("_transport/reply_stream.py", "conn", "_loop"): "a Connection",
+    ("_transport/reply_stream.py", "self._conn", "_loop"): "a Connection",
     ("sync_client.py", "client", "_finalizer"): "a blocking Client (the module's _live set)",
 }
 
@@ -113,7 +113,7 @@ def client_privates() -> set[str]:
 
 def reaches(texts: dict[str, str]) -> Counter[tuple[str, str]]:
     """``X._name`` outside the client's modules, ``X`` not ``self``/``cls``, ``_name`` one of
-    AsyncClient's privates; and ``X._cache`` (a Metadata's) outside ``_metadata.py``."""
+    AsyncClient's privates; and ``X._cache`` (a Metadata's) outside ``_transport/metadata.py``."""
     names = client_privates()
     found: Counter[tuple[str, str]] = Counter()
     for path, text in texts.items():
@@ -125,7 +125,7 @@ def reaches(texts: dict[str, str]) -> Counter[tuple[str, str]]:
             receiver = ast.unparse(n.value)
             if receiver in ("self", "cls") or (path, receiver, n.attr) in NOT_A_CLIENT:
                 continue
-            if n.attr in names or (n.attr == "_cache" and path != "_metadata.py"):
+            if n.attr in names or (n.attr == "_cache" and path != "_transport/metadata.py"):
                 found[path, n.attr] += 1
     return found
 
@@ -158,9 +158,10 @@ def test_the_known_exceptions_are_still_there() -> None:
 
 # --------------------------------------------------------------------------- (c) the contracts
 
-#: What the embedded server (lmcache_async/testing) may import of the library: the wire,
-#: the inline payloads, the geometry, and the leaves (the bottom layer of the contract).
-TESTING_MAY_IMPORT = {"_wire", "_payload", "geometry"}
+#: What the embedded server (lmcache_async/testing) may import of the library: the sans-IO
+#: protocol (the wire, the inline payloads), the geometry, the private base (the process's
+#: ZMQ context) and the leaves (the bottom layer of the contract).
+TESTING_MAY_IMPORT = {"_protocol", "geometry", "_base"}
 
 #: Modules of the library that import the embedded server on purpose (``lmcache-async
 #: serve`` and ``demo`` run it), left out of "the library never imports" contract.
@@ -241,7 +242,7 @@ def test_the_embedded_server_imports_only_its_allow_list() -> None:
     imported = {
         (f.name, m) for f in (PACKAGE / "testing").rglob("*.py") for m in imports_of(f) if top(m) != "testing"
     }
-    assert {m for _, m in imported} >= {"_wire", "geometry"}
+    assert {top(m) for _, m in imported} >= {"_protocol", "geometry"}
     assert {(f, m) for f, m in imported if top(m) not in allowed} == set()
 
 
@@ -254,7 +255,23 @@ def test_the_embedded_server_contract_forbids_all_it_does_not_reach() -> None:
     forbidden = contract("The embedded server uses only")["forbidden_modules"]
     assert isinstance(forbidden, list)
     assert sorted(forbidden) == sorted(f"lmcache_async.{m}" for m in expected)
-    assert {"client", "_connection", "_session", "_op_runner", "management", "fleet"} <= expected
+    assert {"client", "_transport", "_engine", "_blocking", "management", "fleet"} <= expected
+
+
+#: The private tiers: each has its own layers contract naming every module it holds.
+TIERS = ("_engine", "_transport", "_protocol", "_base", "_blocking")
+
+
+def test_every_module_of_a_private_tier_has_a_place_in_its_contract() -> None:
+    contracts = PYPROJECT["tool"]["importlinter"]["contracts"]
+    by_container = {c["containers"][0]: c["layers"] for c in contracts if "containers" in c}
+    assert sorted(by_container) == sorted(f"lmcache_async.{t}" for t in TIERS)
+    assert {t for t in tree() if t.startswith("_") and (PACKAGE / t).is_dir()} == set(TIERS)
+    for tier in TIERS:
+        members = {p.stem for p in (PACKAGE / tier).glob("*.py") if p.stem != "__init__"}
+        members |= {p.name for p in (PACKAGE / tier).iterdir() if (p / "__init__.py").is_file()}
+        named = [m.strip() for layer in by_container[f"lmcache_async.{tier}"] for m in layer.split("|")]
+        assert sorted(named) == sorted(members), tier
 
 
 # --------------------------------------------------------------------------- (d) prose lists

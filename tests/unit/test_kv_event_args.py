@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import lmcache_async as lmc
-from lmcache_async._wire import Op, op_name
+from lmcache_async._protocol.wire import Op, op_name
 from tests.helpers import SMALL_GEOMETRY, unique_model
 
 pytestmark = pytest.mark.anyio

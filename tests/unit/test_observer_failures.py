@@ -14,11 +14,11 @@ import pytest
 
 import lmcache_async
 from lmcache_async import observe, otel
-from lmcache_async._observing import observed
-from lmcache_async._ops.calls import CALLS
+from lmcache_async._engine.observing import observed
+from lmcache_async._engine.ops.calls import CALLS
 from lmcache_async.observe import Operation
 
-LOGGER = "lmcache_async._observing"
+LOGGER = "lmcache_async._engine.observing"
 
 
 class Broken:

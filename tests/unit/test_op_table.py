@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_async import _wire as wire
-from lmcache_async._wire import GENERATIONS, Op
+from lmcache_async._protocol import wire as wire
+from lmcache_async._protocol.wire import GENERATIONS, Op
 from lmcache_async.testing.dialect import ARGUMENTS, GENERATIONS as SERVER_GENERATIONS, LEGACY_OPERATION_IDS
 
 #: The operations the client knows that the embedded server does not serve: the CUDA-IPC

@@ -2,7 +2,7 @@
 generations, and check the engine is left clean: no session, prefetch job, read lock,
 pending SHM transfer or write reservation.
 
-The operations (:mod:`lmcache_async._ops`) run over a channel that hands each
+The operations (:mod:`lmcache_async._engine.ops`) run over a channel that hands each
 request straight to the embedded server's in-process engine
 (:class:`lmcache_async.testing.InProcessServer`): no sockets, milliseconds per case. The
 caller is cancelled as its k-th request is sent (k = 1 .. the number of requests of an
@@ -21,17 +21,17 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_async._compose import KVPart, plan, slot_filler
-from lmcache_async._ops import Operations, Registration, RemapResult
-from lmcache_async._ops.calls import CALLS, ComposeCall, LookupCall, RemapCall, RetrieveCall, StoreCall
-from lmcache_async._runner import OpState, run_detached
-from lmcache_async._shm import ShmPool
-from lmcache_async._wire import (
+from lmcache_async._engine.compose import KVPart, plan, slot_filler
+from lmcache_async._engine.ops import Operations, Registration, RemapResult
+from lmcache_async._engine.ops.calls import CALLS, ComposeCall, LookupCall, RemapCall, RetrieveCall, StoreCall
+from lmcache_async._engine.runner import OpState, run_detached
+from lmcache_async._protocol.wire import (
     GEN_0_5_6,
     GEN_0_5_7,
     Op,
     WireGeneration,
 )
+from lmcache_async._transport.shm import ShmPool
 from lmcache_async.errors import LMCacheTimeoutError
 from lmcache_async.rope import RopeSpec
 from lmcache_async.testing import InProcessServer, NoReply
@@ -45,7 +45,7 @@ GENERATIONS = {"0.5.6": GEN_0_5_6, "0.5.7": GEN_0_5_7}
 
 
 class InProcessChannel:
-    """The operations' :class:`~lmcache_async._ops.Channel` over an in-process
+    """The operations' :class:`~lmcache_async._engine.ops.Channel` over an in-process
     engine; cancels ``victim`` when request number ``cancel_at`` is sent."""
 
     def __init__(self, srv: InProcessServer, wire: WireGeneration) -> None:
@@ -175,7 +175,7 @@ def _compose(h: Harness, toks: list[int], kv: torch.Tensor) -> ComposeCall:
     return ComposeCall(sources, target[:END], END, "", fill)
 
 
-#: Each call class (:data:`lmcache_async._ops.calls.CALLS`, one per operation sequence)
+#: Each call class (:data:`lmcache_async._engine.ops.calls.CALLS`, one per operation sequence)
 #: and its samples: the calls each case runs, given the harness, a stored prompt and its KV.
 Sample = Callable[[Harness, list[int], torch.Tensor], Any]
 SAMPLES: dict[type[Any], dict[str, Sample]] = {

@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from lmcache_async._payload.pickle_tensors import decode_tensor_list, encode_tensor_list
+from lmcache_async._protocol.payload.pickle_tensors import decode_tensor_list, encode_tensor_list
 from lmcache_async.errors import ProtocolError, UnsafePayloadError
 from tests.plugins.hypothesis_budget import examples
 
@@ -141,7 +141,7 @@ def test_refuses_persistent_ids_in_the_outer_pickle() -> None:
 
 
 def test_refuses_storage_blobs_that_are_not_one_legacy_storage() -> None:
-    from lmcache_async._payload import pickle_tensors as pickle_codec
+    from lmcache_async._protocol.payload import pickle_tensors as pickle_codec
 
     meta = pickle_codec._blob_meta(torch.float32, 4, "0")
     good = pickle_codec._BLOB_HEAD + meta + bytes(16)

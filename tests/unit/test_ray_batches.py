@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lmcache_async import Client
-from lmcache_async._pair_key import pair_key
+from lmcache_async._base.pair_key import pair_key
 from tests.helpers import (
     SESSION_CHUNK_SIZE as CS,
     SMALL_GEOMETRY as GEOM,

@@ -1,4 +1,4 @@
-"""ServerWatch (lmcache_async/_replacement.py) on its own: when it checks the server's
+"""ServerWatch (lmcache_async/_transport/replacement.py) on its own: when it checks the server's
 identity, what a check reports, and the background watch (no server needed)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from lmcache_async._replacement import ServerWatch
+from lmcache_async._transport.replacement import ServerWatch
 from lmcache_async.errors import LMCacheConnectionError, LMCacheTimeoutError
 
 pytestmark = pytest.mark.anyio

@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import lmcache_async as lmc
-from lmcache_async import _shm as shm
-from lmcache_async._shm import ShmPool
-from lmcache_async._wire import SlotDescriptor
+from lmcache_async._protocol.wire import SlotDescriptor
+from lmcache_async._transport import shm as shm
+from lmcache_async._transport.shm import ShmPool
 from lmcache_async.testing import EmbeddedServer
 from tests.helpers import peek
 from tests.plugins.hypothesis_budget import examples

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import lmcache_async as lmc
-from lmcache_async import _shm as shm
-from lmcache_async._shm import GRANULE, ShmPool
-from lmcache_async._wire import SlotDescriptor
+from lmcache_async._protocol.wire import SlotDescriptor
+from lmcache_async._transport import shm as shm
+from lmcache_async._transport.shm import GRANULE, ShmPool
 from lmcache_async.testing import EmbeddedServer
 from tests.helpers import peek
 

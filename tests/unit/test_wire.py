@@ -13,8 +13,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from lmcache_async import _wire as wire
-from lmcache_async._wire import CacheKey, Op, RegisterPayload, SlotDescriptor
+from lmcache_async._protocol import wire as wire
+from lmcache_async._protocol.wire import CacheKey, Op, RegisterPayload, SlotDescriptor
 from lmcache_async.errors import ProtocolError
 from tests.fakes import server_wire
 from tests.plugins.hypothesis_budget import examples

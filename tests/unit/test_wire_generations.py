@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_async import _wire as wire
-from lmcache_async._wire import GEN_0_5_6, GEN_0_5_7, CacheKey, Op
+from lmcache_async._protocol import wire as wire
+from lmcache_async._protocol.wire import GEN_0_5_6, GEN_0_5_7, CacheKey, Op
 from lmcache_async.errors import UnknownServerVersionWarning, UnsupportedServerVersionError
 
 

@@ -1,4 +1,4 @@
-"""The process's one ZMQ context (lmcache_async._zmq_context): every socket of the package is
+"""The process's one ZMQ context (lmcache_async._base.zmq_context): every socket of the package is
 made on it, it is never terminated (so no garbage collection can block in ``term()``), and
 a forked child gets a fresh one."""
 
@@ -9,8 +9,8 @@ import os
 import pytest
 import zmq
 
-from lmcache_async import _zmq_context
-from lmcache_async._connection import Connection
+from lmcache_async._base import zmq_context as _zmq_context
+from lmcache_async._transport.connection import Connection
 from lmcache_async.testing import EmbeddedServer
 
 
