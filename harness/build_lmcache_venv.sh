@@ -236,6 +236,9 @@ rm -rf "${VENV}"
 
 # -q: errors still shown.
 PIP=("${PY}" -m pip --disable-pip-version-check --no-input -q)
+# Installs go through uv where one is found (harness/fast_pip.py; pip otherwise), without
+# bytecode: the import check below compiles what the server imports, once.
+INSTALL=("${PY}" "${SCRIPT_DIR}/fast_pip.py" "${PY}" -q --no-compile)
 
 # After step 3 pip reports every dependency that ${DIST}'s metadata declares and step 2's
 # --no-deps left out ("ERROR: pip's dependency resolver does not currently take into
@@ -271,13 +274,13 @@ step() {
 
 # 1. torch first, pinned (a bare torch would pull a multi-GB CUDA build).
 step "pip install torch==2.13.0" \
-    "${PIP[@]}" install -c "${CONSTRAINTS}" "torch==2.13.0"
+    "${INSTALL[@]}" -c "${CONSTRAINTS}" "torch==2.13.0"
 # 2. lmcache without its CUDA-heavy metadata dependencies.
 step "pip install --no-deps ${DIST}==${DIST_VERSION}" \
-    "${PIP[@]}" install --no-deps "${DIST}==${DIST_VERSION}"
+    "${INSTALL[@]}" --no-deps "${DIST}==${DIST_VERSION}"
 # 3. what the MP server + SDK import on CPU, at the exact recorded versions.
 step "pip install server dependencies" \
-    "${PIP[@]}" install -c "${CONSTRAINTS}" "${SERVER_DEPS[@]}" ${EXTRA_DEPS[@]+"${EXTRA_DEPS[@]}"}
+    "${INSTALL[@]}" -c "${CONSTRAINTS}" "${SERVER_DEPS[@]}" ${EXTRA_DEPS[@]+"${EXTRA_DEPS[@]}"}
 
 if [[ "${GENERATION}" == "0.5.7" ]]; then
     SITE="$(cd / && "${PY}" -I -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
@@ -297,7 +300,7 @@ if [[ "${GENERATION}" == "0.5.7" ]]; then
 fi
 
 # Last step of both recipes: the import check.
-if ! OUT="$(cd / && LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1 \
+if ! OUT="$(cd / && PYTHONDONTWRITEBYTECODE= LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1 \
         "${PY}" -c "${IMPORT_CHECK}" 2>&1)"; then
     echo "${OUT}" >&2
     die "import check failed: ${PY} -c '${IMPORT_CHECK}'"
