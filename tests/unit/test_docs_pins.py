@@ -94,5 +94,5 @@ def test_the_demo_needs_only_the_package() -> None:
     assert demo is not None and demo.group(1).split() == ["$(BASE_STAMP)"]
     base = re.search(r"^\$\(BASE_STAMP\):.*\n((?:\t.*\n)+)", makefile, re.M)
     assert base is not None
-    assert "$(PIP) -c $(TOOLS) -e . $(TORCH)" in base.group(1)
+    assert "$(FAST) -c $(TOOLS) -e . $(TORCH)" in base.group(1)
     assert "[test" not in base.group(1)
