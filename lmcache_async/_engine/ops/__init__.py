@@ -126,12 +126,8 @@ class Operations(ShmSequences, InlineSequences):
         """Store ``kv`` (already validated) under ``toks[:end]``; False when all was cached.
         ``mark``: ``kv`` is on a GPU and is read as seen after the mark.
 
-        One ``prepare_store`` and one ``commit_store`` whatever the size: concurrent
-        stores keep the link busy with each other's copies, and a store split into
-        groups (tried: each group its own reservation, commit and session, to start the
-        copy on the first group's slots sooner) was no faster alone on an H200 and cost
-        the server 3-4x the CPU per call, which held concurrent CUDA stores at 75-80 % of
-        the link (``docs/benchmarks.md``, "CUDA stores and retrieves under concurrency").
+        One ``prepare_store`` and one ``commit_store`` whatever the size
+        (docs/internals/design.md, section "CUDA tensors").
         """
         if end == 0:
             return False
