@@ -71,9 +71,8 @@ READ_BATCH = 256
 #: ``zmq.Frame`` for small frames); larger ones (inline KV payloads) are not copied.
 COPY_THRESHOLD = 65536
 
-# The socket's own send/recv/get, called with int flags: pyzmq's ``send_multipart`` and
-# ``recv_multipart`` wrappers cost 5-7 µs per message in flag-enum arithmetic and checks
-# (about 1 µs this way), on every request of every operation.
+# The socket's own send/recv/get, called with int flags, not pyzmq's ``send_multipart`` /
+# ``recv_multipart`` wrappers (docs/internals/design.md, section "The transport").
 _zsend = zmq.backend.Socket.send
 _zrecv = zmq.backend.Socket.recv
 _zget = zmq.backend.Socket.get

@@ -517,8 +517,7 @@ def _detach_blobs(data: memoryview, max_ops: int | None) -> tuple[bytes, list[me
     Returns the pickle with every bytes opcode replaced by ``BININT i, BINPERSID`` (and
     its ``FRAME`` opcodes dropped, as the lengths change), and the views of ``data`` that
     :meth:`_RestrictedUnpickler.persistent_load` hands back for them: the unpickler never
-    copies a storage blob (a 32 MiB chunk was copied three times before it reached the
-    caller's tensor: into a ``bytes``, into ``torch.load``'s storage, then into place).
+    copies a storage blob.
     """
     spans: list[tuple[int, int, int]] = []
     _scan_pickle(data, max_ops=max_ops, spans=spans)
