@@ -1,23 +1,10 @@
-"""Host-memory tensor copies that wake torch's intra-op thread pool only where it pays.
+"""Host-memory tensor copies on one thread (memmove or numpy), not torch's intra-op pool,
+and the allocation of the tensor a retrieve fills (docs/internals/design.md, section
+"Transfers", "Host copies").
 
-``Tensor.copy_`` between two CPU tensors splits any copy above 32,768 elements across
-torch's intra-op threads (OpenMP). For the copies a KV client makes (one chunk into an SHM
-slot, a slot into a chunk of the caller's tensor) that costs more than it gives: the
-pool's threads are woken for a few microseconds of work and then spin, so on a 2-core
-machine a 256 KiB copy measured 6.6 µs with one thread and 1.7 ms (1.0 ms of CPU) with the
-default pool while the server loaded the other core (``python -m benchmarks.probes.bench_host_copy``).
-Every microsecond of client CPU is taken from a server on the same machine.
-
-:func:`copy_into` copies host tensors on one thread instead: two contiguous tensors with
-one ``memmove`` (through ctypes, which releases the GIL), others through numpy (plain
-strided loops over bytes; numpy releases the GIL for them); the same bytes as ``copy_``. Tensors
-that numpy cannot view (another device, a dtype change, a last dimension that is not
-contiguous) go through ``Tensor.copy_`` as before.
-
-:func:`empty_host` allocates the tensor a retrieve fills: above a few MiB over memory kept
-from the retrieves before it (:mod:`lmcache_async._base.host_memory`), so that the first
-touch of fresh memory, what a retrieve into a new tensor mostly paid for and what made its
-time vary, is paid once and not on every call.
+:func:`copy_into` gives the same bytes as ``Tensor.copy_``; tensors numpy cannot view go
+through ``Tensor.copy_``. :func:`empty_host` allocates large tensors over memory kept
+warm by :mod:`lmcache_async._base.host_memory`.
 """
 
 from __future__ import annotations
@@ -116,7 +103,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
             and not (src.is_conj() or src.is_neg() or dst.is_conj() or dst.is_neg())
         ):
             # One contiguous block each (a 1-chunk slot, a whole chunk): one memmove
-            # through ctypes (GIL released), without numpy's views (~8 µs less per copy).
+            # through ctypes (GIL released), without numpy's views.
             _memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
             return
         d = _bytes_view(dst)

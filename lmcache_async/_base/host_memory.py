@@ -1,21 +1,8 @@
-"""The host memory of the tensors a retrieve returns: mappings kept warm for the next one.
+"""The host memory of the tensors a retrieve returns: anonymous mappings kept warm for the
+next retrieve of the same size (docs/internals/design.md, section "Transfers").
 
-A retrieve without ``out=`` returns a new tensor; its copy is the first touch of that
-memory, and the cost of a first touch is what varies. Above 32 MiB glibc's ``malloc``
-(hence ``torch.empty``) maps fresh memory for every allocation and unmaps it on free, so
-every call pays the faults again; on a VM that reports free memory to its hypervisor
-(virtio-balloon free page reporting: the project's VM reports blocks of 2 MiB and more),
-freed memory goes back to the host within seconds, and a page the host must back again
-costs many times a page it still backs. Whether a new tensor lands on such memory decides
-the call: a 4-chunk retrieve into a new tensor ranged 0.59x-1.48x the official SDK between
-runs (``python -m benchmarks.probes.bench_new_tensor`` shows it call by call).
-
-:func:`host_buffer` hands out anonymous mappings instead, and takes each back when the last
-tensor over it is gone: the next retrieve of the same size (rounded up to 2 MiB) reuses its
-pages, already mapped and backed, so it pays no fault at all. Memory kept this way is at
-most :data:`KEEP_BYTES`, oldest first out, and is advised ``MADV_FREE`` while kept: the
-kernel may take it back under memory pressure (the next use then faults it in again,
-as a new mapping would), and it is not counted as the process's own until reused.
+:func:`host_buffer` takes a mapping back when the last tensor over it is gone; memory kept
+is at most :data:`KEEP_BYTES`, oldest first out, and advised ``MADV_FREE`` while kept.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """The process's one ZMQ context: created at first use, never terminated.
 
-Why: ``zmq_ctx_term()`` blocks until every socket of the context is closed. pyzmq calls it
-from ``Context.__del__`` (through ``destroy()``, which closes the sockets it still tracks
-first), and the garbage collector runs ``__del__`` on whichever thread collects: when the
-sockets are garbage in the same collection, the context's weak references to them are
-already cleared, ``destroy()`` closes nothing, and ``term()`` waits forever for sockets
-nobody will close. A context per client (as before) made every unclosed client a
-possible hang of the whole process.
-
-So every socket of the package (the clients' DEALERs and their monitors, the embedded
-test server's ROUTER, through a shadow) is made on :func:`process_context`, whose
-``__del__``, ``term()`` and ``destroy()`` do nothing or refuse: no ``term()`` can ever
-run, from a finalizer, the collector or anywhere else. Sockets are made with linger 0 and
-closed by their owners (a client's ``aclose()``, or its finalizer, which needs no event
-loop); closing a socket never blocks. A socket collected unclosed is closed by pyzmq's own
-``Socket.__del__``, which does not block either. At interpreter exit the context is left
-as it is: the process's end takes its I/O threads with it.
-
-Fork: a child gets a fresh context at its first use; the parent's (unusable in the child)
-is kept referenced and untouched (pyzmq's close and term are no-ops in another pid).
+Invariant: every socket of the package is made on :func:`process_context`, whose
+``__del__``, ``term()`` and ``destroy()`` do nothing or refuse, so no ``zmq_ctx_term()`` can
+block a finalizer or the collector; sockets are made with linger 0 and closed by their
+owners. A forked child gets a fresh context at its first use (docs/internals/design.md,
+section "A client never closed").
 """
 
 from __future__ import annotations
@@ -33,7 +19,7 @@ import zmq
 __all__ = ["IO_THREADS", "monitor_address", "process_context"]
 
 #: The context's I/O threads: libzmq gives each new socket the least busy one, so several
-#: clients of one process do not share one thread (a context per client had one each).
+#: clients of one process do not share one thread.
 IO_THREADS: Final = max(1, min(4, os.cpu_count() or 1))
 
 

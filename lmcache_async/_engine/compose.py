@@ -1,16 +1,10 @@
 """Composition of cached KV: the plan, the checks and the tensor work behind
-:meth:`AsyncClient.compose <lmcache_async.AsyncClient.compose>`.
+:meth:`AsyncClient.compose <lmcache_async.AsyncClient.compose>` (docs/internals/design.md,
+section "Compose and rope").
 
-A composition places the KV of cached token ranges (:class:`KVPart`) one after the other
-and stores the result under the target prompt's whole chunks. A part whose position in
-the target differs from its position in its source has its keys rotated by the
-difference (:meth:`lmcache_async.rope.RopeSpec.rotate_keys`); its values are copied.
-
-Order of work: every argument is checked first (:func:`plan`, nothing sent); then each
-distinct source is retrieved once, as far as its parts reach, concurrently; if any part's
-range is not cached, nothing is stored; else the target's KV is assembled in one tensor
-(on the host, or on the model's GPU for :mod:`lmcache_async.hf`) and stored with one
-``store`` (whose commit is all chunks or none).
+Every argument is checked first (:func:`plan`, nothing sent); a part not cached makes the
+call store nothing; a part moved from its source position has its keys rotated
+(:meth:`lmcache_async.rope.RopeSpec.rotate_keys`), its values copied.
 """
 
 from __future__ import annotations

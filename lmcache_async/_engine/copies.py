@@ -48,7 +48,7 @@ def fill_slots(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pool: ShmPool
     :meth:`~lmcache_async._transport.shm.ShmPool.fill`: pages nobody has written yet are written
     through the segment's descriptor, the others mapped by the thread that copies them
     (see there and docs/internals/design.md). Slots already mapped (a client storing
-    into slots it used before) are copied with ``Tensor.copy_`` as before."""
+    into slots it used before) are copied with ``Tensor.copy_``."""
     total = sum(t.numel() * t.element_size() for t, _ in pairs)
     if total >= POOL_COPY_BYTES and pool is not None and not pool.all_mapped(t for t, _ in pairs):
         copy_in_parts(pairs, pool.fill)

@@ -1,32 +1,8 @@
-"""The KV-event subscription engine behind ``AsyncClient.kv_events()`` (issue 33).
-
-One :class:`KVEventStream` is one subscription to ``subscribe_kv_events`` on the
-client's connection:
-
-* under its own random 63-bit subscriber id (:attr:`KVEventStream.subscriber_id`),
-  never the data registration's id: pinging a registration id would admit a dead
-  client's pending writes, and a colliding id would close another subscriber's stream
-  (the server keeps one subscription per id);
-* kept alive by ``ping(subscriber_id)`` every ``ping_interval`` seconds (the server
-  closes a subscription silent for ``--worker-reap-timeout-seconds``, 120 s by default,
-  30 s at the least);
-* credit by ``ack``: the server sends one batch, then the next only after the ack,
-  which is sent when the consumer asks for the item after the batch's last one; so the
-  server never runs ahead of the consumer (a slow consumer falls behind in the server's
-  bounded log instead, and then gets a :class:`~lmcache_async.events.Resync`);
-* ``cancel`` on :meth:`KVEventStream.aclose`, on leaving ``async with``, on a cancelled
-  or failed ``__anext__``, and when the stream object is collected (a bare ``break``
-  out of ``async for``): the server's forwarder thread ends and the subscription is
-  gone;
-* resumed from the last cursor after a lost connection or a server restart (within
-  ``reconnect_timeout`` seconds), or after the server ended the stream (its reaper, or
-  another subscriber taking the same id);
-* a :class:`~lmcache_async.events.Resync` item when the server says ``lost`` or its
-  incarnation changed.
-
-``AsyncClient.kv_events`` iterates a stream :func:`subscribe` made; the blocking
-``Client.kv_events`` is its generated twin (each step a blocking call on the client's
-loop thread; leaving the loop early closes the stream there).
+"""The KV-event subscription engine behind ``AsyncClient.kv_events()``: one
+:class:`KVEventStream` is one ``subscribe_kv_events`` subscription on the client's
+connection, under its own subscriber id, kept alive by ``ping``, credited by ``ack``,
+cancelled on close, resumed from its cursor after a reconnect (docs/internals/design.md,
+section "KV events: a stream on the connection").
 """
 
 from __future__ import annotations

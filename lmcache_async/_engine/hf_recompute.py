@@ -1,21 +1,10 @@
-"""The repairs' forward passes on a GPU: KV written in place, attention cut by position.
-
-A repair runs some tokens of a composed prompt through the model at their own,
-scattered, positions: each attends to the KV of every position up to its own, the
-positions recomputed in the same pass holding their new KV. Expressed through
-transformers' stock attention, that is a 4D mask, which keeps the fused attention
-kernels out and copies the composed KV into a cache. Here the pass instead writes each
-layer's new keys and values into the composed KV in place and attends over it with
-:func:`attend_up_to`: per block of queries, a fused kernel over the keys every query of
-the block sees, and a small masked product over the few positions inside the block,
-merged by their log-sum-exp.
+"""The repairs' forward passes on a GPU: each layer's new KV written into the composed KV
+in place, attention cut at each token's position (:func:`attend_up_to`)
+(docs/guides/kv-editing.md, "The repairs' passes on a GPU").
 
 Used by :mod:`lmcache_async.hf` where :func:`usable` says so (a model on a GPU whose
-attention is transformers' ``"sdpa"``); elsewhere the repairs run as before.
-
-The attention is plugged in for the pass only: the model's config names this module's
-attention function while a pass runs (counted, restored after the last); the function
-serves only the thread running the pass and hands every other call to ``"sdpa"``.
+attention is transformers' ``"sdpa"``). The attention is plugged in for the pass only and
+serves only the thread running the pass; every other call goes to ``"sdpa"``.
 """
 
 from __future__ import annotations

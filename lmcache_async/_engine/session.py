@@ -98,12 +98,9 @@ async def _keepalive_loop(
     refresh the registration, or register again (and re-map SHM) with the new server.
     Holds the session weakly between refreshes (it ends when the session was collected).
 
-    The refresh is a re-registration of the same id, which the server answers as a
-    liveness refresh. It is deliberately not a ``ping``: a pinged instance is reaped 120 s
-    after its last message and reaping admits its pending write reservations, while a
-    never-pinged one is reaped only after ``--worker-registration-grace-seconds`` (3600 s),
-    by which time such reservations expired and are dropped, never admitted (see
-    :meth:`Session.retire_registration`).
+    The refresh is a re-registration of the same id, never a ``ping``: reaping a pinged
+    instance would admit its pending write reservations (docs/internals/design.md, section
+    "The transport", "Keep-alive without ``ping``").
     """
     reconnected = conn.reconnected
     assert reconnected is not None
@@ -455,15 +452,10 @@ class Session:
     ) -> None:
         """Stop using ``instance_id``: a reservation of it may hold anything but KV.
 
-        The LMCache server has no operation that drops a write reservation: committing
-        it, unregistering its instance, or the server reaping a silent instance that has
-        *pinged* (120 s) all admit the reserved slots as valid KV, whatever they hold.
-        Only a reservation whose write lock expired (``--l1-write-ttl-seconds``, 600 s)
-        is never admitted. So the retired id is never unregistered and never refreshed
-        again; as it never pinged (the keep-alive re-registers, see
-        :func:`_keepalive_loop`), the server reaps it only after
-        ``--worker-registration-grace-seconds`` (3600 s) of silence, after its write
-        locks expired. A fresh id is registered before the next operation.
+        The retired id is never unregistered and never refreshed again (either would admit
+        its reservations), so the server reaps it only after its write locks expired
+        (docs/internals/design.md, section "A store that fails after ``prepare_store``").
+        A fresh id is registered before the next operation.
         """
         if instance_id != self.instance_id:
             return  # already retired

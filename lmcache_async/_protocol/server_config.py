@@ -1,15 +1,7 @@
 """Sans-IO: what a client needs of the server's ``/config`` (and ``/status``), parsed once
-into one frozen :class:`ServerConfig`.
-
-Read at open and again at each re-registration (a restarted server may have another
-chunk size, pool or instance id). The other readers of the documents: the server's hash
-algorithm (``/status`` ``hash_algorithm`` or ``/config`` ``mp.hash_algorithm``) is read by
-:func:`lmcache_async.hashing.hash_algorithm_of`, from the documents the client's
-``Metadata`` read at connect (:func:`lmcache_async.management.hash_algorithm`); the
-embedded-server check of ``kv_events`` reads both documents for its marker
-(:func:`lmcache_async._engine.event_stream.is_embedded`); the CLI's ``status`` command shows the
-``/config`` document itself and predicts the transport with :func:`expected_pool`, the same
-reading :attr:`ServerConfig.expected_pool` holds.
+into one frozen :class:`ServerConfig`, at open and again at each re-registration (a
+restarted server may have another chunk size, pool or instance id) (docs/internals/design.md,
+section "Server generations: data, not branches").
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
-"""The LMCache MP wire protocol, sans-IO.
+"""The LMCache MP wire protocol, sans-IO: pure functions and frozen dataclasses (no sockets,
+no event loop, no torch), used by the client's connection and the embedded server.
 
-Pure functions and frozen dataclasses: no sockets, no event loop, no torch. Both the
-client (:mod:`lmcache_async._transport.connection`) and the embedded server
-(:mod:`lmcache_async.testing`) build on this module.
-
-A request is a multipart ZMQ message ``[uid, op, *args]``: ``uid`` is the msgpack of a
-non-negative int, ``op`` the msgpack of the legacy operation id, and each RPC argument
-is msgpack-encoded in its own frame. A reply echoes the uid and op frames byte for byte
-and carries one payload frame, or none when the handler returned ``None``. The server
-never sends error replies, so a bad request is indistinguishable from a slow one; every
-validation the server would do silently is done here, loudly, before anything is sent.
-
-Structured arguments are msgpack maps keyed by field name with every field written in
-declaration order (as msgspec does); ``bytes`` travel as msgpack bin, text as str.
-
-Server generations differ on the wire; every difference is data in a
-:class:`WireGeneration` (:data:`GEN_0_5_6`, :data:`GEN_0_5_7`), picked at connect from the
-server's ``/lmc_version`` (:func:`generation_for_version`): how a key carries its tokens,
-the trailing argument frames newer servers require, which inline tensor payload the
-transport without shared memory uses, and where the live chunk size is published.
+A request is ``[uid, op, *args]``, each frame msgpack; a reply echoes the uid and op frames
+and carries one payload frame or none. The server never sends error replies, so every
+check the server would do silently is done here, loudly, before anything is sent. Every
+difference between server generations is data in a :class:`WireGeneration`
+(docs/internals/design.md, section "Server generations: data, not branches").
 """
 
 from __future__ import annotations
@@ -315,8 +302,7 @@ def packb(obj: Any) -> bytes:
     """msgpack-encode ``obj`` as the server's msgspec does (bytes as bin, str as str,
     the smallest int encoding, floats as float64): the same bytes as
     ``msgpack.packb(obj, use_bin_type=True)`` for every value a request carries, made by
-    a reused msgspec encoder (20x faster on a small frame, 3x on a 4096-token key, than
-    msgpack-python, which builds a packer per call)."""
+    a reused msgspec encoder."""
     return _encode(obj)
 
 

@@ -1,44 +1,9 @@
-"""The transport: one ZMQ DEALER socket multiplexing many concurrent requests.
+"""The transport: one ZMQ DEALER socket, driven by the event loop, multiplexing many
+concurrent requests by uid (docs/internals/design.md, section "The transport").
 
-Design (see docs/internals/design.md):
-
-* one plain (blocking-API) ZMQ DEALER per connection, driven by the event loop that uses
-  it: its file descriptor is watched with ``loop.add_reader`` and every ``send``/``recv``
-  is non-blocking (``zmq.NOBLOCK``). This costs a fraction of ``zmq.asyncio``'s per-call
-  Python (a future, poller state and flag arithmetic per send and per receive); the loop
-  must be a selector loop (the default on Linux and macOS; uvloop too);
-* the readable callback is the only caller of ``recv``; it routes each reply to the
-  future registered under its uid in :class:`PendingTable`. A reader task stands for it
-  (cancelled when the loop shuts down, e.g. at the end of ``asyncio.run()``);
-* every request registers its future **before** sending; a done-callback removes the
-  entry on every outcome (reply, timeout, cancellation, connection loss), so nothing
-  leaks and a late reply finds no entry and is dropped (and counted);
-* a caller that stops waiting for a request it sent (timeout, cancellation) may ask to
-  hear of its late reply (``on_late``): it is given a future that is done when that reply
-  arrives (its value is still dropped), that fails when the connection is lost or closed
-  (the reply can no longer come), and that the caller cancels when it stops waiting for it
-  (the operations order a session's ``end_session`` after the late replies of its
-  requests: :mod:`lmcache_async._engine.ops.base`);
-* uids increase monotonically and are never reused on a connection;
-* a reply whose echoed op differs from the request's is dropped and counted;
-* a socket monitor watches for disconnects: in-flight calls fail at once with
-  :class:`~lmcache_async.errors.LMCacheConnectionError` instead of waiting out their
-  deadlines, and :attr:`Connection.generation` increases when the peer comes back so
-  the client knows to re-register (:attr:`Connection.reconnected` is set as well);
-* ``ZMQ_IMMEDIATE``: nothing is queued for a peer that is not connected, and a call made
-  while disconnected fails at once with :class:`~lmcache_async.errors.LMCacheConnectionError`
-  (never replayed on a restarted server);
-* each call's deadline is one timer on the loop (``call_later``) that fails the call's
-  future, not a ``Timeout`` context per call;
-* :meth:`Connection.open` waits for the TCP connection (bounded): a refused or wrong
-  endpoint is reported as such within seconds;
-* when the reader task stops (the event loop is shutting down, or a bug) every pending
-  call fails at once and new calls are refused: nothing waits for a reply nobody reads;
-* :attr:`Connection.last_reply` is when a reply last arrived (one clock read per batch of
-  replies routed): the client's check for a server replaced behind a connection that
-  stayed up (:mod:`lmcache_async._transport.replacement`) runs only after some silence.
-
-The server never sends error replies, so every call has a deadline.
+Every request registers its future before it is sent and has a deadline (the server never
+sends error replies); a late reply finds no entry and is dropped. The loop must be a
+selector loop.
 """
 
 from __future__ import annotations
@@ -106,9 +71,8 @@ READ_BATCH = 256
 #: ``zmq.Frame`` for small frames); larger ones (inline KV payloads) are not copied.
 COPY_THRESHOLD = 65536
 
-# The socket's own send/recv/get, called with int flags: pyzmq's ``send_multipart`` and
-# ``recv_multipart`` wrappers cost 5-7 µs per message in flag-enum arithmetic and checks
-# (about 1 µs this way), on every request of every operation.
+# The socket's own send/recv/get, called with int flags, not pyzmq's ``send_multipart`` /
+# ``recv_multipart`` wrappers (docs/internals/design.md, section "The transport").
 _zsend = zmq.backend.Socket.send
 _zrecv = zmq.backend.Socket.recv
 _zget = zmq.backend.Socket.get

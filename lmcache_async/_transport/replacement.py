@@ -1,17 +1,8 @@
-"""Detect a server replaced behind a connection that stayed up.
-
-A server restarted on the same ports behind a proxy or forwarder that keeps the client's
-TCP connections up shows no disconnect: the socket monitor sees nothing, the connection's
-generation does not change, and the requests of the old registration go to a server that
-never heard of it (it answers a ``prepare_store`` of an unknown instance with silence).
-
-The only identity the server exposes without side effects is ``/config`` ``mp.instance_id``
-(a fresh UUID per server process, on 0.5.6 and 0.5.7; no ZMQ reply carries one, and
-``/status`` ``kv_events.incarnation`` is a second, larger document). Fetching it costs an
-HTTP round trip, so it is never fetched per operation: only after :data:`QUIET_S` seconds
-without any reply on the connection (a busy client never pays it; a restart takes longer
-than that), before an operation, and every :data:`POLL_S` seconds while requests wait in
-such silence. See docs/internals/design.md ("A server replaced behind the connection").
+"""Detect a server replaced behind a connection that stayed up (a proxy kept the TCP
+connection while the server restarted): the server's ``/config`` ``mp.instance_id`` is
+compared with the registered one, never per operation, only after :data:`QUIET_S` seconds
+without a reply and every :data:`POLL_S` seconds while requests wait in such silence
+(docs/internals/design.md, section "A server replaced behind the connection").
 """
 
 from __future__ import annotations

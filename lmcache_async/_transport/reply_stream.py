@@ -1,13 +1,7 @@
-"""Streaming requests on the client's ZMQ connection (issue 33): one request, many replies,
-as the server's ``subscribe_kv_events`` answers (beside
-:class:`~lmcache_async._transport.connection.Connection`, whose reply table routes a stream's
-replies to its :class:`ReplyStream`).
-
-The server sends one item, then waits for an ``ack`` control frame ``[uid, b"", b"ack"]``
-before it sends the next; ``[uid, b"", b"cancel"]`` ends the stream on the server; the
-stream ends with a frameless reply ``[uid, op]``. Streams take no place among the
-connection's ``max_in_flight``. The socket is the connection's own (made from the
-process-wide ZMQ context, :mod:`lmcache_async._base.zmq_context`).
+"""Streaming requests on the client's ZMQ connection: one request, many replies, one item
+per ``ack`` (``subscribe_kv_events``); the connection's reply table routes a stream's
+replies to its :class:`ReplyStream` (docs/internals/design.md, section "KV events: a
+stream on the connection").
 """
 
 from __future__ import annotations

@@ -85,20 +85,10 @@ class ShmPool:
         """Map into this process the pages under those of ``tensors`` that lie in the
         pool and were not mapped yet, before a copy *writes* them.
 
-        A page of the pool costs a page fault the first time this process touches it.
-        Writing fresh pages of a tmpfs segment faults page by page: a 512 MiB copy into
-        a fresh mapping took 2.7x a warm one, against 2.1x after one
-        ``madvise(MADV_POPULATE_READ)`` over the range. Reading them is the other way
-        round: a read fault maps the neighbouring pages too (the kernel's fault-around),
-        so a copy out of a fresh mapping took 1.4x a warm one, and 2.1x after populating
-        (``python -m benchmarks.probes.bench_shm_pages``). So only slots about to be written
-        (a store's, a remap's targets) come here; slots only read are left to fault.
-        It works in :data:`GRANULE` (2 MiB) steps and remembers what it mapped, so the
-        cost follows what this client uses, once per page, never the pool's size; it
-        runs in the thread that is about to copy (the copy's worker thread for large
-        copies), so it never competes with a transfer. Blocking (the GIL is released);
-        no-op when :attr:`populate_on_use` is off or the kernel lacks the call (before
-        Linux 5.14).
+        Only slots about to be written come here; slots only read are left to fault
+        (docs/internals/design.md, section "Transfers"). Works in :data:`GRANULE` (2 MiB)
+        steps and remembers what it mapped. Blocking (the GIL is released); no-op when
+        :attr:`populate_on_use` is off or the kernel lacks the call (before Linux 5.14).
         """
         madvise = _madvise
         if not self.populate_on_use or self._base is None or madvise is None:
@@ -133,16 +123,11 @@ class ShmPool:
         this pool (the part of a slot :func:`~lmcache_async._base.host_copy.copy_in_parts`
         gave this thread).
 
-        A target whose pages nobody has written yet (a hole of the segment: a server
-        started without a GPU creates its pool with ``ftruncate`` and never touches it)
-        is written through the segment's descriptor with ``pwritev``, one iovec per
-        contiguous run of the source: the kernel allocates each page and copies into
-        it, where a write through the mapping faults on each 4 KiB page, has the kernel
-        allocate and zero it, and then copies (32 MiB into such pages: 0.65-0.75x the
-        time of a copy that faults them in, ``python -m benchmarks.probes.bench_shm_holes``).
-        Those pages stay unmapped here. Every other pair is copied through the mapping,
-        its pages mapped first (:meth:`populate`). Blocking (the GIL is released during
-        the copies); no timeout (a memcpy).
+        A target whose pages nobody has written yet (a hole of the segment) is written
+        through the segment's descriptor with ``pwritev`` and stays unmapped here; every
+        other pair is copied through the mapping, its pages mapped first (:meth:`populate`)
+        (docs/internals/design.md, section "Transfers"). Blocking (the GIL is released
+        during the copies); no timeout (a memcpy).
         """
         rest = [(t, s) for t, s in pairs if not self._write_hole(t, s)]
         if rest:

@@ -1,32 +1,11 @@
-"""CUDA tensors in and out: stream ordering, a pinned SHM pool, chunked async copies.
+"""CUDA tensors in and out: stream ordering, a pinned SHM pool, chunked async copies
+(docs/internals/design.md, section "CUDA tensors").
 
-Imported only when a call sees a CUDA tensor (or a CUDA ``device=``): without CUDA
-nothing here is loaded or paid for. The client calls into this module at its copy sites;
-all CUDA work happens here.
-
-Stream semantics (``docs/internals/design.md``, "CUDA tensors"):
-
-* **Store**: the bytes stored are the tensor's contents as seen from the *caller's
-  current stream when the call starts*. An event is recorded on that stream in the
-  caller's thread (:func:`caller_mark`; the blocking facade records it in the calling
-  thread before handing over to its loop thread, :func:`bind_caller_order`), and the
-  copy streams wait on it before reading.
-* **Retrieve into** ``out=``: the copies wait on the same kind of event, so they run
-  after the caller's pending work on ``out``, and they are complete (host-synchronised)
-  before the call returns. A tensor allocated for ``device=`` is allocated on the
-  caller's stream.
-* Copies run on two side streams per device (chunks alternate between them, so a chunk's
-  on-device reshuffle overlaps the next chunk's PCIe transfer). Between the GPU and the
-  pinned pool they are enqueued on the event loop's thread (asynchronous copies: no
-  thread hand-off before the first chunk moves) and waited for in a worker thread: the
-  event loop never blocks on the GPU. ``commit_store`` / ``commit_retrieve`` are sent
-  only after that wait.
-
-The SHM pool is registered with ``cudaHostRegister`` (through ``_cudart()``)
-once per mapping, on the first CUDA copy, and unregistered before it is unmapped
-(:meth:`lmcache_async._transport.shm.ShmPool.close`). If registration fails a warning is logged and
-copies go to pageable memory (slower, still correct). ``LMCACHE_ASYNC_PIN_SHM=0``
-switches registration off (for measurements).
+Imported only when a call sees a CUDA tensor (or a CUDA ``device=``). A store reads the
+tensor as seen from the caller's current stream when the call starts (:func:`caller_mark`,
+:func:`bind_caller_order`); a retrieve into ``out=`` runs after the caller's pending work on
+``out`` and is host-synchronised before the call returns. The event loop never blocks on
+the GPU; ``commit_store`` / ``commit_retrieve`` are sent only after the copies are done.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
-"""The client's entry points into the CUDA path, cheap when no GPU is involved.
-
-Every function here decides from a tensor's (or a ``device=``'s) device whether the call
-touches a GPU, and only then imports :mod:`lmcache_async._engine.cuda.copies` (which does all CUDA work):
-a program that never passes a CUDA tensor never loads that module or initialises CUDA.
-
-* :func:`kv_mark` / :func:`target_mark`: the caller's stream ordering point (a
-  :class:`~lmcache_async._engine.cuda.copies.Mark`) of a call's CUDA tensor, taken in the caller's
-  context before the operation's task starts (``docs/internals/design.md``, "CUDA tensors").
-* :func:`new_target`: the tensor a retrieve without ``out=`` fills (CPU, or the GPU of
-  ``device=``).
-* :func:`caller_order`: bulk jobs capture the current GPU's stream once for all their items.
-* :func:`on_caller_streams` / :func:`caller_device`: the blocking facade captures the
-  calling thread's streams and current GPU before handing a call to its loop thread.
-* :func:`to_host`, :func:`to_device`, :func:`encode_inline`: the operations' copies of a
-  call that has a mark (a CUDA tensor), forwarded to :mod:`lmcache_async._engine.cuda.copies`.
-
-This is the only module that imports :mod:`lmcache_async._engine.cuda.copies` (lazily, here).
+"""The client's entry points into the CUDA path, cheap when no GPU is involved: each
+function decides from a tensor's (or a ``device=``'s) device whether the call touches a
+GPU, and only then imports :mod:`lmcache_async._engine.cuda.copies`, lazily; this is the
+only module that imports it (docs/internals/design.md, section "CUDA tensors").
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
-"""Each operation's RPC sequence, written once, over a small interface.
+"""Each operation's RPC sequence, written once, over a small interface: an
+:class:`Operations` object runs ``lookup``, ``retrieve``, ``store``, ``remap`` and the
+in-pool ``compose`` for one :class:`Registration`, talking to the server only through a
+:class:`Channel` (the client's ZMQ connection, or a test's in-process server); no sequence
+branches on the server generation (docs/internals/design.md, section "Operations over a
+channel").
 
-An :class:`Operations` object runs the exchanges of ``lookup``, ``retrieve`` (SHM or
-inline), ``store`` (SHM or inline) and the SHM ``remap`` for one registration
-(:class:`Registration`: model, geometry, live chunk size, wire generation, instance id,
-SHM pool). It talks to the server only through a :class:`Channel` -- one method,
-``call(op, args, timeout)`` returning the reply's value -- on which it builds the three
-things a sequence needs: a deadline-bound call, a pipeline (several requests back to back)
-and a cleanup call (its own short deadline, errors logged). The client's channel is its
-ZMQ connection; a test's can be the embedded server's in-process engine
-(:class:`lmcache_async.testing.InProcessServer`), so every sequence can be run, and
-cancelled at each of its RPCs, without sockets.
-
-Everything that differs between server generations is data in
-:class:`~lmcache_async._protocol.wire.WireGeneration` (key encoding, trailing argument frames) and
-:mod:`lmcache_async._protocol.payload.inline` (the inline tensor payload): no sequence here branches
-on the generation.
-
-The tensor copies are small named functions (:func:`fill_slots`, :func:`copy_chunks_out`,
-:func:`~lmcache_async._protocol.payload.inline.encode_inline`,
-:func:`~lmcache_async._protocol.payload.inline.decode_inline`), so they can be replaced or hooked in
-one place. A CUDA tensor's copies go through :mod:`lmcache_async._engine.cuda.copies` instead (side
-streams ordered after the caller's ``Mark``, the pinned SHM pool, pinned staging for the
-inline payload); that module is imported only when a call carries a mark.
-
-Cancellation: a sequence is normally run by :func:`run_detached`, in a task of its own
-that the caller awaits under its deadline; a caller that times out or is cancelled marks
-the :class:`OpState` abandoned and the sequence finishes the server side on its own
-(consumes the prefetch result, releases read locks, completes or commits what it
-reserved, ends its session), bounded by the registration's ``cleanup_grace``.
+Cancellation: a sequence runs in a task of its own (:func:`run_detached`); a caller that
+times out or is cancelled marks the :class:`OpState` abandoned and the sequence finishes
+the server side on its own (prefetch result, read locks, reservations, session), bounded
+by ``cleanup_grace``.
 """
 
 from __future__ import annotations
@@ -126,12 +107,8 @@ class Operations(ShmSequences, InlineSequences):
         """Store ``kv`` (already validated) under ``toks[:end]``; False when all was cached.
         ``mark``: ``kv`` is on a GPU and is read as seen after the mark.
 
-        One ``prepare_store`` and one ``commit_store`` whatever the size: concurrent
-        stores keep the link busy with each other's copies, and a store split into
-        groups (tried: each group its own reservation, commit and session, to start the
-        copy on the first group's slots sooner) was no faster alone on an H200 and cost
-        the server 3-4x the CPU per call, which held concurrent CUDA stores at 75-80 % of
-        the link (``docs/benchmarks.md``, "CUDA stores and retrieves under concurrency").
+        One ``prepare_store`` and one ``commit_store`` whatever the size
+        (docs/internals/design.md, section "CUDA tensors").
         """
         if end == 0:
             return False

@@ -3,20 +3,11 @@ pipeline, the cleanup calls, keys, lookups with read locks, the gates that keep 
 operations of one client off one key, and the checks after a store (see
 :mod:`lmcache_async._engine.ops`).
 
-**A session ends after its late requests.** The server runs ``prepare_store``,
-``commit_store``, ``prepare_retrieve`` and ``commit_retrieve`` on the connection's FIFO
-"affinity" worker and ``end_session`` on its "normal" pool, and the two pools are not
-ordered relative to each other. A request of the first kind that timed out (or whose
-caller was cancelled) may still be queued on the server: an ``end_session`` sent at once
-would run first, and the late request would then create the session again, left until
-the server's session TTL (600 s). So, over a channel that reports late replies
-(:class:`LateReplyChannel`), each such request's late reply is watched for under its
-request id, and the ``end_session`` of that id goes out only once every one of them has
-arrived (the affinity worker ran the request): in the background, tracked like a posted
-cleanup (``drain()``, ``aclose()``), at most ``cleanup_grace`` seconds. A reply that does
-not come by then (the server dropped the request, or is slower still) or that cannot come
-(the connection was lost) is logged, and the ``end_session`` goes out anyway; one that
-cannot be sent at all (the client closed) is logged too. :class:`LateEnds` counts them.
+Invariant: over a :class:`LateReplyChannel`, a session's ``end_session`` goes out only
+after the late replies of its affinity requests (``prepare_*``/``commit_*``) arrived, in
+the background, at most ``cleanup_grace`` seconds; :class:`LateEnds` counts the ones sent
+without them or not sent (docs/internals/design.md, section "A session ends after its late
+requests").
 """
 
 from __future__ import annotations

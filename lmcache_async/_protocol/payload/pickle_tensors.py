@@ -1,36 +1,10 @@
-"""The pickle transport's payload, encoded with one copy and decoded safely.
+"""The pickle transport's payload (``pickle.dumps(list_of_cpu_tensors)``), encoded with one
+copy and decoded safely (docs/internals/design.md, section "Transfers").
 
-On a server without shared memory, ``commit_store`` carries and ``prepare_retrieve``
-returns ``pickle.dumps(list_of_cpu_tensors)``. The layout of one tensor in that pickle is
-``torch._utils._rebuild_tensor_v2(torch.storage._load_from_bytes(blob), 0, size, stride,
-False, OrderedDict())`` where ``blob`` is a legacy (non-zip) ``torch.save`` of the storage:
-five small pickles (magic number, protocol version 1001, system info, one persistent id
-naming the storage class / key / device / element count, the list of keys) followed by
-an int64 element count and the raw little-endian bytes.
-
-Encoding (:func:`encode_tensor_list`) writes exactly that byte stream by hand into one
-pre-sized buffer, copying each tensor's data once, straight from its (possibly strided,
-possibly CUDA) source, and leaves room in front for the msgpack bin header so the buffer
-is the ZMQ frame itself. Any pickle reader, including the server's unrestricted
-``pickle.loads``, reads it as a list of tensors.
-
-Decoding (:func:`decode_tensor_list`) never runs arbitrary code: a restricted unpickler
-admits only the globals plain tensors need (``_rebuild_tensor_v2``/``v3``,
-``_load_from_bytes``, ``collections.OrderedDict``, ``torch.<dtype>``), storage blobs are
-parsed here (one legacy storage each: its five small pickles read by a second restricted
-unpickler, then the element count and the raw bytes), and every rebuilt tensor is
-checked against its storage's bounds. Anything else raises :class:`UnsafePayloadError`.
-Nothing is copied on the way: the storage blobs are taken out of the outer pickle before
-it is unpickled (:func:`_detach_blobs`) and each storage is a view of the payload where
-the payload is writable memory (a received ZMQ frame); the caller's one copy is the one
-into place (before, a chunk was copied three times first: into a ``bytes``, into
-``torch.load``'s storage, then into place; ``docs/benchmarks.md``, the pickle section).
-
-Before any unpickler runs, every length and memo index the payload claims is checked
-against the bytes actually present (:func:`_scan_pickle`; CPython's unpickler allocates a
-counted ``bytes`` before reading it and grows its memo to any index it is given), and a
-storage blob's element counts against the bytes it carries, so a few hostile bytes
-cannot make the client allocate gigabytes.
+Decoding never runs arbitrary code: restricted unpicklers admit only the globals plain
+tensors need, every length and memo index is checked against the bytes present before any
+unpickler runs, and every rebuilt tensor is checked against its storage's bounds; anything
+else raises :class:`UnsafePayloadError`.
 """
 
 from __future__ import annotations
@@ -543,8 +517,7 @@ def _detach_blobs(data: memoryview, max_ops: int | None) -> tuple[bytes, list[me
     Returns the pickle with every bytes opcode replaced by ``BININT i, BINPERSID`` (and
     its ``FRAME`` opcodes dropped, as the lengths change), and the views of ``data`` that
     :meth:`_RestrictedUnpickler.persistent_load` hands back for them: the unpickler never
-    copies a storage blob (a 32 MiB chunk was copied three times before it reached the
-    caller's tensor: into a ``bytes``, into ``torch.load``'s storage, then into place).
+    copies a storage blob.
     """
     spans: list[tuple[int, int, int]] = []
     _scan_pickle(data, max_ops=max_ops, spans=spans)

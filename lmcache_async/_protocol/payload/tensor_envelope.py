@@ -1,26 +1,10 @@
-"""The 0.5.7 inline transport's payload: a msgpack ``TensorEnvelope``, both ways.
+"""The 0.5.7 inline transport's payload: a msgpack ``TensorEnvelope``, both ways
+(docs/internals/design.md, section "Transfers").
 
-From lmcache 0.5.7 on, a server without shared memory no longer exchanges pickles:
-``commit_store`` carries, and ``prepare_retrieve`` returns, the msgpack of::
-
-    {"version": 1, "tensors": [{"dtype": "bfloat16", "shape": [2, 2, 16, 16], "data": <bin>}, ...]}
-
-(the server's ``TensorEnvelope`` / ``TensorFrame`` structs: unknown fields are forbidden,
-at most 65536 tensors, rank at most 16, at most 2 GiB a tensor and 16 GiB in all; each
-tensor's dtype, shape and byte length must match the registered layout).
-
-Encoding (:func:`encode_tensor_envelope`) writes that byte stream by hand into one
-pre-sized buffer, copying each tensor's data once, straight from its (possibly strided,
-possibly CUDA) source, and leaves room in front for the msgpack bin header so the buffer
-is the ZMQ frame itself.
-
-Decoding (:func:`decode_tensor_envelope`) is a small hand-written msgpack reader for
-exactly this schema, as strict as the server's typed decoder and hostile-input-proof:
-every length is checked against the limits, the expected layout and the bytes actually
-present **before** anything is allocated, strings are bounded, and the tensors it returns
-are zero-copy views of the payload. Any input either decodes to exactly ``count`` tensors
-of ``shape`` x ``dtype`` or raises :class:`~lmcache_async.errors.ProtocolError`; nothing
-else escapes and nothing is executed.
+Encoding copies each tensor once into the ZMQ frame. Decoding checks every length against
+the limits, the expected layout and the bytes present before anything is allocated: any
+input either decodes to exactly ``count`` tensors of ``shape`` x ``dtype`` (zero-copy views)
+or raises :class:`~lmcache_async.errors.ProtocolError`.
 """
 
 from __future__ import annotations
