@@ -62,7 +62,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, TypeVar, Unpack
 
 import torch
 
@@ -189,6 +189,24 @@ def _settings(job: str, client: BulkClient, options: BatchOptions) -> _Settings:
 
 # --------------------------------------------------------------------------- items
 
+_ItemT = TypeVar("_ItemT")
+
+
+def _coerce(cls: type[_ItemT], value: object, what: str, least: int, shape: str) -> _ItemT:
+    """``value`` as a ``cls``: one already, or a tuple/list of ``least`` up to all of
+    ``cls``'s fields (``shape`` names them, for the error).
+
+    Raises:
+        TypeError: anything else.
+    """
+    if isinstance(value, cls):
+        return value
+    fields = len(cls.__dataclass_fields__)  # type: ignore[attr-defined]
+    if isinstance(value, tuple | list) and least <= len(value) <= fields:
+        return cls(*value)
+    length = f" of length {len(value)}" if isinstance(value, tuple | list) else ""
+    raise TypeError(f"{what} must be a {cls.__name__} or a tuple {shape}, got {type(value).__name__}{length}")
+
 
 @dataclass(frozen=True, slots=True)
 class RemapPair:
@@ -230,14 +248,8 @@ class RemapPair:
     @classmethod
     def coerce(cls, value: object) -> RemapPair:
         """``value`` as a :class:`RemapPair` (it may be one, or a 2- to 4-tuple/list)."""
-        if isinstance(value, RemapPair):
-            return value
-        if isinstance(value, tuple | list) and 2 <= len(value) <= 4:
-            return cls(*value)
-        raise TypeError(
-            "a remap pair must be a RemapPair or a tuple (source_tokens, target_tokens"
-            f"[, cache_salt[, target_cache_salt]]), got {type(value).__name__}"
-            + (f" of length {len(value)}" if isinstance(value, tuple | list) else "")
+        return _coerce(
+            cls, value, "a remap pair", 2, "(source_tokens, target_tokens[, cache_salt[, target_cache_salt]])"
         )
 
 
@@ -254,14 +266,7 @@ class StoreItem:
 
     @classmethod
     def coerce(cls, value: object) -> StoreItem:
-        if isinstance(value, StoreItem):
-            return value
-        if isinstance(value, tuple | list) and 2 <= len(value) <= 3:
-            return cls(*value)
-        raise TypeError(
-            "a store item must be a StoreItem or a tuple (kv, tokens[, cache_salt]), "
-            f"got {type(value).__name__}"
-        )
+        return _coerce(cls, value, "a store item", 2, "(kv, tokens[, cache_salt])")
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,14 +302,7 @@ class ComposeItem:
 
     @classmethod
     def coerce(cls, value: object) -> ComposeItem:
-        if isinstance(value, ComposeItem):
-            return value
-        if isinstance(value, tuple | list) and 2 <= len(value) <= 3:
-            return cls(*value)
-        raise TypeError(
-            "a compose item must be a ComposeItem or a tuple (target_tokens, parts[, cache_salt]), "
-            f"got {type(value).__name__}"
-        )
+        return _coerce(cls, value, "a compose item", 2, "(target_tokens, parts[, cache_salt])")
 
 
 # --------------------------------------------------------------------------- results

@@ -21,7 +21,8 @@ import torch
 
 from lmcache_async import AsyncClient, LMCacheTimeoutError, bulk
 from lmcache_async._engine import batching as _batching
-from lmcache_async.bulk import BatchProgress, RemapPair, RetrieveItem, StoreItem
+from lmcache_async.bulk import BatchProgress, ComposeItem, RemapPair, RetrieveItem, StoreItem
+from lmcache_async.results import KVPart
 from tests.helpers import SMALL_GEOMETRY, fresh_tokens, random_kv
 
 pytestmark = pytest.mark.anyio
@@ -489,8 +490,52 @@ def test_remap_pair_normalises_and_validates() -> None:
     assert (p.source_tokens, p.target_tokens, p.target_salt) == ((1, 2, 3), (4, 5), "a")
     assert RemapPair.coerce(([1], [2], "x", "y")) == RemapPair((1,), (2,), "x", "y")
     assert RemapPair.coerce(p) is p
-    with pytest.raises(TypeError, match="a remap pair must be"):
+    with pytest.raises(TypeError) as info:
         RemapPair.coerce([[1]])
+    assert str(info.value) == (
+        "a remap pair must be a RemapPair or a tuple (source_tokens, target_tokens[, cache_salt"
+        "[, target_cache_salt]]), got list of length 1"
+    )
+
+
+def test_items_are_coerced_from_tuples_of_their_fields_and_nothing_else() -> None:
+    kv = torch.zeros(2, 1, 16, 4)
+    item = StoreItem.coerce((kv, [1, 2], "s"))
+    assert (item.kv is kv, item.tokens, item.cache_salt) == (True, [1, 2], "s")
+    assert StoreItem.coerce(item) is item
+    part = KVPart([1, 2])
+    assert ComposeItem.coerce(([3, 4], [part])) == ComposeItem([3, 4], [part], "")
+    cases = [
+        (
+            StoreItem.coerce,
+            (kv,),
+            "a store item must be a StoreItem or a tuple (kv, tokens[, cache_salt]), got tuple of length 1",
+        ),
+        (
+            StoreItem.coerce,
+            (kv, [1], "s", "x"),
+            "a store item must be a StoreItem or a tuple (kv, tokens[, cache_salt]), got tuple of length 4",
+        ),
+        (
+            StoreItem.coerce,
+            kv,
+            "a store item must be a StoreItem or a tuple (kv, tokens[, cache_salt]), got Tensor",
+        ),
+        (
+            ComposeItem.coerce,
+            "abc",
+            "a compose item must be a ComposeItem or a tuple (target_tokens, parts[, cache_salt]), got str",
+        ),
+        (
+            RemapPair.coerce,
+            ([1], [2], "", None, 5),
+            "a remap pair must be a RemapPair or a tuple (source_tokens, target_tokens[, cache_salt[, target_cache_salt]]), got tuple of length 5",
+        ),
+    ]
+    for coerce, value, message in cases:
+        with pytest.raises(TypeError) as info:
+            coerce(value)
+        assert str(info.value) == message
     with pytest.raises(ValueError, match="cache_salt must not contain"):
         RemapPair([1], [2], "a@b")
     with pytest.raises(TypeError):
