@@ -843,6 +843,15 @@ class AsyncClient:
         """The server's advertised experimental features: :func:`lmcache_async.management.experimental`."""
         return await management.experimental(self._session.call, self._enter(timeout))
 
+    async def report_block_allocation(
+        self, records: Sequence[management.BlockAllocation], *, timeout: float | DefaultType | None = DEFAULT
+    ) -> None:
+        """Report GPU block allocations: see :func:`lmcache_async.management.report_block_allocation`."""
+        wire = management.check_allocations(records)
+        wait = self._enter(timeout)
+        call = self._session.call
+        await management.report_block_allocation(call, self.instance_id, self.model_name, wire, wait)
+
     async def clear(self, *, force: bool, timeout: float | DefaultType | None = DEFAULT) -> None:
         """DANGER: empties L1 for EVERY model and salt: see :func:`lmcache_async.management.clear`."""
         management.check_force(force)

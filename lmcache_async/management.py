@@ -282,6 +282,48 @@ async def experimental(call: RPC, timeout: float | None) -> frozenset[str]:
     return frozenset(value)
 
 
+@dataclass(frozen=True, slots=True)
+class BlockAllocation:
+    """One request's new GPU blocks and tokens, as a serving engine reports them."""
+
+    req_id: str
+    new_block_ids: Sequence[int]
+    new_token_ids: Sequence[int]
+
+
+def check_allocations(records: object) -> list[dict[str, Any]]:
+    """``records`` (a sequence of :class:`BlockAllocation`) as the wire's maps.
+
+    Raises:
+        TypeError: not a sequence of BlockAllocation, or an id that is not an int.
+    """
+    if not isinstance(records, Sequence) or isinstance(records, str | bytes):
+        raise TypeError(f"records must be a sequence of BlockAllocation, got {type(records).__name__}")
+    out = []
+    for r in records:
+        if not isinstance(r, BlockAllocation):
+            raise TypeError(f"records must hold BlockAllocation, got {type(r).__name__}")
+        blocks, toks = list(r.new_block_ids), list(r.new_token_ids)
+        if not isinstance(r.req_id, str) or not all(type(i) is int for i in (*blocks, *toks)):
+            raise TypeError("a BlockAllocation holds a str req_id and int ids")
+        out.append({"req_id": r.req_id, "new_block_ids": blocks, "new_token_ids": toks})
+    return out
+
+
+async def report_block_allocation(
+    call: RPC, instance_id: int, model_name: str, records: list[dict[str, Any]], timeout: float | None
+) -> None:
+    """Report block allocations to the server's event bus (``report_block_allocation``,
+    observability only: nothing is stored).
+
+    Raises:
+        LMCacheTimeoutError: no answer within ``timeout``.
+
+    Cancellation: the report may still reach the server.
+    """
+    await call(Op.REPORT_BLOCK_ALLOCATION, (instance_id, model_name, records), timeout)
+
+
 def check_force(force: object) -> None:
     """``TypeError`` unless ``force`` is a bool."""
     if not isinstance(force, bool):

@@ -240,6 +240,16 @@ class SyncMethods:
         deadline = self._deadline(timeout)
         return self._run("experimental", self._bound(deadline), lambda: self._async.experimental(timeout=deadline))
 
+    def report_block_allocation(self, records: Sequence[management.BlockAllocation], *, timeout: float | DefaultType | None = DEFAULT) -> None:
+        """Report GPU block allocations: see :func:`lmcache_async.management.report_block_allocation`.
+
+        Blocking :meth:`AsyncClient.report_block_allocation
+        <lmcache_async.AsyncClient.report_block_allocation>` (its arguments, result, errors and
+        cancellation); the caller waits at most ``timeout + cleanup_grace``.
+        """
+        deadline = self._deadline(timeout)
+        return self._run("report_block_allocation", self._bound(deadline), lambda: self._async.report_block_allocation(records, timeout=deadline))
+
     def clear(self, *, force: bool, timeout: float | DefaultType | None = DEFAULT) -> None:
         """DANGER: empties L1 for EVERY model and salt: see :func:`lmcache_async.management.clear`.
 

@@ -132,6 +132,7 @@ class Op(enum.IntEnum):
     CLEAR = (20, "clear", 1)
     GET_CHUNK_SIZE = (21, "get_chunk_size", 0)
     PING = (22, "ping", 1)
+    REPORT_BLOCK_ALLOCATION = (23, "report_block_allocation", 3)
     NOOP = (24, "noop", 0)
     GET_EXPERIMENTAL = (32, "get_experimental", 0)
     # string-only (no legacy id): instance_id, model_name, cursor, max_events; streaming

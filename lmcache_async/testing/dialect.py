@@ -104,6 +104,14 @@ def _check_salt(salt: str) -> None:
 # --------------------------------------------------------------------------- keys
 
 
+class BlockAllocation(msgspec.Struct, forbid_unknown_fields=True):
+    """One record of ``report_block_allocation``."""
+
+    req_id: str
+    new_block_ids: list[int]
+    new_token_ids: list[int]
+
+
 class Key056(msgspec.Struct):
     """0.5.6's ``IPCCacheServerKey`` (decoded from a map; unknown fields ignored)."""
 
@@ -396,6 +404,7 @@ ARGUMENTS: Final[dict[ServerGeneration, dict[str, tuple[Any, ...]]]] = {
         "get_chunk_size": (),
         "noop": (),
         "get_experimental": (),
+        "report_block_allocation": (int, str, list[BlockAllocation]),
     },
     "0.5.7": {
         "register_kv_cache_engine_driven_context": (Register057,),
@@ -414,6 +423,7 @@ ARGUMENTS: Final[dict[ServerGeneration, dict[str, tuple[Any, ...]]]] = {
         "get_chunk_size": (),
         "noop": (),
         "get_experimental": (),
+        "report_block_allocation": (int, str, list[BlockAllocation]),
     },
 }
 

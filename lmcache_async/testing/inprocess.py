@@ -88,6 +88,7 @@ LANES: Final[dict[str, Lane]] = {
     "get_chunk_size": "sync",
     "noop": "sync",
     "get_experimental": "sync",
+    "report_block_allocation": "cpu",
     "prepare_store": "transfer",
     "commit_store": "transfer",
     "prepare_retrieve": "transfer",
@@ -477,6 +478,10 @@ def _b_experimental(s: InProcessServer, a: list[Any]) -> tuple[Callable[[], Any]
     return (lambda: []), False
 
 
+def _b_report_blocks(s: InProcessServer, a: list[Any]) -> tuple[Callable[[], Any], bool]:
+    return (lambda: None), False  # observability only: the real server publishes it on its event bus
+
+
 _BUILDERS: Final[dict[str, _Builder]] = {
     "register_kv_cache_engine_driven_context": _b_register,
     "unregister_kv_cache_engine_driven_context": _b_unregister,
@@ -494,5 +499,6 @@ _BUILDERS: Final[dict[str, _Builder]] = {
     "get_chunk_size": _b_chunk_size,
     "noop": _b_noop,
     "get_experimental": _b_experimental,
+    "report_block_allocation": _b_report_blocks,
 }
 assert set(_BUILDERS) == set(LANES) == set(ARGUMENTS["0.5.6"]) == set(ARGUMENTS["0.5.7"])

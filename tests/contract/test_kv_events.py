@@ -33,11 +33,10 @@ from typing import Any
 import pytest
 
 import lmcache_async as lmc
-from lmcache_async import AsyncClient
-from lmcache_async._engine.event_stream import KVEventStream
+from lmcache_async import AsyncClient, management
 from lmcache_async._transport.reply_stream import open_streams
 from lmcache_async.errors import UnsupportedHashAlgorithmError
-from lmcache_async.events import RemovedEvent, Resync, StoredEvent
+from lmcache_async.events import KVEventStream, RemovedEvent, Resync, StoredEvent
 from lmcache_async.hashing import NONE_HASH, chunk_hashes
 from lmcache_async.management import DeleteResult, WarmResult
 from tests.helpers import SMALL_GEOMETRY, fresh_tokens, peek, random_kv, unique_model
@@ -443,6 +442,10 @@ async def test_management_calls(fresh_real_server: Any, generation: str) -> None
         assert await c.experimental() == (
             frozenset({"kv_event_stream"}) if generation == "0.5.6" else frozenset()
         )
+        blocks = [management.BlockAllocation("req-1", [7, 8], tokens[:2])]
+        assert await c.report_block_allocation(blocks) is None
+        with pytest.raises(TypeError, match=r"^records must hold BlockAllocation, got tuple$"):
+            await c.report_block_allocation([("req-1", [7], [1])])  # type: ignore[list-item]
         assert await c.store(kv, tokens) is True
         # warm: no L2 here; "found" counts the chunks already in L1
         assert await c.warm(tokens) == WarmResult(3, 3, 3)
