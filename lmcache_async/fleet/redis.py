@@ -11,7 +11,10 @@ Layout under the namespace ``ns`` (bytes keys; see docs/guides/routing.md):
   resync) increments its epoch: every member written under an older epoch is dead at once.
 
 Writes run as Lua scripts (the epoch read and the members written atomically), a batch
-in one pipeline; a lookup is one pipeline (the clock, the epochs, every chunk's set).
+in one pipeline; a lookup is one round trip: a Lua script returns the clock, the epochs
+and each chunk's unexpired members up to the first chunk with none (one reply, where a
+pipeline of one ``ZRANGE`` per chunk costs redis-py a parsed reply each), and the entries
+are parsed and the prefix counted here.
 Redis is a cache: every call has a deadline; a failure is logged once (and once when it
 works again), then Redis is left alone for ``retry_after`` seconds: writes are dropped
 and :meth:`RedisIndex.prefix` answers ``None`` (the fleet asks the servers instead).
@@ -57,6 +60,21 @@ _REMOVE = """
 local m = (redis.call('HGET', KEYS[1], ARGV[1]) or '0') .. '@' .. ARGV[1]
 for i = 2, #KEYS do redis.call('ZREM', KEYS[i], m) end
 return #KEYS - 1
+"""
+
+# KEYS[1] the epochs hash, KEYS[2..] the prompt's chunk sets, in order. Returns the clock
+# (seconds, microseconds), the epochs (flat), then each chunk's unexpired members with
+# their scores (flat), up to the first chunk with none (a key of another type: none).
+_LOOKUP = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local out = {t[1], t[2], redis.call('HGETALL', KEYS[1])}
+for i = 2, #KEYS do
+  local ok, m = pcall(redis.call, 'ZRANGE', KEYS[i], '(' .. now, '+inf', 'BYSCORE', 'WITHSCORES')
+  if not ok or type(m) ~= 'table' or #m == 0 then break end
+  out[#out + 1] = m
+end
+return out
 """
 
 #: Bytes of the chunk hash in a chunk's key.
@@ -211,18 +229,15 @@ class RedisIndex(FleetIndex):
         await self._call("write", run)
 
     async def prefix(self, hashes: Sequence[bytes], servers: Collection[str]) -> dict[str, int] | None:
-        """As :meth:`FleetIndex.prefix`: one pipeline (the clock, the epochs, every
-        chunk's set); counted here up to the first chunk no live server holds."""
+        """As :meth:`FleetIndex.prefix`: one round trip (a Lua script reads the clock,
+        the epochs and each chunk's unexpired members, in order, up to the first chunk
+        with none); the entries are parsed and the prefix counted here."""
         if not hashes or not servers:
             return {}
+        keys = [self._epochs, *(self.key(h) for h in hashes)]
 
-        async def run() -> list[Any]:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.time()
-            pipe.hgetall(self._epochs)
-            for h in hashes:
-                pipe.zrange(self.key(h), 0, -1, withscores=True)
-            return list(await pipe.execute(raise_on_error=False))
+        async def run() -> Any:
+            return await self.client.eval(_LOOKUP, len(keys), *keys)
 
         got = await self._call("lookup", run)
         if got is None:
@@ -230,41 +245,44 @@ class RedisIndex(FleetIndex):
         return self._count(got, servers)
 
     @staticmethod
-    def _parse_epochs(raw: object) -> dict[bytes, int]:
-        out: dict[bytes, int] = {}
-        if isinstance(raw, dict):
-            for k, v in raw.items():
-                e = _epoch(v)
-                if isinstance(k, bytes) and e is not None:
-                    out[k] = e
-        return out
+    def _pairs(raw: object) -> list[tuple[bytes, bytes]]:
+        """A flat reply ``[a, b, a, b, ...]`` as pairs of bytes (anything else: none)."""
+        if not isinstance(raw, list) or len(raw) % 2:
+            return []
+        return [
+            (k, v)
+            for k, v in zip(raw[::2], raw[1::2], strict=True)
+            if isinstance(k, bytes) and isinstance(v, bytes)
+        ]
 
-    def _count(self, got: list[Any], servers: Collection[str]) -> dict[str, int] | None:
-        clock, raw_epochs, sets = got[0], got[1], got[2:]
-        if isinstance(clock, BaseException) or isinstance(raw_epochs, BaseException):
+    def _count(self, got: object, servers: Collection[str]) -> dict[str, int] | None:
+        if not isinstance(got, list) or len(got) < 3:
             return None
         try:
-            now_ms = int(clock[0]) * 1000 + int(clock[1]) // 1000
-        except (TypeError, ValueError, IndexError):
+            now_ms = int(got[0]) * 1000 + int(got[1]) // 1000
+        except (TypeError, ValueError):
             return None
-        epochs = self._parse_epochs(raw_epochs)
+        epochs: dict[bytes, int] = {}
+        for k, v in self._pairs(got[2]):
+            e = _epoch(v)
+            if e is not None:
+                epochs[k] = e
         wanted = {s.encode(): s for s in servers}
         live: set[bytes] | None = None
         out: dict[str, int] = {}
+        sets = got[3:]
         for i, entries in enumerate(sets):
             holders: set[bytes] = set()
-            if isinstance(entries, list):
-                for entry in entries:
-                    if not (isinstance(entry, list | tuple) and len(entry) == 2):
-                        continue
-                    member, score = entry
-                    if not isinstance(member, bytes) or not isinstance(score, float) or not score > now_ms:
-                        continue
-                    e, sep, sid = member.partition(b"@")
-                    if sep and sid in wanted and _epoch(e) == epochs.get(sid, 0):
-                        holders.add(sid)
+            for member, raw_score in self._pairs(entries):
+                try:
+                    score = float(raw_score)
+                except ValueError:
+                    continue
+                written, sep, sid = member.partition(b"@")
+                if score > now_ms and sep and sid in wanted and _epoch(written) == epochs.get(sid, 0):
+                    holders.add(sid)
             now = holders if live is None else live & holders
-            if live is not None and i:
+            if live is not None:
                 for sid in live - now:
                     out[wanted[sid]] = i
             live = now
@@ -279,7 +297,12 @@ class RedisIndex(FleetIndex):
         got = await self._call("read", lambda: self.client.hgetall(self._epochs))
         if got is None:
             return None
-        return {k.decode("utf-8", "replace"): v for k, v in self._parse_epochs(got).items()}
+        out: dict[str, int] = {}
+        for k, v in dict(got).items():
+            e = _epoch(v)
+            if isinstance(k, bytes) and e is not None:
+                out[k.decode("utf-8", "replace")] = e
+        return out
 
     async def aclose(self) -> None:
         """Close the client if this index made it."""

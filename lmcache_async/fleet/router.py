@@ -386,6 +386,40 @@ class Fleet:
     def _up(self) -> list[str]:
         return [u for u, c in self._clients.items() if c.usable]
 
+    async def score(
+        self, tokens: Sequence[int], cache_salt: str = "", *, fanout: str | None = None
+    ) -> tuple[dict[str, int], str]:
+        """Each server's cached prefix of ``tokens``, in tokens (servers holding none left
+        out), and where it came from: ``"index"`` or ``"lookup"`` (the shape a routing
+        service answers; :meth:`best` picks from it). ``fanout`` as in :meth:`best`.
+
+        Raises:
+            LMCacheConnectionError: no server is up.
+            ValueError/TypeError: bad tokens, salt or ``fanout`` (nothing sent).
+        """
+        *_, depth, source, _up = await self._depths(tokens, cache_salt, fanout)
+        return {u: n * self._cs for u, n in depth.items()}, source
+
+    async def _depths(
+        self, tokens: Sequence[int], cache_salt: str, fanout: str | None
+    ) -> tuple[list[int], list[bytes], dict[str, int], str, list[str]]:
+        toks = validate_tokens(tokens)
+        validate_cache_salt(cache_salt)
+        mode = self._fanout if fanout is None else fanout
+        if mode not in ("auto", "always", "never"):
+            raise ValueError(f"fanout must be 'auto', 'always' or 'never', got {mode!r}")
+        up = self._up()
+        if not up:
+            raise LMCacheConnectionError("fleet: no server is up")
+        hashes = chunk_hashes(toks, self._cs)
+        known = await self.index.prefix(hashes, up) if hashes else {}
+        depth = known or {}
+        source = "index"
+        if mode == "always" or (mode == "auto" and (cache_salt or known is None or (hashes and not depth))):
+            source = "lookup"
+            depth = await self._fan_out(toks, hashes, cache_salt, up)
+        return toks, hashes, depth, source, up
+
     async def best(self, tokens: Sequence[int], cache_salt: str = "", *, fanout: str | None = None) -> Route:
         """The server holding the longest cached prefix of ``tokens`` (ties: the least
         loaded, then a rank computed from the prompt); with nothing cached anywhere, the
@@ -406,24 +440,12 @@ class Fleet:
 
         Cancellation: the fan-out lookups are cancelled (each cleans up on its server).
         """
-        toks = validate_tokens(tokens)
-        validate_cache_salt(cache_salt)
-        mode = self._fanout if fanout is None else fanout
-        if mode not in ("auto", "always", "never"):
-            raise ValueError(f"fanout must be 'auto', 'always' or 'never', got {mode!r}")
-        up = self._up()
-        if not up:
-            raise LMCacheConnectionError("fleet: no server is up")
-        hashes = chunk_hashes(toks, self._cs)
-        known = await self.index.prefix(hashes, up) if hashes else {}
-        depth = known or {}
-        source = "index"
-        if mode == "always" or (mode == "auto" and (cache_salt or known is None or (hashes and not depth))):
-            source = "lookup"
-            depth = await self._fan_out(toks, hashes, cache_salt, up)
+        toks, hashes, depth, source, up = await self._depths(tokens, cache_salt, fanout)
         spread = _prompt_key(hashes, toks)
         seeds = self._seeds
-        chosen = min(up, key=lambda u: (-depth.get(u, 0), self.load(u), _rank(spread, seeds[u])))
+        top = max(depth.values(), default=0)
+        tied = [u for u in up if depth.get(u, 0) == top] if top else up
+        chosen = min(tied, key=lambda u: (self.load(u), _rank(spread, seeds[u])))
         return Route(
             chosen, self._clients[chosen], depth.get(chosen, 0) * self._cs, self.load(chosen), source
         )
