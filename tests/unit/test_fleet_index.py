@@ -39,8 +39,21 @@ def redis_server() -> Iterator[RedisServer]:
 _seq = iter(range(1_000_000))
 
 
+_opened: list[RedisIndex] = []
+
+
 def _redis(srv: RedisServer, ns: str | None = None, **kw: Any) -> RedisIndex:
-    return RedisIndex(f"redis://127.0.0.1:{srv.port}/0", ns or f"t{next(_seq)}", **kw)
+    idx = RedisIndex(f"redis://127.0.0.1:{srv.port}/0", ns or f"t{next(_seq)}", **kw)
+    _opened.append(idx)
+    return idx
+
+
+@pytest.fixture
+async def _close_redis_indexes() -> AsyncIterator[None]:
+    """Every RedisIndex a test made is closed, even when the test failed."""
+    yield
+    while _opened:
+        await _opened.pop().aclose()
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -103,6 +116,7 @@ async def test_the_memory_index_has_no_server_ceiling() -> None:
     }
 
 
+@pytest.mark.usefixtures("_close_redis_indexes")
 async def test_speculative_entries_expire_unless_confirmed(redis_server: RedisServer) -> None:
     idx = _redis(redis_server, ttl=30, speculative_ttl=0.3)
     hs = _h(2)
@@ -132,6 +146,7 @@ async def test_memory_keeps_speculative_entries() -> None:
     assert await idx.prefix(_h(2), SERVERS) == {A: 2}
 
 
+@pytest.mark.usefixtures("_close_redis_indexes")
 async def test_epochs_forget_in_one_write_seen_by_every_router(redis_server: RedisServer) -> None:
     one = _redis(redis_server, "shared-epochs")
     two = _redis(redis_server, "shared-epochs")
@@ -153,6 +168,7 @@ async def test_epochs_forget_in_one_write_seen_by_every_router(redis_server: Red
     await two.aclose()
 
 
+@pytest.mark.usefixtures("_close_redis_indexes")
 async def test_namespaces_are_isolated(redis_server: RedisServer) -> None:
     x, y = _redis(redis_server, "fleet-x"), _redis(redis_server, "fleet-y")
     hs = _h(2)
@@ -165,6 +181,7 @@ async def test_namespaces_are_isolated(redis_server: RedisServer) -> None:
     await y.aclose()
 
 
+@pytest.mark.usefixtures("_close_redis_indexes")
 async def test_malformed_entries_are_ignored(redis_server: RedisServer) -> None:
     idx = _redis(redis_server, "junk")
     hs = _h(3)
