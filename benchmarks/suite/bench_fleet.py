@@ -258,18 +258,18 @@ async def _fleet_part(
     ratios: dict[str, list[float]] = {w: [] for w in WAYS[1:]}
     async with Fleet([(a.url, a.http_url), (b.url, b.http_url)], model, geometry=GEOM, timeout=60) as fleet:
         for i, (t, kv) in enumerate(zip(toks, kvs, strict=True)):
-            assert (await fleet.store(kv, t, server=i % 2)).value is True
+            assert (await fleet.store(kv, t, server=fleet.servers[i % 2])).value is True
         for c in fleet.clients:
             await c.drain()
 
         async def routed(i: int) -> torch.Tensor | None:
             got = await fleet.retrieve(toks[i])
-            assert got.route.server == i % 2 and got.route.source == "index", got.route
+            assert got.route.server == fleet.servers[i % 2] and got.route.source == "index", got.route
             return got.value
 
         async def lookup_all(i: int) -> torch.Tensor | None:
             route = await fleet.best(toks[i], fanout="always")
-            assert route.server == i % 2, route
+            assert route.server == fleet.servers[i % 2], route
             return await route.client.retrieve(toks[i])
 
         async def retrieve_all(i: int) -> torch.Tensor | None:

@@ -43,6 +43,7 @@ async def test_fleet_routes_by_cached_prefix(fresh_real_server: Any, generation:
         {"mode": "shm", "generation": generation}, {"mode": "shm", "generation": generation}
     )
     model = unique_model("fleet")
+    ab = [a.url, b.url]
     p, q, r = fresh_tokens(3 * CS), fresh_tokens(3 * CS), fresh_tokens(2 * CS)
     kv_p, kv_q, kv_r = (random_kv(GEOMETRY, len(t)) for t in (p, q, r))
     with EngineWorker(a) as eng:
@@ -55,56 +56,56 @@ async def test_fleet_routes_by_cached_prefix(fresh_real_server: Any, generation:
             )
             # the engine path on A publishes `stored`: the index learns A holds p
             assert await asyncio.to_thread(eng.store, p, kv_p) is True
-            await fleet.wait_applied(0, 3, 20)
+            await fleet.wait_applied(a.url, 3, 20)
             route = await fleet.best(p, fanout="never")
-            assert (route.server, route.cached_tokens, route.source) == (0, 3 * CS, "index")
+            assert (route.server, route.cached_tokens, route.source) == (a.url, 3 * CS, "index")
             assert (await fleet.best(p[: 2 * CS] + [7] * CS, fanout="never")).cached_tokens == 2 * CS
             # a client's store on B publishes nothing: found by the lookup fan-out
             async with lmc.AsyncClient(b.url, b.http_url, model, geometry=GEOMETRY, timeout=30) as cb:
                 assert await cb.store(kv_q, q) is True
                 assert (await fleet.best(q, fanout="never")).cached_tokens == 0
                 route = await fleet.best(q)
-                assert (route.server, route.cached_tokens, route.source) == (1, 3 * CS, "lookup")
-                assert (await fleet.best(q, fanout="never")).server == 1  # recorded
+                assert (route.server, route.cached_tokens, route.source) == (b.url, 3 * CS, "lookup")
+                assert (await fleet.best(q, fanout="never")).server == b.url  # recorded
                 # routed retrieves, bitwise
                 got = await fleet.retrieve(p)
-                assert got.route.server == 0 and got.value is not None and torch.equal(got.value, kv_p)
+                assert got.route.server == a.url and got.value is not None and torch.equal(got.value, kv_p)
                 got = await fleet.retrieve(q)
-                assert got.route.server == 1 and got.value is not None and torch.equal(got.value, kv_q)
+                assert got.route.server == b.url and got.value is not None and torch.equal(got.value, kv_q)
                 # both hold r: the tie goes to the less loaded
-                assert (await fleet.store(kv_r, r, server=0)).value is True
-                assert (await fleet.store(kv_r, r, server=1)).value is True
-                assert fleet.index.prefix_chunks(chunk_hashes(r, CS), 0b11) == {0: 2, 1: 2}
+                assert (await fleet.store(kv_r, r, server=a.url)).value is True
+                assert (await fleet.store(kv_r, r, server=b.url)).value is True
+                assert await fleet.index.prefix(chunk_hashes(r, CS), ab) == {a.url: 2, b.url: 2}
                 await fleet.clients[1].drain()
-                fleet._routed[1] += 1
-                assert (await fleet.best(r, fanout="never")).server == 0
-                fleet._routed[0] += 2
-                assert (await fleet.best(r, fanout="never")).server == 1
-                fleet._routed[0] -= 2
-                fleet._routed[1] -= 1
+                fleet._routed[b.url] += 1
+                assert (await fleet.best(r, fanout="never")).server == a.url
+                fleet._routed[a.url] += 2
+                assert (await fleet.best(r, fanout="never")).server == b.url
+                fleet._routed[a.url] -= 2
+                fleet._routed[b.url] -= 1
                 # remap_many goes to the server holding each source
                 target = [5, 6] + p[2:]
                 done = await fleet.remap_many([(p, target), (q, [9] + q[1:])])
-                assert [d.route.server for d in done] == [0, 1]
+                assert [d.route.server for d in done] == [a.url, b.url]
                 assert [len(d.value) for d in done] == [1, 1]
                 assert all(d.value[0].error is None for d in done)
                 got = await fleet.retrieve(target)
-                assert got.route.server == 0 and got.value is not None and torch.equal(got.value, kv_p)
+                assert got.route.server == a.url and got.value is not None and torch.equal(got.value, kv_p)
                 # `removed` events withdraw B (a clear of B, every model)
-                before = fleet.events_applied[1]
+                before = fleet.events_applied[b.url]
                 await cb.clear(force=False)
-                await fleet.wait_applied(1, before + 1, 20)
+                await fleet.wait_applied(b.url, before + 1, 20)
                 assert (await fleet.best(q, fanout="never")).cached_tokens == 0
-                assert fleet.index.prefix_chunks(chunk_hashes(r, CS), 0b10) == {}
+                assert await fleet.index.prefix(chunk_hashes(r, CS), [b.url]) == {}
             # A killed mid-stream: never chosen while down; resynced when it comes back
             await asyncio.to_thread(a.stop)
             await _until(lambda: not fleet.clients[0]._session.conn.connected)
             route = await fleet.best(p, fanout="never")
-            assert route.server == 1 and route.cached_tokens == 0
-            resyncs = fleet.resyncs[0]
+            assert route.server == b.url and route.cached_tokens == 0
+            resyncs = fleet.resyncs[a.url]
             await asyncio.to_thread(a.start)
-            await _until(lambda: fleet.resyncs[0] > resyncs)
-            assert fleet.index.prefix_chunks(chunk_hashes(p, CS), 0b11) == {}
+            await _until(lambda: fleet.resyncs[a.url] > resyncs)
+            assert await fleet.index.prefix(chunk_hashes(p, CS), ab) == {}
             await _until(lambda: a.status()["kv_events"]["subscribers"] == 1)
 
 
@@ -115,11 +116,13 @@ async def test_sequential_new_prompts_spread_over_the_servers(real_server_shm: A
     prompt is routed to the same server again. The three clients of this fleet share one
     real server: the routing only sees three servers."""
     srv = real_server_shm
-    rng = random.Random(0)  # fixed prompts: 93, 103 and 104 of them per server
+    rng = random.Random(0)  # fixed prompts (the ranks also hash the URLs, whose port varies by run)
     prompts = [[rng.randrange(2**31) for _ in range(CS)] for _ in range(300)]
     kv = random_kv(SMALL_GEOMETRY, CS)
+    port = srv.url.rsplit(":", 1)[1]
+    urls = [srv.url, f"tcp://localhost:{port}", f"tcp://127.1:{port}"]  # three ids, one server
     async with Fleet(
-        [(srv.url, srv.http_url)] * 3,
+        [(u, srv.http_url) for u in urls],
         unique_model("spread"),
         geometry=SMALL_GEOMETRY,
         events=False,
@@ -131,8 +134,8 @@ async def test_sequential_new_prompts_spread_over_the_servers(real_server_shm: A
             assert done.value is True and done.route.load == 0 and done.route.cached_tokens == 0
             chosen.append(done.route.server)
         shares = Counter(chosen)
-        assert sorted(shares) == [0, 1, 2] and all(70 <= n <= 130 for n in shares.values()), shares
-        fresh = Fleet([(srv.url, srv.http_url)] * 3, "m", geometry=SMALL_GEOMETRY, events=False)
+        assert sorted(shares) == sorted(urls) and all(70 <= n <= 130 for n in shares.values()), shares
+        fresh = Fleet([(u, srv.http_url) for u in urls], "m", geometry=SMALL_GEOMETRY, events=False)
         fresh._cs = CS
-        fresh._up = lambda: 0b111  # type: ignore[method-assign]
+        fresh._up = lambda: urls  # type: ignore[method-assign]
         assert [(await fresh.best(t, fanout="never")).server for t in prompts] == chosen

@@ -19,12 +19,10 @@ pytestmark = pytest.mark.anyio
 @pytest.mark.parametrize(
     ("server", "error", "message"),
     [
-        (True, TypeError, "server must be an int or None, got bool"),
-        (False, TypeError, "server must be an int or None, got bool"),
-        ("0", TypeError, "server must be an int or None, got str"),
-        (1.0, TypeError, "server must be an int or None, got float"),
-        (-1, ValueError, "server must be in 0..1, got -1"),
-        (2, ValueError, "server must be in 0..1, got 2"),
+        (True, TypeError, "server must be a server's URL (str) or None, got bool"),
+        (0, TypeError, "server must be a server's URL (str) or None, got int"),
+        (1.0, TypeError, "server must be a server's URL (str) or None, got float"),
+        ("tcp://127.0.0.1:3", ValueError, "server 'tcp://127.0.0.1:3' is not in this fleet"),
     ],
 )
 async def test_fleet_store_refuses_a_bad_server_before_sending(
@@ -39,7 +37,7 @@ async def test_fleet_store_refuses_a_bad_server_before_sending(
     kv = random_kv(SMALL_GEOMETRY, 16)
     with pytest.raises(error, match=f"^{re.escape(message)}$"):
         await fleet.store(kv, list(range(16)), server=server)
-    assert fleet._routed == [0, 0]
+    assert fleet._routed == {"tcp://127.0.0.1:1": 0, "tcp://127.0.0.1:2": 0}
 
 
 @pytest.mark.parametrize("chunk_size", [256.0, "256", None, 0, -16, True, torch.tensor(256)])
