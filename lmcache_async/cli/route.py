@@ -79,7 +79,7 @@ async def _route(args: argparse.Namespace) -> int:
     index = None
     if args.redis is not None:
         try:
-            index = RedisIndex(args.redis, args.namespace or model)
+            index = RedisIndex(args.redis, args.namespace or model, deadline=args.redis_deadline)
         except ImportError as exc:
             raise CommandError(
                 f"--redis needs the fleet extra (pip install 'lmcache-async[fleet]'): {exc}"
@@ -169,6 +169,13 @@ def register(subparsers: Any) -> None:
         default=None,
         metavar="NS",
         help="the shared index's namespace (default: the model name)",
+    )
+    p.add_argument(
+        "--redis-deadline",
+        type=_seconds,
+        default=0.5,
+        metavar="SECONDS",
+        help="deadline of each Redis call; past it the request fans out (default 0.5)",
     )
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8100, help="port (0: a free one; default 8100)")
