@@ -7,7 +7,9 @@ function that adds its parsers and sets ``func`` (``(args) -> int``, the exit co
 * :mod:`lmcache_async.cli.status` -- ``status``;
 * :mod:`lmcache_async.cli.operations` -- ``make-package``, ``store``, ``lookup``,
   ``retrieve``, ``remap`` (KV package files: :mod:`lmcache_async.cli.package_file`);
-* :mod:`lmcache_async.cli.batch` -- ``remap-batch``, with its report, resume and progress line.
+* :mod:`lmcache_async.cli.batch` -- ``remap-batch``, with its report, resume and progress line;
+* :mod:`lmcache_async.cli.route` -- ``route`` (the routing service over a fleet,
+  :mod:`lmcache_async.fleet.service`).
 
 They share :mod:`lmcache_async.cli.arguments` (argument types and the common flags) and
 :mod:`lmcache_async.cli.runner` (one-line errors, exit codes, output, connecting).
@@ -50,6 +52,7 @@ _MODULES = (
     "lmcache_async.cli.status",
     "lmcache_async.cli.operations",
     "lmcache_async.cli.batch",
+    "lmcache_async.cli.route",
 )
 
 

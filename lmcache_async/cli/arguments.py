@@ -5,7 +5,7 @@
 * :func:`token_range`: a range of token ids, checked against the id bound and
   :data:`MAX_TOKENS` before it is built;
 * :func:`server_parent`: the flags every server command takes (``--url``, ``--http-url``,
-  ``--timeout``, ``--json`` and the geometry flags);
+  ``--timeout``, ``--json`` and the geometry flags, :func:`add_geometry_args`);
 * :func:`add_token_args`: ``--token-start N --num-tokens N`` or ``--tokens SPEC``;
 * :func:`explicit_geometry`, :func:`checked_tokens`, :func:`checked_range`,
   :func:`checked_salt`, :func:`checked_model`: command-line values checked before any
@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # imported where used: it imports torch, which parsing must n
 __all__ = [
     "MAX_TOKENS",
     "PACKAGE_DTYPES",
+    "add_geometry_args",
     "add_token_args",
     "byte_size",
     "checked_model",
@@ -215,6 +216,12 @@ def server_parent() -> argparse.ArgumentParser:
         help="deadline of each server operation ('none': wait forever; default 60)",
     )
     g.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
+    add_geometry_args(p)
+    return p
+
+
+def add_geometry_args(p: argparse.ArgumentParser) -> None:
+    """The geometry flags (read by :func:`explicit_geometry`)."""
     geo = p.add_argument_group("geometry (for a model no inference engine registered; default: from /status)")
     geo.add_argument("--num-layers", type=positive_int, metavar="L")
     geo.add_argument("--num-kv-heads", type=positive_int, metavar="NH")
@@ -223,7 +230,6 @@ def server_parent() -> argparse.ArgumentParser:
         "--block-size", type=positive_int, metavar="BS", help="tokens per engine block (default 16)"
     )
     geo.add_argument("--dtype", choices=PACKAGE_DTYPES, help="element type (default bfloat16)")
-    return p
 
 
 def add_token_args(p: argparse.ArgumentParser) -> None:

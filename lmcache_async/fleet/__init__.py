@@ -26,6 +26,10 @@ load (requests the fleet routed there and still in flight, plus the client's own
 operations in flight), then by a rendezvous hash of the prompt and the server's URL;
 a server that is down is never chosen. Servers join and leave a running fleet with
 :meth:`Fleet.add_server` and :meth:`Fleet.remove_server`.
+
+:mod:`lmcache_async.fleet.service` (``fleet/service.py``) is the routing service over a
+fleet: aiohttp's web server answering each server's cached prefix of a prompt and the
+server to use (``lmcache-async route`` runs it).
 """
 
 from __future__ import annotations

@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: Connections to Redis an index made from a URL keeps at most; more concurrent calls
+#: wait for one, within the deadline.
+CONNECTIONS = 64
+
 # KEYS[1] the epochs hash, KEYS[2..] chunk sets; ARGV[1] the server, ARGV[2] the life in ms.
 _ADD = """
 local t = redis.call('TIME')
@@ -117,7 +121,9 @@ class RedisIndex(FleetIndex):
     Raises:
         ValueError: a bad argument (nothing is connected).
 
-    The connection is made on first use; :meth:`aclose` closes a client it made.
+    The connections are made on first use, at most :data:`CONNECTIONS` from a URL (more
+    concurrent calls wait for one, within ``deadline``); :meth:`aclose` closes a client
+    it made.
     """
 
     def __init__(
@@ -151,12 +157,17 @@ class RedisIndex(FleetIndex):
             from redis.backoff import NoBackoff
 
             assert url is not None
-            client = aioredis.Redis.from_url(
+            # A blocking pool: a call beyond the pool's connections waits for one (within
+            # the deadline) where redis-py's default pool refuses it (MaxConnectionsError).
+            pool = aioredis.BlockingConnectionPool.from_url(
                 url,
+                max_connections=CONNECTIONS,
+                timeout=self.deadline,
                 socket_timeout=self.deadline,
                 socket_connect_timeout=self.deadline,
                 retry=Retry(NoBackoff(), 0),
             )
+            client = aioredis.Redis.from_pool(pool)
             self._owned = True
         else:
             self._owned = False

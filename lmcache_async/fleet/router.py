@@ -441,6 +441,21 @@ class Fleet:
         Cancellation: the fan-out lookups are cancelled (each cleans up on its server).
         """
         toks, hashes, depth, source, up = await self._depths(tokens, cache_salt, fanout)
+        return self._choose(toks, hashes, depth, source, up)
+
+    async def score_and_best(
+        self, tokens: Sequence[int], cache_salt: str = "", *, fanout: str | None = None
+    ) -> tuple[dict[str, int], Route]:
+        """:meth:`score` and :meth:`best` from one read of the index (or one fan-out):
+        each server that is up with its cached prefix of ``tokens`` in tokens (0 for one
+        holding none), and the route :meth:`best` takes from them (its ``source`` says
+        where the prefixes came from). Raises and cancellation: as :meth:`best`."""
+        toks, hashes, depth, source, up = await self._depths(tokens, cache_salt, fanout)
+        return {u: depth.get(u, 0) * self._cs for u in up}, self._choose(toks, hashes, depth, source, up)
+
+    def _choose(
+        self, toks: list[int], hashes: list[bytes], depth: dict[str, int], source: str, up: list[str]
+    ) -> Route:
         spread = _prompt_key(hashes, toks)
         seeds = self._seeds
         top = max(depth.values(), default=0)

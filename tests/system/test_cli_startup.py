@@ -62,7 +62,7 @@ def test_no_subcommand_help_imports_torch() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     argvs = ["--version", *(f"{name} --help" for name in sub.choices)]
-    assert len(argvs) == 1 + 9  # every command: serve, demo, status, make-package, ..., remap-batch
+    assert len(argvs) == 1 + 10  # every command: serve, demo, status, make-package, ..., remap-batch, route
     proc = subprocess.run([sys.executable, "-c", _CHILD, *argvs], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [f"{argv} False" for argv in argvs]

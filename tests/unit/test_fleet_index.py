@@ -238,3 +238,16 @@ def test_bad_arguments(kw: dict[str, Any], message: str) -> None:
         RedisIndex("redis://127.0.0.1:1/0", **kw)
     with pytest.raises(ValueError, match="^give one of url or client$"):
         RedisIndex(None, "n")
+
+
+@pytest.mark.usefixtures("_close_redis_indexes")
+async def test_more_concurrent_calls_than_connections_wait_for_one(redis_server: RedisServer) -> None:
+    """A routing service's burst (here 300 lookups at once, over the index's 64 pooled
+    connections) waits for a connection within the deadline: nothing fails, every answer
+    is exact (redis-py's own pool refuses the 101st call with MaxConnectionsError)."""
+    idx = _redis(redis_server, deadline=2.0)
+    hs = _h(4)
+    await idx.add(A, hs[:3])
+    got = await asyncio.gather(*(idx.prefix(hs, SERVERS) for _ in range(300)))
+    assert got == [{A: 3}] * 300
+    assert (idx.failures, idx.skipped) == (0, 0)
