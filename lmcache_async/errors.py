@@ -134,7 +134,7 @@ class ClientStateError(LMCacheError, RuntimeError):
 class ClientClosedError(LMCacheConnectionError, ClientStateError):
     """The client was closed (or is closing); no new calls are accepted.
 
-    Also a :class:`LMCacheConnectionError` (as it always was) and a
+    Also a :class:`LMCacheConnectionError` and a
     :class:`ClientStateError`.
     """
 

@@ -1,4 +1,4 @@
-"""Management calls of an LMCache MP server (issue 33): warm a prefix, delete a prefix's
+"""Management calls of an LMCache MP server: warm a prefix, delete a prefix's
 chunks, clear L1, list capabilities. The ``AsyncClient`` methods
 (:meth:`~lmcache_async.AsyncClient.warm`, :meth:`~lmcache_async.AsyncClient.delete`,
 :meth:`~lmcache_async.AsyncClient.clear`, :meth:`~lmcache_async.AsyncClient.experimental`;

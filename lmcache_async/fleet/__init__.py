@@ -1,4 +1,4 @@
-"""A fleet of LMCache servers routed by cached prefix (issues 33, 43).
+"""A fleet of LMCache servers routed by cached prefix.
 
 :class:`Fleet` (``fleet/router.py``) holds one :class:`~lmcache_async.AsyncClient` per
 server, identified by its ZMQ URL, and a :class:`FleetIndex` of which server holds which
