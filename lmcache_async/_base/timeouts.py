@@ -13,7 +13,7 @@ import math
 
 from lmcache_async.defaults import DEFAULT, DefaultType
 
-__all__ = ["DEFAULT", "DefaultType", "check_timeout", "resolve_timeout"]
+__all__ = ["DEFAULT", "DefaultType", "check_duration", "check_timeout", "resolve_timeout"]
 
 
 def check_timeout(value: object, name: str = "timeout", *, allow_none: bool = True) -> float | None:
@@ -42,6 +42,23 @@ def check_timeout(value: object, name: str = "timeout", *, allow_none: bool = Tr
             else "a finite non-negative number of seconds"
         )
         raise ValueError(f"{name} must be {what}, got {value!r}")
+    return float(value)
+
+
+def check_duration(value: object, name: str) -> float:
+    """``value`` as a duration that must pass: a finite number of seconds ``> 0``.
+
+    Raises:
+        ValueError: anything else (a ``bool``, a string, 0, a negative number, ``nan``,
+            ``inf``); the message names ``name``.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
     return float(value)
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "non_negative_int",
     "parse_byte_size",
     "parse_token_spec",
+    "port_number",
     "positive_int",
     "server_parent",
     "timeout_seconds",
@@ -174,6 +175,18 @@ def non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def port_number(text: str) -> int:
+    """A port number in 0..65535 (0: a free one), checked while parsing (argparse's error
+    names the subcommand and the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number in 0..65535 (0: a free one)")
     return value
 
 

@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
+from lmcache_async.cli.arguments import port_number
 from lmcache_async.errors import LMCacheError
 
 # torch, the client and the embedded server are imported by the commands (where used):
@@ -63,9 +64,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
     )
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=_port, default=5555, help="ZMQ port (0: a free one; default 5555)")
     serve.add_argument(
-        "--http-port", type=_port, default=8080, help="HTTP port (0: a free one; default 8080)"
+        "--port", type=port_number, default=5555, help="ZMQ port (0: a free one; default 5555)"
+    )
+    serve.add_argument(
+        "--http-port", type=port_number, default=8080, help="HTTP port (0: a free one; default 8080)"
     )
     serve.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (default 256)")
     serve.add_argument("--mode", choices=("shm", "pickle"), default="shm", help="transfer mode (default shm)")
@@ -137,18 +140,6 @@ def _model_args(parser: argparse.ArgumentParser, *, model_default: str | None) -
     parser.add_argument("--head-dim", type=int, default=128, help="head size (default 128)")
     parser.add_argument("--block-size", type=int, default=16, help="engine block size (default 16)")
     parser.add_argument("--dtype", default="bfloat16", help="KV dtype (default bfloat16)")
-
-
-def _port(text: str) -> int:
-    """A port number in 0..65535 (0: a free one), checked while parsing (argparse's error
-    names the subcommand and the option; nothing heavy is imported first)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port number in 0..65535 (0: a free one)")
-    return value
 
 
 def _usage(message: str) -> int:

@@ -18,7 +18,13 @@ from collections import Counter
 from typing import Any
 
 from lmcache_async._protocol.urls import check_zmq_url
-from lmcache_async.cli.arguments import add_geometry_args, checked_model, explicit_geometry, timeout_seconds
+from lmcache_async.cli.arguments import (
+    add_geometry_args,
+    checked_model,
+    explicit_geometry,
+    port_number,
+    timeout_seconds,
+)
 from lmcache_async.cli.runner import CommandError, UsageError, command, one_line, run_async
 from lmcache_async.errors import LMCacheError
 
@@ -40,16 +46,6 @@ def server_pair(text: str) -> tuple[str, str]:
     if not http_url.startswith(("http://", "https://")):
         raise argparse.ArgumentTypeError(f"the server's HTTP URL must start with http://, got {http_url!r}")
     return url, http_url
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port number in 0..65535 (0: a free one)")
-    return value
 
 
 def _seconds(text: str) -> float:
@@ -178,7 +174,7 @@ def register(subparsers: Any) -> None:
         help="deadline of each Redis call; past it the request fans out (default 0.5)",
     )
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=8100, help="port (0: a free one; default 8100)")
+    p.add_argument("--port", type=port_number, default=8100, help="port (0: a free one; default 8100)")
     p.add_argument(
         "--deadline",
         type=_seconds,

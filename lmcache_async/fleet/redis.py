@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from lmcache_async._base.timeouts import check_duration
 from lmcache_async.fleet.index import FleetIndex, IndexOp
 
 if TYPE_CHECKING:
@@ -85,17 +85,6 @@ return out
 KEY_HASH_BYTES = 16
 
 
-def _positive(name: str, value: object) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
 def _epoch(raw: object) -> int | None:
     """An epoch as stored (ASCII digits, at most 18), else None."""
     if isinstance(raw, bytes) and 0 < len(raw) <= 18 and raw.isdigit():
@@ -141,12 +130,12 @@ class RedisIndex(FleetIndex):
             raise ValueError("give one of url or client")
         if not isinstance(namespace, str) or not namespace or any(c.isspace() for c in namespace):
             raise ValueError(f"namespace must be a non-empty str without whitespace, got {namespace!r}")
-        self.ttl = _positive("ttl", ttl)
-        self.speculative_ttl = _positive("speculative_ttl", speculative_ttl)
+        self.ttl = check_duration(ttl, "ttl")
+        self.speculative_ttl = check_duration(speculative_ttl, "speculative_ttl")
         if self.speculative_ttl > self.ttl:
             raise ValueError(f"speculative_ttl ({speculative_ttl}) must not exceed ttl ({ttl})")
-        self.deadline = _positive("deadline", deadline)
-        self.retry_after = _positive("retry_after", retry_after)
+        self.deadline = check_duration(deadline, "deadline")
+        self.retry_after = check_duration(retry_after, "retry_after")
         self.namespace = namespace
         self._ns = namespace.encode()
         self._epochs = self._ns + b":epochs"

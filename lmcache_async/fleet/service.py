@@ -30,12 +30,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 from collections import Counter
 from typing import Any, Final
 
 from aiohttp import web
 
+from lmcache_async._base.timeouts import check_duration
 from lmcache_async._protocol.wire import validate_cache_salt, validate_tokens
 from lmcache_async.errors import LMCacheConnectionError, LMCacheError
 from lmcache_async.fleet.router import Fleet
@@ -79,13 +79,7 @@ def create_app(
     """
     if not isinstance(fleet, Fleet):
         raise TypeError(f"fleet must be a Fleet, got {type(fleet).__name__}")
-    if (
-        isinstance(deadline, bool)
-        or not isinstance(deadline, int | float)
-        or not math.isfinite(deadline)
-        or deadline <= 0
-    ):
-        raise ValueError(f"deadline must be a finite number of seconds > 0, got {deadline!r}")
+    deadline = check_duration(deadline, "deadline")
     if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1:
         raise ValueError(f"max_body must be an int >= 1, got {max_body!r}")
     app = web.Application(client_max_size=max_body)

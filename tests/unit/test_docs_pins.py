@@ -96,3 +96,12 @@ def test_the_demo_needs_only_the_package() -> None:
     assert base is not None
     assert "$(FAST) -c $(TOOLS) -e . $(TORCH)" in base.group(1)
     assert "[test" not in base.group(1)
+
+
+def test_contributing_lists_every_make_target() -> None:
+    """CONTRIBUTING's table of `make` targets names exactly the Makefile's .PHONY targets."""
+    phony = re.search(r"^\.PHONY: (.*)$", (ROOT / "Makefile").read_text(), re.M)
+    assert phony is not None
+    listed = re.findall(r"^\| `make ([a-z-]+)` \|", (ROOT / "CONTRIBUTING.md").read_text(), re.M)
+    assert len(listed) == len(set(listed))
+    assert sorted(listed) == sorted(phony.group(1).split())

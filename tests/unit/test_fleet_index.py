@@ -228,8 +228,8 @@ async def test_redis_down_no_call_fails_logged_once(caplog: pytest.LogCaptureFix
     [
         ({"namespace": ""}, "namespace must be a non-empty str without whitespace, got ''"),
         ({"namespace": "a b"}, "namespace must be a non-empty str without whitespace, got 'a b'"),
-        ({"namespace": "n", "ttl": 0}, "ttl must be a finite number > 0, got 0"),
-        ({"namespace": "n", "deadline": True}, "deadline must be a finite number > 0, got True"),
+        ({"namespace": "n", "ttl": 0}, "ttl must be a finite number of seconds > 0, got 0"),
+        ({"namespace": "n", "deadline": True}, "deadline must be a finite number of seconds > 0, got True"),
         ({"namespace": "n", "ttl": 5, "speculative_ttl": 6}, "speculative_ttl (6) must not exceed ttl (5)"),
     ],
 )
